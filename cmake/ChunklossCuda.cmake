@@ -1,0 +1,18 @@
+# CUDA detection: CHUNKLOSS_WITH_CUDA=AUTO turns the CUDA backend on when a toolkit is found, so a
+# CUDA-enabled build compiles on a machine without a GPU. Sets CHUNKLOSS_HAVE_CUDA.
+set(CHUNKLOSS_HAVE_CUDA OFF)
+if(NOT CHUNKLOSS_WITH_CUDA STREQUAL "OFF")
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      set(CMAKE_CUDA_ARCHITECTURES 90)
+    endif()
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    set(CHUNKLOSS_HAVE_CUDA ON)
+  elseif(CHUNKLOSS_WITH_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "CHUNKLOSS_WITH_CUDA=ON but no CUDA compiler was found")
+  endif()
+endif()
+message(STATUS "chunkloss: CUDA backend ${CHUNKLOSS_HAVE_CUDA}")

@@ -1,0 +1,66 @@
+// Per-row math of the engine's epilogues, shared by the CPU backend and the CUDA kernels so the
+// formulas exist once: a row's loss and its gradient coefficients from its statistics, and one
+// element of the gradient dL/dz = c (alpha p - beta onehot - gamma u) * softcap'.
+#pragma once
+
+#include <cmath>
+
+#if defined(__CUDACC__)
+#define CHUNKLOSS_HD __host__ __device__ __forceinline__
+#else
+#define CHUNKLOSS_HD inline
+#endif
+
+namespace chunkloss::kern {
+
+/// Cross-entropy rule constants (label smoothing ls, z-loss zl, class weights cw).
+struct RowRule {
+  float one_minus_ls = 1.0f;  ///< 1 - ls
+  float eps = 0.0f;           ///< ls / V
+  float z_loss = 0.0f;        ///< zl
+  float cw_sum = 0.0f;        ///< sum_j cw_j (V without class weights)
+};
+
+/// A row's loss parts and unscaled gradient coefficients: dz = c (alpha p - beta e_y - gamma u).
+struct RowTerms {
+  float ce;     ///< (1-ls) cw_y (lse - z_y) + eps (cw_sum lse - sum_j cw_j z_j)
+  float zloss;  ///< zl lse^2
+  float alpha;  ///< (1-ls) cw_y + eps cw_sum + 2 zl lse
+  float beta;   ///< (1-ls) cw_y
+  float gamma;  ///< eps
+};
+
+/// Terms of a valid row from its lse, target logit z_y, class weight cw_y and the
+/// class-weighted logit sum sum_j cw_j z_j (plain sum without class weights).
+CHUNKLOSS_HD RowTerms row_terms(const RowRule& r, float lse, float z_y, float cw_y, float sum_wz) {
+  RowTerms t;
+  t.beta = r.one_minus_ls * cw_y;
+  t.ce = t.beta * (lse - z_y) + r.eps * (r.cw_sum * lse - sum_wz);
+  t.zloss = r.z_loss * lse * lse;
+  t.alpha = t.beta + r.eps * r.cw_sum + 2.0f * r.z_loss * lse;
+  t.gamma = r.eps;
+  return t;
+}
+
+/// Softcap: z = cap tanh(raw / cap); inv_cap == 0 means no softcap.
+CHUNKLOSS_HD float softcap_value(float raw, float cap, float inv_cap) {
+  return inv_cap == 0.0f ? raw : cap * tanhf(raw * inv_cap);
+}
+
+/// Gradient of one logit. `raw` is the pre-softcap logit, `is_target` marks k == y, `u_k` is
+/// cw_k (1 without class weights). a, b, g are the row's coefficients already multiplied by c.
+/// Ignored rows have a = b = g = 0 and get exactly 0.
+CHUNKLOSS_HD float grad_element(float raw, bool is_target, float lse, float a, float b, float g,
+                                float u_k, float cap, float inv_cap) {
+  if (inv_cap == 0.0f) {
+    const float d = a * expf(raw - lse) - g * u_k;
+    return is_target ? d - b : d;
+  }
+  const float t = tanhf(raw * inv_cap);
+  const float z = cap * t;
+  float d = a * expf(z - lse) - g * u_k;
+  if (is_target) d -= b;
+  return d * (1.0f - t * t);
+}
+
+}  // namespace chunkloss::kern

@@ -1,0 +1,134 @@
+// LinearCrossEntropy: cross-entropy over logits = hidden @ weight^T + bias, computed chunk by
+// chunk by the shared engine without ever holding the [N, V] logits.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+#include "chunkloss/core/context.h"
+#include "chunkloss/core/tensor.h"
+#include "chunkloss/core/workspace.h"
+#include "chunkloss/losses/plan.h"
+
+namespace chunkloss {
+
+/// How per-row losses are combined.
+enum class Reduction : std::uint8_t {
+  kMean,  ///< sum over valid rows / (number of valid rows, or the sum of their class weights)
+  kSum,   ///< sum over valid rows
+  kNone,  ///< per-row losses; the backward takes a per-row upstream gradient
+};
+
+std::string_view reduction_name(Reduction r);
+
+/// Options of LinearCrossEntropy (../shared/LOSSES.md). Defaults follow PyTorch.
+struct CrossEntropyOptions {
+  std::int64_t ignore_index = -100;  ///< rows with this target contribute nothing
+  Reduction reduction = Reduction::kMean;
+  float label_smoothing = 0.0f;  ///< ls in [0, 1]; eps = ls / V spread over all classes
+  float z_loss = 0.0f;           ///< adds z_loss * lse^2 per valid row (>= 0)
+  std::optional<float> softcap;  ///< logits z -> c * tanh(z / c), c > 0
+  bool compute_entropy = false;  ///< also report the mean softmax entropy over valid rows
+  /// Bound on the workspace in bytes (logits chunk, row statistics, scratch). 0 picks the
+  /// device's default: 256 MiB on the CPU, 1 GiB on CUDA.
+  std::size_t memory_budget_bytes = 0;
+  LoopOrder loop_order = LoopOrder::kAuto;
+  DType logits_dtype = DType::kF32;  ///< fp32 logits chunk; bf16 is an opt-in speed mode
+  /// Accumulate dW across chunks in an fp32 buffer in the workspace (V*H*4 bytes, on top of
+  /// the budget), rounding once into the caller's dW. Only matters for a bf16 dW.
+  bool fp32_weight_grad_accumulator = false;
+  /// Check hidden, weight and bias for NaN/Inf before computing (one extra read of each).
+  bool check_finite = false;
+};
+
+/// Inputs. Shapes: hidden [N, H], weight [V, H] (same float dtype), bias [V] optional (same
+/// dtype), targets [N] i32 or i64 in [0, V) or ignore_index, class_weights [V] f32 optional,
+/// token_weights [N] f32 optional (scale each row's loss; not part of the mean's divisor),
+/// grad_output [N] f32: the upstream gradient, required with Reduction::kNone when any gradient
+/// is requested, not allowed otherwise.
+struct CrossEntropyInputs {
+  TensorView hidden;
+  TensorView weight;
+  TensorView bias;
+  TensorView targets;
+  TensorView class_weights;
+  TensorView token_weights;
+  TensorView grad_output;
+};
+
+/// Gradient buffers owned by the caller; absent views are not computed. grad_hidden [N, H]
+/// and grad_weight [V, H] f32 or bf16, grad_bias [V] f32 or bf16. With `accumulate` the
+/// gradients are added to the buffers' contents, otherwise the buffers are overwritten.
+/// All absent: a forward-only evaluation that does no gradient work.
+struct CrossEntropyGrads {
+  TensorView hidden;
+  TensorView weight;
+  TensorView bias;
+  bool accumulate = false;
+};
+
+/// Optional per-row outputs: row_loss [N] f32 (required with Reduction::kNone; ignored rows
+/// get 0), lse [N] f32 (ignored rows get their lse too), predictions [N] i32 (argmax, -1 for
+/// ignored rows).
+struct CrossEntropyOutputs {
+  TensorView row_loss;
+  TensorView lse;
+  TensorView predictions;
+};
+
+/// Scalar results, copied to the host once at the end of the call.
+struct CrossEntropyResult {
+  double loss = 0;      ///< reduced loss (z-loss included); sum of row losses for kNone
+  double z_loss = 0;    ///< the z-loss part of `loss`
+  double accuracy = 0;  ///< fraction of valid rows whose first argmax equals the target
+  double entropy = 0;   ///< mean softmax entropy over valid rows (when asked for)
+  std::int64_t valid_rows = 0;
+  double weight_sum = 0;  ///< the mean's divisor: valid rows, or the sum of their class weights
+};
+
+/// Fused linear cross-entropy (PyTorch: F.cross_entropy(hidden @ weight.T + bias, targets,
+/// weight=class_weights, ignore_index, reduction, label_smoothing), plus z-loss and softcap).
+///
+/// Dense equivalent, for a valid row t with z = softcap(W h_t + b), lse = logsumexp(z):
+///   loss_t = tw_t * [(1 - ls) cw_y (lse - z_y) + (ls / V) sum_j cw_j (lse - z_j) + zl lse^2]
+/// and the mean divides sum_t loss_t by D = sum over valid t of cw_{y_t} (N_valid without class
+/// weights). Gradients: dz_t = c_t [((1-ls) cw_y + (ls/V) sum cw + 2 zl lse) p - (1-ls) cw_y
+/// onehot_y - (ls/V) cw] times softcap's chain factor, with c_t = tw_t / D (mean), tw_t (sum) or
+/// tw_t * grad_output_t (none); dH = dZ W, dW = dZ^T H, db = colsum(dZ).
+///
+/// Memory: the workspace (workspace_bytes()) bounded by the options' budget; nothing else is
+/// allocated during a call. Determinism: results are bitwise identical run to run on the same
+/// device, thread count and plan; different budgets agree to rounding.
+/// Throws chunkloss::Error naming the argument and the shapes on any invalid input, before any
+/// output is written.
+class LinearCrossEntropy {
+ public:
+  explicit LinearCrossEntropy(const CrossEntropyOptions& options = {});
+
+  const CrossEntropyOptions& options() const { return options_; }
+
+  /// The plan for a call with these inputs and gradients (same validation as the call).
+  Plan plan(const CrossEntropyInputs& in, const CrossEntropyGrads& grads = {}) const;
+  /// Workspace bytes a call with these inputs and gradients needs.
+  std::size_t workspace_bytes(const CrossEntropyInputs& in,
+                              const CrossEntropyGrads& grads = {}) const;
+
+  /// Loss and, for each present buffer in `grads`, the gradient. `workspace` must hold at
+  /// least workspace_bytes() on the inputs' device.
+  CrossEntropyResult forward_backward(Context& ctx, const CrossEntropyInputs& in,
+                                      const CrossEntropyGrads& grads,
+                                      const CrossEntropyOutputs& out,
+                                      const Workspace& workspace) const;
+
+  /// Forward only (evaluation): no gradient work.
+  CrossEntropyResult forward(Context& ctx, const CrossEntropyInputs& in,
+                             const CrossEntropyOutputs& out, const Workspace& workspace) const {
+    return forward_backward(ctx, in, {}, out, workspace);
+  }
+
+ private:
+  CrossEntropyOptions options_;
+};
+
+}  // namespace chunkloss

@@ -1,0 +1,73 @@
+// The chunking scheduler's plan: a plain value computed from the shapes, the dtypes and a
+// memory budget in bytes, which the engine executes and tests and benchmarks can inspect.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "chunkloss/core/dtype.h"
+#include "chunkloss/core/tensor.h"
+#include "chunkloss/core/workspace.h"
+
+namespace chunkloss {
+
+/// How the engine walks the [N, V] logits.
+/// - kTokenChunk: per chunk of C rows, logits -> stats -> gradient -> dH_c, dW += G^T X_c.
+///   3 GEMMs per token; dW (V x H) is read and written once per chunk.
+/// - kVocabBlock: pass 1 computes every row's lse chunk by chunk; pass 2 recomputes the
+///   logits per block of vocabulary columns for all rows and writes that block of dW once.
+///   4 GEMMs per token; dW written once, dH accumulated per block.
+/// - kAuto: the scheduler's cost model picks one and says why in Plan::reason.
+enum class LoopOrder : std::uint8_t { kAuto, kTokenChunk, kVocabBlock };
+
+std::string_view loop_order_name(LoopOrder o);
+
+/// What the scheduler needs to know about one call.
+struct PlanRequest {
+  std::int64_t rows = 0;    ///< N
+  std::int64_t hidden = 0;  ///< H
+  std::int64_t vocab = 0;   ///< V
+  Device device = Device::kCpu;
+  DType input_dtype = DType::kF32;            ///< hidden and weight
+  DType logits_dtype = DType::kF32;           ///< dtype of the logits chunk (bf16: opt-in)
+  DType grad_hidden_dtype = DType::kF32;      ///< dtype of the caller's dH buffer, if any
+  DType grad_weight_dtype = DType::kF32;      ///< dtype of the caller's dW buffer, if any
+  bool grad_hidden = false;                   ///< dH requested
+  bool grad_weight = false;                   ///< dW requested
+  bool grad_bias = false;                     ///< db requested
+  bool fp32_weight_grad_accumulator = false;  ///< accumulate dW in fp32 workspace
+  std::size_t budget_bytes = 0;               ///< bound on the workspace
+  LoopOrder order = LoopOrder::kAuto;
+};
+
+/// The scheduler's decision. Slices are offsets into the caller's workspace block.
+struct Plan {
+  LoopOrder order = LoopOrder::kTokenChunk;
+  std::string reason;            ///< why this order and chunking, for logs and benchmarks
+  std::int64_t chunk_rows = 0;   ///< C: rows per chunk (pass 1 in vocab-block order)
+  std::int64_t num_chunks = 0;   ///< ceil(N / C)
+  std::int64_t vocab_block = 0;  ///< columns per block in pass 2 (V in token-chunk order)
+  std::int64_t num_vocab_blocks = 0;
+  DType logits_dtype = DType::kF32;
+  double predicted_token_cost_s = 0;  ///< cost model, token-chunk order
+  double predicted_vocab_cost_s = 0;  ///< cost model, vocab-block order (0: not feasible)
+  bool over_budget = false;           ///< the smallest possible chunk did not fit the budget
+
+  WorkspaceLayout layout;    ///< total() == workspace bytes
+  WorkspaceSlice logits;     ///< [C, V] (token) or max([C, V], [N, Vb]) (vocab) logits buffer
+  WorkspaceSlice row_stats;  ///< per-row statistics and coefficients, all N rows
+  WorkspaceSlice dw_accum;   ///< [V, H] fp32 dW accumulator, when used
+  WorkspaceSlice dh_accum;   ///< [N, H] fp32 dH accumulator (vocab order, non-fp32 dH)
+  WorkspaceSlice db_accum;   ///< [V] fp32 bias-gradient accumulator, when db is requested
+  WorkspaceSlice staging;    ///< backend scratch (CPU: fp32 copies of bf16 operand tiles)
+
+  std::size_t workspace_bytes() const { return layout.total(); }
+  /// One line: "order=token_chunk C=2048 chunks=2 ... workspace=256.0 MiB (...)".
+  std::string str() const;
+};
+
+/// Computes the plan for a token objective. Throws chunkloss::Error on invalid requests.
+Plan plan_token_objective(const PlanRequest& req);
+
+}  // namespace chunkloss

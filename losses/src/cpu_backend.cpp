@@ -1,0 +1,308 @@
+// The CPU backend of the token engine: Eigen GEMMs (multi-threaded through OpenMP) on fp32
+// operands, vectorised Eigen array epilogues, one thread per row. bf16 operands are staged as
+// fp32 copies (a tile of W rows at a time) in the workspace; nothing is allocated per call.
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+
+#include "chunkloss/core/error.h"
+#include "engine.h"
+#include "row_arrays.h"
+
+namespace chunkloss::detail {
+namespace {
+
+using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using MatMap = Eigen::Map<RowMat>;
+using CMatMap = Eigen::Map<const RowMat>;
+using ArrMap = Eigen::Map<Eigen::ArrayXf>;
+using CArrMap = Eigen::Map<const Eigen::ArrayXf>;
+
+constexpr std::int64_t kWeightTile = 256;  // rows of W converted at a time (matches plan.cpp)
+
+void to_f32(const TensorView& t, std::int64_t offset, std::int64_t count, float* dst) {
+  if (t.dtype() == DType::kF32) {
+    std::copy_n(t.data_as<const float>() + offset, count, dst);
+  } else {
+    const BFloat16* s = t.data_as<const BFloat16>() + offset;
+    for (std::int64_t i = 0; i < count; ++i) dst[i] = static_cast<float>(s[i]);
+  }
+}
+
+// dst[offset + i] = (add ? dst : 0) + src[i], in dst's float dtype.
+void store_f32(const TensorView& dst, std::int64_t offset, std::int64_t count, const float* src,
+               bool add) {
+  if (dst.dtype() == DType::kF32) {
+    float* d = dst.data_as<float>() + offset;
+    for (std::int64_t i = 0; i < count; ++i) d[i] = add ? d[i] + src[i] : src[i];
+  } else {
+    BFloat16* d = dst.data_as<BFloat16>() + offset;
+    for (std::int64_t i = 0; i < count; ++i)
+      d[i] = BFloat16(add ? static_cast<float>(d[i]) + src[i] : src[i]);
+  }
+}
+
+class CpuTokenBackend final : public TokenBackend {
+ public:
+  CpuTokenBackend(const CpuContext& ctx, const TokenCall& call, const Plan& plan,
+                  const Workspace& ws)
+      : c_(call), plan_(plan), threads_(ctx.threads()), h_(call.hidden), v_(call.vocab) {
+    tile_ = ws.at<float>(plan.logits);
+    rows_ = RowArrays::carve(ws.at<float>(plan.row_stats), call.rows);
+    if (plan.dw_accum.bytes) dw_acc_ = ws.at<float>(plan.dw_accum);
+    if (plan.dh_accum.bytes) dh_acc_ = ws.at<float>(plan.dh_accum);
+    if (plan.db_accum.bytes) db_acc_ = ws.at<float>(plan.db_accum);
+    float* s = plan.staging.bytes ? ws.at<float>(plan.staging) : nullptr;
+    const bool bf16_in = call.x.dtype() == DType::kBF16;
+    const bool vocab_order = plan.order == LoopOrder::kVocabBlock;
+    const std::int64_t stage_rows = vocab_order ? call.rows : plan.chunk_rows;
+    auto take = [&](std::int64_t floats) {
+      float* p = s;
+      s += floats;
+      return p;
+    };
+    if (bf16_in) {
+      w_tile_ = take(kWeightTile * h_);
+      x32_ = take(stage_rows * h_);
+    }
+    if (call.grad_w.defined() && call.grad_w.dtype() == DType::kBF16 && !dw_acc_)
+      dw_tile_ = take(kWeightTile * h_);
+    if (!vocab_order && call.grad_x.defined() && call.grad_x.dtype() == DType::kBF16)
+      dh32_ = take(stage_rows * h_);
+    if (call.class_weights.defined()) cw_ = call.class_weights.data_as<const float>();
+    Eigen::setNbThreads(threads_);
+  }
+
+  void begin() override {
+    const std::int64_t n = c_.rows;
+    for (std::int64_t t = 0; t < n; ++t) {
+      const std::int64_t y = target(t);
+      if (y == c_.ignore_index) continue;
+      ++valid_;
+      denom_ += cw_ ? static_cast<double>(cw_[y]) : 1.0;
+    }
+    if (db_acc_) std::fill_n(db_acc_, v_, 0.0f);
+  }
+
+  void logits(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1) override {
+    const std::int64_t rows = r1 - r0, cols = v1 - v0;
+    MatMap z(tile_, rows, cols);
+    const float* x = x_rows(r0, r1);
+    CMatMap xm(x, rows, h_);
+    for_weight_tiles(v0, v1, [&](std::int64_t t0, std::int64_t t1, const float* w) {
+      z.middleCols(t0 - v0, t1 - t0).noalias() = xm * CMatMap(w, t1 - t0, h_).transpose();
+    });
+    if (c_.bias.defined() && c_.bias.dtype() == DType::kF32) {
+      z.rowwise() +=
+          Eigen::Map<const Eigen::RowVectorXf>(c_.bias.data_as<const float>() + v0, cols);
+    } else if (c_.bias.defined()) {
+      const BFloat16* b = c_.bias.data_as<const BFloat16>() + v0;
+#pragma omp parallel for num_threads(threads_) schedule(static)
+      for (std::int64_t i = 0; i < rows; ++i)
+        for (std::int64_t j = 0; j < cols; ++j) z(i, j) += static_cast<float>(b[j]);
+    }
+    capped_ = false;
+  }
+
+  void row_stats(std::int64_t r0, std::int64_t r1) override {
+    const float cap = c_.softcap, inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
+    const bool want_sum = c_.rule.eps != 0.0f;
+    const float inv_denom = denom_ > 0 ? static_cast<float>(1.0 / denom_) : 0.0f;
+#pragma omp parallel for num_threads(threads_) schedule(static)
+    for (std::int64_t t = r0; t < r1; ++t) {
+      ArrMap z(tile_ + (t - r0) * v_, v_);
+      if (inv_cap != 0.0f) z = cap * (z * inv_cap).tanh();
+      const float m = z.maxCoeff();
+      std::int64_t arg = 0;
+      while (z[arg] != m && arg + 1 < v_) ++arg;
+      const float s = (z - m).exp().sum();
+      const float lse = m + std::log(s);
+      rows_.lse[t] = lse;
+      rows_.entropy[t] = c_.entropy ? lse - ((z - m).exp() * z).sum() / s : 0.0f;
+      const std::int64_t y = target(t);
+      float a = 0, b = 0, g = 0, loss = 0, zl = 0;
+      if (y != c_.ignore_index) {
+        const float cw_y = cw_ ? cw_[y] : 1.0f;
+        const float sum_wz = !want_sum ? 0.0f : cw_ ? (z * CArrMap(cw_, v_)).sum() : z.sum();
+        const kern::RowTerms rt = kern::row_terms(c_.rule, lse, z[y], cw_y, sum_wz);
+        const float tw =
+            c_.token_weights.defined() ? c_.token_weights.data_as<const float>()[t] : 1.0f;
+        float coef = tw;
+        if (c_.scale == RowScale::kMean) coef *= inv_denom;
+        if (c_.scale == RowScale::kUpstream) coef *= c_.upstream.data_as<const float>()[t];
+        a = coef * rt.alpha;
+        b = coef * rt.beta;
+        g = coef * rt.gamma;
+        loss = tw * (rt.ce + rt.zloss);
+        zl = tw * rt.zloss;
+      }
+      rows_.a[t] = a;
+      rows_.b[t] = b;
+      rows_.g[t] = g;
+      rows_.loss[t] = loss;
+      rows_.zloss[t] = zl;
+      rows_.argmax[t] = static_cast<std::int32_t>(arg);
+    }
+    capped_ = inv_cap != 0.0f;
+  }
+
+  void grad_epilogue(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1) override {
+    const std::int64_t cols = v1 - v0;
+    const float cap = c_.softcap, inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
+    const bool apply_cap = inv_cap != 0.0f && !capped_;
+#pragma omp parallel for num_threads(threads_) schedule(static)
+    for (std::int64_t t = r0; t < r1; ++t) {
+      ArrMap z(tile_ + (t - r0) * cols, cols);
+      const float a = rows_.a[t], b = rows_.b[t], g = rows_.g[t], lse = rows_.lse[t];
+      if (a == 0.0f && b == 0.0f && g == 0.0f) {
+        z.setZero();
+        continue;
+      }
+      if (apply_cap) z = cap * (z * inv_cap).tanh();
+      const std::int64_t y = target(t) - v0;
+      const bool has_y = y >= 0 && y < cols;
+      const float chain_y =
+          has_y && inv_cap != 0.0f ? 1.0f - (z[y] * inv_cap) * (z[y] * inv_cap) : 1.0f;
+      if (inv_cap == 0.0f) {
+        if (cw_)
+          z = a * (z - lse).exp() - g * CArrMap(cw_ + v0, cols);
+        else
+          z = a * (z - lse).exp() - g;
+      } else if (cw_) {
+        z = (a * (z - lse).exp() - g * CArrMap(cw_ + v0, cols)) * (1.0f - (z * inv_cap).square());
+      } else {
+        z = (a * (z - lse).exp() - g) * (1.0f - (z * inv_cap).square());
+      }
+      if (has_y) z[y] -= b * chain_y;
+    }
+  }
+
+  void grad_x(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
+              bool first) override {
+    if (!c_.grad_x.defined()) return;
+    const std::int64_t rows = r1 - r0, cols = v1 - v0;
+    CMatMap gm(tile_, rows, cols);
+    // Destination: the fp32 dH accumulator, the caller's fp32 dH, or fp32 staging for bf16.
+    float* dst = dh_acc_                            ? dh_acc_ + r0 * h_
+                 : c_.grad_x.dtype() == DType::kF32 ? c_.grad_x.data_as<float>() + r0 * h_
+                                                    : dh32_;
+    const bool into_caller = !dh_acc_ && c_.grad_x.dtype() == DType::kF32;
+    bool assign = first && !(into_caller && c_.accumulate);
+    MatMap d(dst, rows, h_);
+    for_weight_tiles(v0, v1, [&](std::int64_t t0, std::int64_t t1, const float* w) {
+      if (assign)
+        d.noalias() = gm.middleCols(t0 - v0, t1 - t0) * CMatMap(w, t1 - t0, h_);
+      else
+        d.noalias() += gm.middleCols(t0 - v0, t1 - t0) * CMatMap(w, t1 - t0, h_);
+      assign = false;
+    });
+    if (dst == dh32_) store_f32(c_.grad_x, r0 * h_, rows * h_, dh32_, c_.accumulate);
+  }
+
+  void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
+              bool first) override {
+    const std::int64_t rows = r1 - r0, cols = v1 - v0;
+    CMatMap gm(tile_, rows, cols);
+    if (db_acc_) Eigen::Map<Eigen::RowVectorXf>(db_acc_ + v0, cols) += gm.colwise().sum();
+    if (!c_.grad_w.defined()) return;
+    CMatMap xm(x_rows(r0, r1), rows, h_);
+    if (dw_acc_ || c_.grad_w.dtype() == DType::kF32) {
+      float* base = dw_acc_ ? dw_acc_ : c_.grad_w.data_as<float>();
+      MatMap d(base + v0 * h_, cols, h_);
+      if (first && (dw_acc_ || !c_.accumulate))
+        d.noalias() = gm.transpose() * xm;
+      else
+        d.noalias() += gm.transpose() * xm;
+      return;
+    }
+    // bf16 dW without an fp32 accumulator: a tile of rows at a time through fp32 scratch.
+    for (std::int64_t t0 = v0; t0 < v1; t0 += kWeightTile) {
+      const std::int64_t t1 = std::min(v1, t0 + kWeightTile);
+      MatMap d(dw_tile_, t1 - t0, h_);
+      d.noalias() = gm.middleCols(t0 - v0, t1 - t0).transpose() * xm;
+      store_f32(c_.grad_w, t0 * h_, (t1 - t0) * h_, dw_tile_, !first || c_.accumulate);
+    }
+  }
+
+  TokenTotals finish() override {
+    if (dw_acc_) store_f32(c_.grad_w, 0, v_ * h_, dw_acc_, c_.accumulate);
+    if (dh_acc_) store_f32(c_.grad_x, 0, c_.rows * h_, dh_acc_, c_.accumulate);
+    if (db_acc_) store_f32(c_.grad_bias, 0, v_, db_acc_, c_.accumulate);
+    TokenTotals tot;
+    tot.valid_rows = valid_;
+    tot.weight_sum = denom_;
+    for (std::int64_t t = 0; t < c_.rows; ++t) {
+      const std::int64_t y = target(t);
+      const bool valid = y != c_.ignore_index;
+      if (valid) {
+        tot.loss += rows_.loss[t];
+        tot.z_loss += rows_.zloss[t];
+        tot.correct += rows_.argmax[t] == y ? 1.0 : 0.0;
+        tot.entropy += rows_.entropy[t];
+      }
+      if (c_.out_lse.defined()) c_.out_lse.data_as<float>()[t] = rows_.lse[t];
+      if (c_.out_row_loss.defined()) c_.out_row_loss.data_as<float>()[t] = rows_.loss[t];
+      if (c_.out_pred.defined())
+        c_.out_pred.data_as<std::int32_t>()[t] = valid ? rows_.argmax[t] : -1;
+    }
+    if (c_.scale == RowScale::kMean) {
+      tot.loss = denom_ > 0 ? tot.loss / denom_ : 0.0;
+      tot.z_loss = denom_ > 0 ? tot.z_loss / denom_ : 0.0;
+    }
+    return tot;
+  }
+
+ private:
+  std::int64_t target(std::int64_t t) const {
+    return c_.targets.dtype() == DType::kI32 ? c_.targets.data_as<const std::int32_t>()[t]
+                                             : c_.targets.data_as<const std::int64_t>()[t];
+  }
+
+  // Rows [r0, r1) of X as fp32, converted into staging when X is bf16.
+  const float* x_rows(std::int64_t r0, std::int64_t r1) {
+    if (!x32_) return c_.x.data_as<const float>() + r0 * h_;
+    if (x32_r0_ != r0 || x32_r1_ != r1) {
+      to_f32(c_.x, r0 * h_, (r1 - r0) * h_, x32_);
+      x32_r0_ = r0;
+      x32_r1_ = r1;
+    }
+    return x32_;
+  }
+
+  // Calls fn(t0, t1, w) for W rows [v0, v1) as fp32: one call for fp32 W, tiles for bf16.
+  template <typename Fn>
+  void for_weight_tiles(std::int64_t v0, std::int64_t v1, Fn&& fn) {
+    if (!w_tile_) {
+      fn(v0, v1, c_.w.data_as<const float>() + v0 * h_);
+      return;
+    }
+    for (std::int64_t t0 = v0; t0 < v1; t0 += kWeightTile) {
+      const std::int64_t t1 = std::min(v1, t0 + kWeightTile);
+      to_f32(c_.w, t0 * h_, (t1 - t0) * h_, w_tile_);
+      fn(t0, t1, w_tile_);
+    }
+  }
+
+  const TokenCall& c_;
+  const Plan& plan_;
+  int threads_;
+  std::int64_t h_, v_;
+  float* tile_ = nullptr;
+  RowArrays rows_;
+  float *dw_acc_ = nullptr, *dh_acc_ = nullptr, *db_acc_ = nullptr;
+  float *w_tile_ = nullptr, *x32_ = nullptr, *dw_tile_ = nullptr, *dh32_ = nullptr;
+  std::int64_t x32_r0_ = -1, x32_r1_ = -1;
+  const float* cw_ = nullptr;
+  std::int64_t valid_ = 0;
+  double denom_ = 0;
+  bool capped_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<TokenBackend> make_cpu_token_backend(Context& ctx, const TokenCall& call,
+                                                     const Plan& plan, const Workspace& ws) {
+  return std::make_unique<CpuTokenBackend>(static_cast<const CpuContext&>(ctx), call, plan, ws);
+}
+
+}  // namespace chunkloss::detail

@@ -1,0 +1,184 @@
+// LinearCrossEntropy: option and argument validation, the cross-entropy row rule, and the call
+// into the shared token engine.
+#include "chunkloss/losses/cross_entropy.h"
+
+#include <cmath>
+
+#include "chunkloss/core/error.h"
+#include "engine.h"
+#include "validate.h"
+
+namespace chunkloss {
+
+std::string_view reduction_name(Reduction r) {
+  switch (r) {
+    case Reduction::kMean:
+      return "mean";
+    case Reduction::kSum:
+      return "sum";
+    case Reduction::kNone:
+      return "none";
+  }
+  return "?";
+}
+
+namespace {
+
+constexpr const char* kWho = "LinearCrossEntropy";
+constexpr std::initializer_list<DType> kFloat = {DType::kF32, DType::kBF16};
+
+struct Checked {
+  detail::TokenCall call;
+  PlanRequest request;
+};
+
+// `calling`: also check the outputs and the values (targets' range, finiteness); plan() checks
+// shapes and dtypes only and reads no data.
+Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyInputs& in,
+                   const CrossEntropyGrads& gr, const CrossEntropyOutputs& out, bool calling) {
+  using detail::check_optional;
+  using detail::check_view;
+  CHUNKLOSS_CHECK(in.hidden.defined() && in.hidden.ndim() == 2, kWho,
+                  ": hidden must be [N, H], got ", in.hidden.str());
+  CHUNKLOSS_CHECK(in.weight.defined() && in.weight.ndim() == 2, kWho,
+                  ": weight must be [V, H], got ", in.weight.str());
+  const std::int64_t n = in.hidden.size(0), h = in.hidden.size(1), v = in.weight.size(0);
+  CHUNKLOSS_CHECK(n > 0 && h > 0 && v > 0, kWho, ": empty problem: hidden ", in.hidden.str(),
+                  ", weight ", in.weight.str());
+  CHUNKLOSS_CHECK(v <= INT32_MAX, kWho, ": vocab V=", v, " exceeds 2^31-1");
+  check_view(kWho, "hidden", in.hidden, dev, {n, h}, kFloat);
+  CHUNKLOSS_CHECK(in.weight.size(1) == h, kWho, ": weight ", in.weight.str(),
+                  " does not match hidden ", in.hidden.str(), " (H differs)");
+  check_view(kWho, "weight", in.weight, dev, {v, h}, {in.hidden.dtype()});
+  check_optional(kWho, "bias", in.bias, dev, {v}, {in.hidden.dtype()});
+  check_view(kWho, "targets", in.targets, dev, {n}, {DType::kI32, DType::kI64});
+  check_optional(kWho, "class_weights", in.class_weights, dev, {v}, {DType::kF32});
+  check_optional(kWho, "token_weights", in.token_weights, dev, {n}, {DType::kF32});
+  check_optional(kWho, "grad_hidden", gr.hidden, dev, {n, h}, kFloat);
+  check_optional(kWho, "grad_weight", gr.weight, dev, {v, h}, kFloat);
+  check_optional(kWho, "grad_bias", gr.bias, dev, {v}, kFloat);
+  CHUNKLOSS_CHECK(!gr.bias.defined() || in.bias.defined(), kWho, ": grad_bias ", gr.bias.str(),
+                  " given but bias is absent");
+  const bool grads = gr.hidden.defined() || gr.weight.defined() || gr.bias.defined();
+  if (o.reduction == Reduction::kNone) {
+    CHUNKLOSS_CHECK(!calling || out.row_loss.defined(), kWho,
+                    ": reduction none needs outputs.row_loss [", n, "] f32");
+    CHUNKLOSS_CHECK(!grads || in.grad_output.defined(), kWho,
+                    ": reduction none with gradients needs grad_output [", n, "] f32");
+  } else {
+    CHUNKLOSS_CHECK(!in.grad_output.defined(), kWho, ": grad_output ", in.grad_output.str(),
+                    " is only used with reduction none, reduction is ",
+                    reduction_name(o.reduction));
+  }
+  check_optional(kWho, "grad_output", in.grad_output, dev, {n}, {DType::kF32});
+  check_optional(kWho, "outputs.row_loss", out.row_loss, dev, {n}, {DType::kF32});
+  check_optional(kWho, "outputs.lse", out.lse, dev, {n}, {DType::kF32});
+  check_optional(kWho, "outputs.predictions", out.predictions, dev, {n}, {DType::kI32});
+  if (calling && dev == Device::kCpu) {
+    detail::check_targets(kWho, in.targets, v, o.ignore_index);
+    if (o.check_finite) {
+      detail::check_finite(kWho, "hidden", in.hidden);
+      detail::check_finite(kWho, "weight", in.weight);
+      detail::check_finite(kWho, "bias", in.bias);
+    }
+  }
+
+  Checked c;
+  auto& k = c.call;
+  k.rows = n;
+  k.hidden = h;
+  k.vocab = v;
+  k.x = in.hidden;
+  k.w = in.weight;
+  k.bias = in.bias;
+  k.targets = in.targets;
+  k.class_weights = in.class_weights;
+  k.token_weights = in.token_weights;
+  k.upstream = in.grad_output;
+  k.grad_x = gr.hidden;
+  k.grad_w = gr.weight;
+  k.grad_bias = gr.bias;
+  k.accumulate = gr.accumulate;
+  k.out_row_loss = out.row_loss;
+  k.out_lse = out.lse;
+  k.out_pred = out.predictions;
+  k.ignore_index = o.ignore_index;
+  const float ls = o.label_smoothing;
+  k.rule.one_minus_ls = 1.0f - ls;
+  k.rule.eps = ls / static_cast<float>(v);
+  k.rule.z_loss = o.z_loss;
+  k.rule.cw_sum = static_cast<float>(v);
+  if (calling && in.class_weights.defined() && dev == Device::kCpu) {
+    double s = 0;
+    for (std::int64_t j = 0; j < v; ++j) s += in.class_weights.data_as<const float>()[j];
+    k.rule.cw_sum = static_cast<float>(s);
+  }
+  k.softcap = o.softcap ? *o.softcap : 0.0f;
+  k.entropy = o.compute_entropy;
+  k.scale = o.reduction == Reduction::kMean  ? detail::RowScale::kMean
+            : o.reduction == Reduction::kSum ? detail::RowScale::kSum
+                                             : detail::RowScale::kUpstream;
+
+  auto& q = c.request;
+  q.rows = n;
+  q.hidden = h;
+  q.vocab = v;
+  q.device = dev;
+  q.input_dtype = in.hidden.dtype();
+  q.logits_dtype = o.logits_dtype;
+  q.grad_hidden = gr.hidden.defined();
+  q.grad_weight = gr.weight.defined();
+  q.grad_bias = gr.bias.defined();
+  if (q.grad_hidden) q.grad_hidden_dtype = gr.hidden.dtype();
+  if (q.grad_weight) q.grad_weight_dtype = gr.weight.dtype();
+  q.fp32_weight_grad_accumulator = o.fp32_weight_grad_accumulator;
+  q.budget_bytes = o.memory_budget_bytes;
+  q.order = o.loop_order;
+  return c;
+}
+
+}  // namespace
+
+LinearCrossEntropy::LinearCrossEntropy(const CrossEntropyOptions& o) : options_(o) {
+  CHUNKLOSS_CHECK(
+      std::isfinite(o.label_smoothing) && o.label_smoothing >= 0.0f && o.label_smoothing <= 1.0f,
+      kWho, ": label_smoothing must be in [0, 1], got ", o.label_smoothing);
+  CHUNKLOSS_CHECK(std::isfinite(o.z_loss) && o.z_loss >= 0.0f, kWho,
+                  ": z_loss must be finite and >= 0, got ", o.z_loss);
+  CHUNKLOSS_CHECK(!o.softcap || (std::isfinite(*o.softcap) && *o.softcap > 0.0f), kWho,
+                  ": softcap must be finite and > 0, got ", o.softcap ? *o.softcap : 0.0f);
+  CHUNKLOSS_CHECK(o.logits_dtype == DType::kF32 || o.logits_dtype == DType::kBF16, kWho,
+                  ": logits_dtype must be f32 or bf16, got ", dtype_name(o.logits_dtype));
+}
+
+Plan LinearCrossEntropy::plan(const CrossEntropyInputs& in, const CrossEntropyGrads& grads) const {
+  const Device dev = in.hidden.defined() ? in.hidden.device() : Device::kCpu;
+  return plan_token_objective(check_call(options_, dev, in, grads, {}, false).request);
+}
+
+std::size_t LinearCrossEntropy::workspace_bytes(const CrossEntropyInputs& in,
+                                                const CrossEntropyGrads& grads) const {
+  return plan(in, grads).workspace_bytes();
+}
+
+CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const CrossEntropyInputs& in,
+                                                        const CrossEntropyGrads& grads,
+                                                        const CrossEntropyOutputs& out,
+                                                        const Workspace& ws) const {
+  const Checked c = check_call(options_, ctx.device(), in, grads, out, true);
+  const Plan plan = plan_token_objective(c.request);
+  CHUNKLOSS_CHECK(ws.device() == ctx.device(), kWho, ": workspace is on ", device_name(ws.device()),
+                  ", the context on ", device_name(ctx.device()));
+  ws.require(plan.layout, kWho);
+  const detail::TokenTotals t = detail::run_token_objective(ctx, c.call, plan, ws);
+  CrossEntropyResult r;
+  r.loss = t.loss;
+  r.z_loss = t.z_loss;
+  r.valid_rows = t.valid_rows;
+  r.weight_sum = t.weight_sum;
+  r.accuracy = t.valid_rows ? t.correct / static_cast<double>(t.valid_rows) : 0.0;
+  r.entropy = t.valid_rows ? t.entropy / static_cast<double>(t.valid_rows) : 0.0;
+  return r;
+}
+
+}  // namespace chunkloss

@@ -1,0 +1,51 @@
+// The engine's loops. Token-chunk order finishes each chunk of rows in one visit; vocab-block
+// order computes every row's lse first, then writes each block of dW exactly once.
+#include "engine.h"
+
+#include <algorithm>
+
+#include "chunkloss/core/error.h"
+
+namespace chunkloss::detail {
+
+std::unique_ptr<TokenBackend> make_token_backend(Context& ctx, const TokenCall& call,
+                                                 const Plan& plan, const Workspace& ws) {
+  if (ctx.device() == Device::kCpu) return make_cpu_token_backend(ctx, call, plan, ws);
+#if CHUNKLOSS_HAVE_CUDA
+  return make_cuda_token_backend(ctx, call, plan, ws);
+#else
+  CHUNKLOSS_FAIL("context: this build of chunkloss has no CUDA support (CHUNKLOSS_WITH_CUDA=OFF)");
+#endif
+}
+
+TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan& plan,
+                                const Workspace& ws) {
+  auto backend = make_token_backend(ctx, call, plan, ws);
+  backend->begin();
+  const std::int64_t n = call.rows, v = call.vocab, c = plan.chunk_rows;
+  const bool grads = call.any_grad();
+  const bool token_order = plan.order == LoopOrder::kTokenChunk || !grads;
+
+  for (std::int64_t r0 = 0; r0 < n; r0 += c) {
+    const std::int64_t r1 = std::min(n, r0 + c);
+    backend->logits(r0, r1, 0, v);
+    backend->row_stats(r0, r1);
+    if (grads && token_order) {
+      backend->grad_epilogue(r0, r1, 0, v);
+      backend->grad_x(r0, r1, 0, v, true);
+      backend->grad_w(r0, r1, 0, v, r0 == 0);
+    }
+  }
+  if (grads && !token_order) {
+    for (std::int64_t v0 = 0; v0 < v; v0 += plan.vocab_block) {
+      const std::int64_t v1 = std::min(v, v0 + plan.vocab_block);
+      backend->logits(0, n, v0, v1);
+      backend->grad_epilogue(0, n, v0, v1);
+      backend->grad_w(0, n, v0, v1, true);
+      backend->grad_x(0, n, v0, v1, v0 == 0);
+    }
+  }
+  return backend->finish();
+}
+
+}  // namespace chunkloss::detail

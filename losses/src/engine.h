@@ -1,0 +1,80 @@
+// The shared chunked engine for token objectives: a validated call, the backend steps it
+// drives, and the two loop orders of the plan. Written once above the CPU and CUDA backends.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "chunkloss/core/context.h"
+#include "chunkloss/core/tensor.h"
+#include "chunkloss/core/workspace.h"
+#include "chunkloss/kernels/row_math.h"
+#include "chunkloss/losses/plan.h"
+
+namespace chunkloss::detail {
+
+/// How the per-row coefficient c_t is scaled.
+enum class RowScale : std::uint8_t { kMean, kSum, kUpstream };
+
+/// A validated token-objective call: views checked for shapes, dtypes and devices.
+struct TokenCall {
+  std::int64_t rows = 0, hidden = 0, vocab = 0;
+  TensorView x, w, bias, targets, class_weights, token_weights, upstream;
+  TensorView grad_x, grad_w, grad_bias;
+  bool accumulate = false;
+  TensorView out_row_loss, out_lse, out_pred;
+  std::int64_t ignore_index = -100;
+  kern::RowRule rule;
+  float softcap = 0.0f;  ///< 0: none
+  bool entropy = false;
+  RowScale scale = RowScale::kMean;
+
+  bool any_grad() const { return grad_x.defined() || grad_w.defined() || grad_bias.defined(); }
+};
+
+/// Scalar totals of a call, reduced deterministically by the backend.
+struct TokenTotals {
+  double loss = 0, z_loss = 0, correct = 0, entropy = 0;
+  std::int64_t valid_rows = 0;
+  double weight_sum = 0;
+};
+
+/// The steps the engine drives. Row ranges are [r0, r1), column ranges [v0, v1); the logits
+/// buffer holds the current tile densely as [r1 - r0, v1 - v0].
+class TokenBackend {
+ public:
+  virtual ~TokenBackend() = default;
+  /// Valid-row count and the mean's divisor; must precede `row_stats`.
+  virtual void begin() = 0;
+  /// tile = x[r0:r1] w[v0:v1]^T (+ bias[v0:v1]).
+  virtual void logits(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1) = 0;
+  /// Row statistics of a full-width tile (v0 = 0, v1 = V), the row rule, per-row outputs.
+  virtual void row_stats(std::int64_t r0, std::int64_t r1) = 0;
+  /// Overwrites the tile with dL/dz using the stored per-row lse and coefficients.
+  virtual void grad_epilogue(std::int64_t r0, std::int64_t r1, std::int64_t v0,
+                             std::int64_t v1) = 0;
+  /// dx[r0:r1] (+)= tile w[v0:v1]; `first` means this is the first contribution to these rows.
+  virtual void grad_x(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
+                      bool first) = 0;
+  /// dw[v0:v1] (+)= tile^T x[r0:r1]; db[v0:v1] (+)= colsum(tile).
+  virtual void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
+                      bool first) = 0;
+  /// Flushes accumulators into the caller's buffers and reduces the scalar totals.
+  virtual TokenTotals finish() = 0;
+};
+
+/// The backend for the context's device (throws when CUDA support is not built in).
+std::unique_ptr<TokenBackend> make_token_backend(Context& ctx, const TokenCall& call,
+                                                 const Plan& plan, const Workspace& ws);
+std::unique_ptr<TokenBackend> make_cpu_token_backend(Context& ctx, const TokenCall& call,
+                                                     const Plan& plan, const Workspace& ws);
+#if CHUNKLOSS_HAVE_CUDA
+std::unique_ptr<TokenBackend> make_cuda_token_backend(Context& ctx, const TokenCall& call,
+                                                      const Plan& plan, const Workspace& ws);
+#endif
+
+/// Runs the plan's loop order over the call.
+TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan& plan,
+                                const Workspace& ws);
+
+}  // namespace chunkloss::detail

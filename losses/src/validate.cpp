@@ -1,0 +1,76 @@
+// Boundary checks shared by the loss objects.
+#include "validate.h"
+
+#include <cmath>
+#include <sstream>
+
+#include "chunkloss/core/error.h"
+
+namespace chunkloss::detail {
+namespace {
+
+std::string shape_str(std::initializer_list<std::int64_t> shape) {
+  std::ostringstream os;
+  os << '[';
+  bool first = true;
+  for (auto s : shape) {
+    os << (first ? "" : ", ") << s;
+    first = false;
+  }
+  os << ']';
+  return os.str();
+}
+
+std::string dtypes_str(std::initializer_list<DType> dtypes) {
+  std::string s;
+  for (DType d : dtypes) s += (s.empty() ? "" : " or ") + std::string(dtype_name(d));
+  return s;
+}
+
+}  // namespace
+
+void check_view(const char* who, const char* name, const TensorView& t, Device dev,
+                std::initializer_list<std::int64_t> shape, std::initializer_list<DType> dtypes) {
+  CHUNKLOSS_CHECK(t.defined(), who, ": ", name, " is required, expected ", shape_str(shape), " ",
+                  dtypes_str(dtypes));
+  bool same = t.ndim() == static_cast<int>(shape.size());
+  int d = 0;
+  for (auto s : shape) same = same && t.size(d++) == s;
+  CHUNKLOSS_CHECK(same, who, ": ", name, " has shape ", t.str(), ", expected ", shape_str(shape));
+  bool ok = false;
+  for (DType x : dtypes) ok = ok || t.dtype() == x;
+  CHUNKLOSS_CHECK(ok, who, ": ", name, " ", t.str(), " must be ", dtypes_str(dtypes));
+  CHUNKLOSS_CHECK(t.device() == dev, who, ": ", name, " ", t.str(),
+                  " is not on the context's device (", device_name(dev), ")");
+}
+
+void check_optional(const char* who, const char* name, const TensorView& t, Device dev,
+                    std::initializer_list<std::int64_t> shape,
+                    std::initializer_list<DType> dtypes) {
+  if (t.defined()) check_view(who, name, t, dev, shape, dtypes);
+}
+
+void check_finite(const char* who, const char* name, const TensorView& t) {
+  if (!t.defined()) return;
+  const std::int64_t n = t.numel();
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float v = t.dtype() == DType::kF32 ? t.data_as<const float>()[i]
+                                             : static_cast<float>(t.data_as<const BFloat16>()[i]);
+    CHUNKLOSS_CHECK(std::isfinite(v), who, ": ", name, " ", t.str(), " has a non-finite value ", v,
+                    " at flat index ", i);
+  }
+}
+
+void check_targets(const char* who, const TensorView& targets, std::int64_t vocab,
+                   std::int64_t ignore_index) {
+  const std::int64_t n = targets.numel();
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t y = targets.dtype() == DType::kI32
+                               ? targets.data_as<const std::int32_t>()[i]
+                               : targets.data_as<const std::int64_t>()[i];
+    CHUNKLOSS_CHECK(y == ignore_index || (y >= 0 && y < vocab), who, ": targets[", i, "] = ", y,
+                    " is outside [0, V=", vocab, ") and is not ignore_index (", ignore_index, ")");
+  }
+}
+
+}  // namespace chunkloss::detail

@@ -1,0 +1,26 @@
+// Boundary checks shared by the loss objects: each throws chunkloss::Error naming the argument,
+// the expected shape and dtype, and what it got.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "chunkloss/core/context.h"
+#include "chunkloss/core/tensor.h"
+
+namespace chunkloss::detail {
+
+/// `t` must be defined, on `dev`, with exactly `shape` and one of `dtypes`.
+void check_view(const char* who, const char* name, const TensorView& t, Device dev,
+                std::initializer_list<std::int64_t> shape, std::initializer_list<DType> dtypes);
+/// As check_view when `t` is defined; absent is allowed.
+void check_optional(const char* who, const char* name, const TensorView& t, Device dev,
+                    std::initializer_list<std::int64_t> shape, std::initializer_list<DType> dtypes);
+/// Every element of a float view is finite (host memory only).
+void check_finite(const char* who, const char* name, const TensorView& t);
+/// Targets in [0, V) or equal to ignore_index (host memory only).
+void check_targets(const char* who, const TensorView& targets, std::int64_t vocab,
+                   std::int64_t ignore_index);
+
+}  // namespace chunkloss::detail
