@@ -2,13 +2,19 @@
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
-install(TARGETS chunkloss_core chunkloss_kernels chunkloss_losses
+set(chunkloss_installed chunkloss_core chunkloss_kernels chunkloss_losses)
+set(chunkloss_include_dirs lib/core kernels losses)
+if(CHUNKLOSS_HAVE_CUDA)
+  list(APPEND chunkloss_installed chunkloss_gpu chunkloss_cuda_kernels chunkloss_gpu_internal)
+  list(APPEND chunkloss_include_dirs lib/gpu)
+endif()
+install(TARGETS ${chunkloss_installed}
         EXPORT chunklossTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-foreach(dir lib/core kernels losses)
+foreach(dir ${chunkloss_include_dirs})
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${dir}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 endforeach()
 install(EXPORT chunklossTargets NAMESPACE chunkloss:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/chunkloss)

@@ -51,6 +51,8 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
                   " does not match hidden ", in.hidden.str(), " (H differs)");
   check_view(kWho, "weight", in.weight, dev, {v, h}, {in.hidden.dtype()});
   check_optional(kWho, "bias", in.bias, dev, {v}, {in.hidden.dtype()});
+  CHUNKLOSS_CHECK(o.logits_dtype == DType::kF32 || in.hidden.dtype() == DType::kBF16, kWho,
+                  ": logits_dtype bf16 needs bf16 hidden and weight, got hidden ", in.hidden.str());
   check_view(kWho, "targets", in.targets, dev, {n}, {DType::kI32, DType::kI64});
   check_optional(kWho, "class_weights", in.class_weights, dev, {v}, {DType::kF32});
   check_optional(kWho, "token_weights", in.token_weights, dev, {n}, {DType::kF32});
@@ -115,6 +117,7 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   }
   k.softcap = o.softcap ? *o.softcap : 0.0f;
   k.entropy = o.compute_entropy;
+  k.check_finite = o.check_finite && dev == Device::kCuda;
   k.scale = o.reduction == Reduction::kMean  ? detail::RowScale::kMean
             : o.reduction == Reduction::kSum ? detail::RowScale::kSum
                                              : detail::RowScale::kUpstream;

@@ -28,6 +28,7 @@ struct TokenCall {
   float softcap = 0.0f;  ///< 0: none
   bool entropy = false;
   RowScale scale = RowScale::kMean;
+  bool check_finite = false;  ///< device backends check hidden/weight/bias on the device
 
   bool any_grad() const { return grad_x.defined() || grad_w.defined() || grad_bias.defined(); }
 };

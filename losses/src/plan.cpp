@@ -27,6 +27,7 @@ namespace {
 constexpr std::int64_t kRowGranule = 64;
 constexpr std::size_t kRowStatsFloats = 8;  // see RowStatsArrays in the backends
 constexpr std::int64_t kCpuWeightTile = 256;
+constexpr std::size_t kDeviceScalarBytes = 16 * sizeof(double);  // >= kern::kNumScalars
 
 /// Device constants of the cost model: GEMM rate saturating with the rows of the GEMM
 /// (rate = peak * m / (m + m_half)) and the bandwidth that read-modify-writes run at.
@@ -106,8 +107,9 @@ Plan plan_token_objective(const PlanRequest& q) {
   // Chunk rows: the largest multiple of 64 (or all rows) whose chunk buffers fit the budget.
   // Alignment padding of up to 6 slices is counted in the fixed part.
   const std::size_t db_bytes = q.grad_bias ? static_cast<std::size_t>(v) * 4 : 0;
-  const std::size_t fixed = row_stats_bytes(q) + dw_accum_bytes(q) + db_bytes +
-                            cpu_staging_fixed(q) + 6 * kWorkspaceAlignment;
+  // The optional fp32 dW accumulator (V*H*4) is on top of the budget, as the option documents.
+  const std::size_t fixed =
+      row_stats_bytes(q) + db_bytes + cpu_staging_fixed(q) + 6 * kWorkspaceAlignment;
   const std::size_t per_row = static_cast<std::size_t>(v) * lb + cpu_staging_per_row(q, false);
   std::int64_t c = 0;
   if (budget > fixed) c = static_cast<std::int64_t>((budget - fixed) / per_row);
@@ -201,6 +203,7 @@ Plan plan_token_objective(const PlanRequest& q) {
   const std::size_t staging = cpu_staging_fixed(q) + static_cast<std::size_t>(vocab_order ? n : c) *
                                                          cpu_staging_per_row(q, vocab_order);
   if (staging) p.staging = p.layout.add(staging);
+  if (q.device == Device::kCuda) p.scalars = p.layout.add(kDeviceScalarBytes);
   p.reason = why.str();
   return p;
 }

@@ -37,7 +37,7 @@ struct PlanRequest {
   bool grad_weight = false;                   ///< dW requested
   bool grad_bias = false;                     ///< db requested
   bool fp32_weight_grad_accumulator = false;  ///< accumulate dW in fp32 workspace
-  std::size_t budget_bytes = 0;               ///< bound on the workspace
+  std::size_t budget_bytes = 0;  ///< bound on the workspace, less the optional fp32 dW accumulator
   LoopOrder order = LoopOrder::kAuto;
 };
 
@@ -61,6 +61,7 @@ struct Plan {
   WorkspaceSlice dh_accum;   ///< [N, H] fp32 dH accumulator (vocab order, non-fp32 dH)
   WorkspaceSlice db_accum;   ///< [V] fp32 bias-gradient accumulator, when db is requested
   WorkspaceSlice staging;    ///< backend scratch (CPU: fp32 copies of bf16 operand tiles)
+  WorkspaceSlice scalars;    ///< device-side scalar results (CUDA)
 
   std::size_t workspace_bytes() const { return layout.total(); }
   /// One line: "order=token_chunk C=2048 chunks=2 ... workspace=256.0 MiB (...)".

@@ -1,0 +1,101 @@
+// Host launchers of the token engine's CUDA steps: the valid-row prepass, the row statistics
+// epilogue, the in-place gradient epilogue, the bias gradient, the final reduction and dtype
+// conversions. Raw pointers and a stream (as void*), so no CUDA header is needed to include it.
+// Every launcher returns the launch's cudaError_t as an int (0: success) for the caller to check.
+#pragma once
+
+#include <cstdint>
+
+#include "chunkloss/kernels/row_math.h"
+
+namespace chunkloss::kern {
+
+/// Element types the launchers dispatch on.
+enum class Elem : std::uint8_t { kF32, kBF16 };
+
+/// Slots of the device scalar block (doubles) shared by the kernels of one call.
+enum Scalar : int {
+  kLoss = 0,
+  kZLoss,
+  kAccuracy,
+  kEntropy,
+  kValidRows,
+  kWeightSum,
+  kInvDenom,
+  kBadTargets,
+  kNonFinite,  ///< an unsigned 64-bit count stored in the double's bytes
+  kClassWeightSum,
+  kNumScalars
+};
+
+/// How a row's coefficient c_t is formed from its token weight tw_t.
+enum class Scale : std::uint8_t { kMean, kSum, kUpstream };
+
+/// Per-row arrays in device memory (see losses/src/row_arrays.h): N floats each, argmax ints.
+struct RowPtrs {
+  float *lse, *a, *b, *g, *loss, *zloss, *entropy;
+  std::int32_t* argmax;
+};
+
+/// What every per-row kernel needs to know about the call.
+struct TokenParams {
+  std::int64_t rows = 0;   ///< N
+  std::int64_t vocab = 0;  ///< V
+  const void* targets = nullptr;
+  bool targets_i64 = false;
+  std::int64_t ignore_index = -100;
+  const void* bias = nullptr;  ///< [V] in the input dtype, or null
+  Elem bias_elem = Elem::kF32;
+  const float* class_weights = nullptr;  ///< [V] or null
+  const float* token_weights = nullptr;  ///< [N] or null
+  const float* upstream = nullptr;       ///< [N] (Scale::kUpstream)
+  RowRule rule;
+  float softcap = 0.0f;  ///< 0: none
+  bool entropy = false;
+  Scale scale = Scale::kMean;
+  RowPtrs row;
+  double* scalars = nullptr;  ///< kNumScalars doubles
+};
+
+/// Zeroes the scalars, counts valid rows, the mean's divisor D (sum of class weights of valid
+/// targets), 1/D, the class-weight sum, and targets outside [0, V) (those rows are then treated
+/// as ignored).
+int launch_token_begin(const TokenParams& p, void* stream);
+
+/// Row statistics of rows [r0, r0 + rows) whose full-width logits are `logits` (leading
+/// dimension `ld`), then the row rule: per-row lse, a, b, g, loss, z-loss, entropy, argmax.
+/// One block per row; deterministic block reductions.
+int launch_row_stats(const TokenParams& p, const void* logits, Elem logits_elem, std::int64_t ld,
+                     std::int64_t r0, std::int64_t rows, void* stream);
+
+/// Overwrites the tile of rows [r0, r0 + rows) x columns [v0, v0 + cols) (leading dimension
+/// `ld` in logits elements) with dL/dz in `grad_elem`. When the gradient element is smaller
+/// than the logits element the gradient row is stored over the first bytes of its own row, so
+/// its leading dimension in gradient elements is ld * sizeof(logits) / sizeof(grad).
+int launch_grad_epilogue(const TokenParams& p, void* tile, Elem logits_elem, Elem grad_elem,
+                         std::int64_t ld, std::int64_t r0, std::int64_t rows, std::int64_t v0,
+                         std::int64_t cols, void* stream);
+
+/// db[j] += sum over rows [r0, r0 + rows) of dL/dz[r, v0 + j], computed in fp32 from the logits
+/// tile (leading dimension `ld`) before launch_grad_epilogue overwrites it. No atomics.
+int launch_bias_grad(const TokenParams& p, const void* tile, Elem logits_elem, std::int64_t ld,
+                     std::int64_t r0, std::int64_t rows, std::int64_t v0, std::int64_t cols,
+                     float* db, void* stream);
+
+/// Reduces the per-row arrays into the scalar block and writes the optional per-row outputs
+/// (row_loss, lse: float; predictions: int32, -1 for ignored rows).
+int launch_token_finish(const TokenParams& p, float* out_row_loss, float* out_lse,
+                        std::int32_t* out_pred, void* stream);
+
+/// dst = (add ? dst : 0) + src for `n` elements, dst in `dst_elem`.
+int launch_store_f32(void* dst, Elem dst_elem, const float* src, std::int64_t n, bool add,
+                     void* stream);
+
+/// Adds the number of non-finite elements of `x` to the count in scalars[kNonFinite]; call after
+/// launch_token_begin, which zeroes it.
+int launch_count_nonfinite(const void* x, Elem elem, std::int64_t n, double* scalars, void* stream);
+
+/// Fills `n` floats with zero.
+int launch_zero(float* x, std::int64_t n, void* stream);
+
+}  // namespace chunkloss::kern

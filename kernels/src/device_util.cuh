@@ -1,0 +1,93 @@
+// Device helpers shared by the kernels: element loads/stores as fp32 for f32 and bf16 storage,
+// 16-byte vector access of a row, and the target lookup.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "chunkloss/kernels/token_epilogue.h"
+
+namespace chunkloss::kern {
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+/// VEC elements of T per 16 bytes.
+template <typename T>
+constexpr int kVec = 16 / sizeof(T);
+
+/// Loads VEC consecutive elements starting at p[j] as floats: one 16-byte load when `vec`
+/// (row aligned and j + VEC <= n), else element by element with a bounds check.
+template <typename T>
+__device__ __forceinline__ void load_floats(const T* p, std::int64_t j, std::int64_t n, bool vec,
+                                            float (&out)[kVec<T>]) {
+  if (vec && j + kVec<T> <= n) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p + j);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < kVec<T>; ++k) out[k] = to_float(e[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec<T>; ++k) out[k] = j + k < n ? to_float(p[j + k]) : 0.0f;
+  }
+}
+
+/// Stores COUNT floats at p[j..] as T, vectorised when the address is aligned.
+template <typename T, int COUNT>
+__device__ __forceinline__ void store_floats(T* p, std::int64_t j, std::int64_t n, bool vec,
+                                             const float (&in)[COUNT]) {
+  constexpr int kBytes = COUNT * sizeof(T);
+  if (vec && j + COUNT <= n && (kBytes == 16 || kBytes == 8)) {
+    T e[COUNT];
+#pragma unroll
+    for (int k = 0; k < COUNT; ++k) e[k] = from_float<T>(in[k]);
+    if constexpr (kBytes == 16) {
+      *reinterpret_cast<uint4*>(p + j) = *reinterpret_cast<const uint4*>(e);
+    } else if constexpr (kBytes == 8) {
+      *reinterpret_cast<uint2*>(p + j) = *reinterpret_cast<const uint2*>(e);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < COUNT; ++k)
+      if (j + k < n) p[j + k] = from_float<T>(in[k]);
+  }
+}
+
+__device__ __forceinline__ std::int64_t target_at(const TokenParams& p, std::int64_t t) {
+  return p.targets_i64 ? static_cast<const std::int64_t*>(p.targets)[t]
+                       : static_cast<const std::int32_t*>(p.targets)[t];
+}
+
+/// Target of row t, or ignore_index for ignored or out-of-range targets.
+__device__ __forceinline__ std::int64_t valid_target(const TokenParams& p, std::int64_t t) {
+  const std::int64_t y = target_at(p, t);
+  return (y >= 0 && y < p.vocab) ? y : p.ignore_index;
+}
+
+__device__ __forceinline__ bool is_valid(const TokenParams& p, std::int64_t y) {
+  return y != p.ignore_index && y >= 0 && y < p.vocab;
+}
+
+__device__ __forceinline__ float bias_at(const TokenParams& p, std::int64_t j) {
+  if (!p.bias) return 0.0f;
+  return p.bias_elem == Elem::kF32 ? static_cast<const float*>(p.bias)[j]
+                                   : __bfloat162float(static_cast<const __nv_bfloat16*>(p.bias)[j]);
+}
+
+__host__ __device__ inline bool aligned16(const void* p) {
+  return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0;
+}
+
+}  // namespace chunkloss::kern

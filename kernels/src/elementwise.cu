@@ -1,0 +1,79 @@
+// Elementwise helpers of the engine: fp32 accumulators flushed into caller buffers (f32 or
+// bf16, overwrite or add), a non-finite count for check_finite, and zero fills. Grid-stride
+// loops, one element per thread per step.
+#include <cub/block/block_reduce.cuh>
+
+#include "device_util.cuh"
+
+namespace chunkloss::kern {
+namespace {
+
+constexpr int kThreads = 256;
+
+unsigned blocks_for(std::int64_t n) {
+  const std::int64_t b = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(b < 65535 * 16 ? (b > 0 ? b : 1) : 65535 * 16);
+}
+
+template <typename T>
+__global__ void store_f32_kernel(T* dst, const float* src, std::int64_t n, bool add) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride)
+    dst[i] = from_float<T>(add ? to_float(dst[i]) + src[i] : src[i]);
+}
+
+// Integer counts: each block reduces its count and adds it with one integer atomic, so the
+// total is exact and deterministic.
+template <typename T>
+__global__ void count_nonfinite_kernel(const T* x, std::int64_t n, unsigned long long* count) {
+  using Reduce = cub::BlockReduce<unsigned long long, kThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  unsigned long long c = 0;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride)
+    c += isfinite(to_float(x[i])) ? 0 : 1;
+  const unsigned long long total = Reduce(tmp).Sum(c);
+  if (threadIdx.x == 0 && total) atomicAdd(count, total);
+}
+
+__global__ void zero_kernel(float* x, std::int64_t n) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride)
+    x[i] = 0.0f;
+}
+
+}  // namespace
+
+int launch_store_f32(void* dst, Elem dst_elem, const float* src, std::int64_t n, bool add,
+                     void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  if (dst_elem == Elem::kF32)
+    store_f32_kernel<<<blocks_for(n), kThreads, 0, s>>>(static_cast<float*>(dst), src, n, add);
+  else
+    store_f32_kernel<<<blocks_for(n), kThreads, 0, s>>>(static_cast<__nv_bfloat16*>(dst), src, n,
+                                                        add);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_count_nonfinite(const void* x, Elem elem, std::int64_t n, double* scalars,
+                           void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  auto* count = reinterpret_cast<unsigned long long*>(scalars + kNonFinite);
+  const unsigned grid = blocks_for(n) < 1024 ? blocks_for(n) : 1024;
+  if (elem == Elem::kF32)
+    count_nonfinite_kernel<<<grid, kThreads, 0, s>>>(static_cast<const float*>(x), n, count);
+  else
+    count_nonfinite_kernel<<<grid, kThreads, 0, s>>>(static_cast<const __nv_bfloat16*>(x), n,
+                                                     count);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_zero(float* x, std::int64_t n, void* stream) {
+  zero_kernel<<<blocks_for(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, n);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace chunkloss::kern

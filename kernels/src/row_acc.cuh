@@ -1,0 +1,105 @@
+// Online softmax statistics of a row (max, sum-exp, entropy term, logit sums, target logit,
+// first argmax), their merge, and the row rule that turns them into the row's lse, loss and
+// gradient coefficients.
+#pragma once
+
+#include <climits>
+
+#include "device_util.cuh"
+
+namespace chunkloss::kern {
+
+/// Online softmax statistics of a set of logits; `merge` is associative up to rounding and the
+/// reduction tree is fixed, so results are run-to-run identical.
+struct RowAcc {
+  float m;    // running max
+  float s;    // sum exp(z - m)
+  float sez;  // sum exp(z - m) * z (entropy)
+  float sz;   // sum z
+  float swz;  // sum cw_j z_j
+  float zy;   // target logit (one contributor)
+  int arg;    // first index of the max
+
+  __device__ static RowAcc empty() { return {-INFINITY, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, INT_MAX}; }
+
+  __device__ void push(float z, int j) {
+    if (z > m) {
+      const float r = __expf(m - z);
+      s = s * r + 1.0f;
+      sez = sez * r + z;
+      m = z;
+      arg = j;
+    } else {
+      const float e = __expf(z - m);
+      s += e;
+      sez += e * z;
+    }
+  }
+};
+
+struct MergeAcc {
+  __device__ RowAcc operator()(const RowAcc& a, const RowAcc& b) const {
+    RowAcc r;
+    r.m = fmaxf(a.m, b.m);
+    const float ea = a.m == -INFINITY ? 0.0f : __expf(a.m - r.m);
+    const float eb = b.m == -INFINITY ? 0.0f : __expf(b.m - r.m);
+    r.s = a.s * ea + b.s * eb;
+    r.sez = a.sez * ea + b.sez * eb;
+    r.sz = a.sz + b.sz;
+    r.swz = a.swz + b.swz;
+    r.zy = a.zy + b.zy;
+    r.arg = a.m > b.m ? a.arg : b.m > a.m ? b.arg : min(a.arg, b.arg);
+    return r;
+  }
+};
+
+/// Adds softcapped logit `zc` of column `col` to a row's statistics; `y` is the row's target.
+__device__ __forceinline__ void accumulate_logit(RowAcc& acc, const TokenParams& p, float zc,
+                                                 std::int64_t col, std::int64_t y, bool want_sum) {
+  acc.push(zc, static_cast<int>(col));
+  if (want_sum) {
+    acc.sz += zc;
+    if (p.class_weights) acc.swz += p.class_weights[col] * zc;
+  }
+  if (col == y) acc.zy = zc;
+}
+
+/// What the gradient pass needs of a row.
+struct RowOut {
+  float lse, a, b, g;
+};
+
+/// Writes row t's lse, entropy, argmax, scaled coefficients, loss and z-loss from its merged
+/// statistics; `y` is valid_target(p, t).
+__device__ inline RowOut apply_row_rule(const TokenParams& p, std::int64_t t, std::int64_t y,
+                                        const RowAcc& r) {
+  const float lse = r.m + logf(r.s);
+  p.row.lse[t] = lse;
+  p.row.entropy[t] = p.entropy ? lse - r.sez / r.s : 0.0f;
+  p.row.argmax[t] = r.arg;
+  float a = 0, b = 0, g = 0, loss = 0, zl = 0;
+  if (is_valid(p, y)) {
+    const float cw_y = p.class_weights ? p.class_weights[y] : 1.0f;
+    const float sum_wz = p.class_weights ? r.swz : r.sz;
+    RowRule rule = p.rule;
+    rule.cw_sum = static_cast<float>(p.scalars[kClassWeightSum]);
+    const RowTerms rt = row_terms(rule, lse, r.zy, cw_y, sum_wz);
+    const float tw = p.token_weights ? p.token_weights[t] : 1.0f;
+    float coef = tw;
+    if (p.scale == Scale::kMean) coef *= static_cast<float>(p.scalars[kInvDenom]);
+    if (p.scale == Scale::kUpstream) coef *= p.upstream[t];
+    a = coef * rt.alpha;
+    b = coef * rt.beta;
+    g = coef * rt.gamma;
+    loss = tw * (rt.ce + rt.zloss);
+    zl = tw * rt.zloss;
+  }
+  p.row.a[t] = a;
+  p.row.b[t] = b;
+  p.row.g[t] = g;
+  p.row.loss[t] = loss;
+  p.row.zloss[t] = zl;
+  return {lse, a, b, g};
+}
+
+}  // namespace chunkloss::kern

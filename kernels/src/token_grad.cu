@@ -1,0 +1,111 @@
+// The gradient epilogue (dL/dz written in place over the logits tile, in the gradient dtype)
+// and the bias gradient. One block per row walks the row in tiles of 16-byte vectors; when
+// the gradient element is narrower than the logits element each tile is fully read before any
+// thread stores, so a row's bf16 gradient can overwrite the first half of its own fp32 row.
+#include "device_util.cuh"
+
+namespace chunkloss::kern {
+namespace {
+
+constexpr int kGradThreads = 256;
+constexpr int kSumThreads = 256;
+
+template <typename TL, typename TG>
+__global__ void __launch_bounds__(kGradThreads)
+    grad_epilogue_kernel(TokenParams p, TL* tile, std::int64_t ld, std::int64_t r0, std::int64_t v0,
+                         std::int64_t cols) {
+  constexpr int V = kVec<TL>;
+  constexpr bool kNarrowing = sizeof(TG) < sizeof(TL);
+  const std::int64_t i = blockIdx.x, t = r0 + i;
+  TL* row = tile + i * ld;
+  TG* grow = reinterpret_cast<TG*>(row);
+  const bool vec = aligned16(tile) && (ld % V) == 0;
+  const float lse = p.row.lse[t], a = p.row.a[t], b = p.row.b[t], g = p.row.g[t];
+  const bool zero = a == 0.0f && b == 0.0f && g == 0.0f;
+  const std::int64_t y = valid_target(p, t) - v0;
+  const float cap = p.softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
+  const std::int64_t step = static_cast<std::int64_t>(kGradThreads) * V;
+  for (std::int64_t base = 0; base < cols; base += step) {
+    const std::int64_t j = base + static_cast<std::int64_t>(threadIdx.x) * V;
+    float z[V];
+    if (!zero) load_floats(row, j, cols, vec, z);
+    if constexpr (kNarrowing) __syncthreads();
+    float d[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const std::int64_t col = j + k;
+      if (zero || col >= cols) {
+        d[k] = 0.0f;
+        continue;
+      }
+      const float u = p.class_weights ? p.class_weights[v0 + col] : 1.0f;
+      d[k] = grad_element(z[k] + bias_at(p, v0 + col), col == y, lse, a, b, g, u, cap, inv_cap);
+    }
+    if (j < cols) store_floats<TG, V>(grow, j, cols, vec, d);
+  }
+}
+
+// Bias gradient from the logits before the gradient epilogue overwrites them, so the column
+// sums see fp32 gradient values whatever the gradient dtype. One thread per column walks the
+// rows in order: coalesced across the warp, deterministic, no atomics.
+template <typename TL>
+__global__ void bias_grad_kernel(TokenParams p, const TL* tile, std::int64_t ld, std::int64_t r0,
+                                 std::int64_t rows, std::int64_t v0, std::int64_t cols, float* db) {
+  const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * kSumThreads + threadIdx.x;
+  if (j >= cols) return;
+  const float cap = p.softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
+  const float bj = bias_at(p, v0 + j);
+  const float u = p.class_weights ? p.class_weights[v0 + j] : 1.0f;
+  float s = 0.0f;
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const std::int64_t t = r0 + i;
+    const float a = p.row.a[t], b = p.row.b[t], g = p.row.g[t];
+    if (a == 0.0f && b == 0.0f && g == 0.0f) continue;
+    s += grad_element(to_float(tile[i * ld + j]) + bj, valid_target(p, t) - v0 == j, p.row.lse[t],
+                      a, b, g, u, cap, inv_cap);
+  }
+  db[j] += s;
+}
+
+template <typename TL>
+int grad_dispatch(const TokenParams& p, void* tile, Elem grad_elem, std::int64_t ld,
+                  std::int64_t r0, std::int64_t rows, std::int64_t v0, std::int64_t cols,
+                  cudaStream_t s) {
+  const auto grid = static_cast<unsigned>(rows);
+  TL* t = static_cast<TL*>(tile);
+  if (grad_elem == Elem::kF32)
+    grad_epilogue_kernel<TL, float><<<grid, kGradThreads, 0, s>>>(p, t, ld, r0, v0, cols);
+  else
+    grad_epilogue_kernel<TL, __nv_bfloat16><<<grid, kGradThreads, 0, s>>>(p, t, ld, r0, v0, cols);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+int launch_grad_epilogue(const TokenParams& p, void* tile, Elem logits_elem, Elem grad_elem,
+                         std::int64_t ld, std::int64_t r0, std::int64_t rows, std::int64_t v0,
+                         std::int64_t cols, void* stream) {
+  if (rows == 0) return 0;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (logits_elem == Elem::kF32)
+    return grad_dispatch<float>(p, tile, grad_elem, ld, r0, rows, v0, cols, s);
+  if (grad_elem == Elem::kF32)
+    return static_cast<int>(cudaErrorInvalidValue);  // bf16 tile cannot hold fp32
+  return grad_dispatch<__nv_bfloat16>(p, tile, grad_elem, ld, r0, rows, v0, cols, s);
+}
+
+int launch_bias_grad(const TokenParams& p, const void* tile, Elem logits_elem, std::int64_t ld,
+                     std::int64_t r0, std::int64_t rows, std::int64_t v0, std::int64_t cols,
+                     float* db, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  const auto grid = static_cast<unsigned>((cols + kSumThreads - 1) / kSumThreads);
+  if (logits_elem == Elem::kF32)
+    bias_grad_kernel<<<grid, kSumThreads, 0, s>>>(p, static_cast<const float*>(tile), ld, r0, rows,
+                                                  v0, cols, db);
+  else
+    bias_grad_kernel<<<grid, kSumThreads, 0, s>>>(p, static_cast<const __nv_bfloat16*>(tile), ld,
+                                                  r0, rows, v0, cols, db);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace chunkloss::kern

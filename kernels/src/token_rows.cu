@@ -1,0 +1,143 @@
+// Row kernels of the token engine: the valid-row prepass, the row statistics epilogue (online
+// max/sum-exp, target logit, logit sums, entropy, first argmax; one block per row, 16-byte loads,
+// cub::BlockReduce with a fixed tree, fp32 math) and the final deterministic reduction.
+#include <cub/block/block_reduce.cuh>
+
+#include "device_util.cuh"
+#include "row_acc.cuh"
+
+namespace chunkloss::kern {
+namespace {
+
+constexpr int kStatsThreads = 256;
+constexpr int kFinishThreads = 1024;
+
+__global__ void token_begin_kernel(TokenParams p) {
+  using Reduce = cub::BlockReduce<double, kFinishThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  double valid = 0, denom = 0, bad = 0;
+  for (std::int64_t t = threadIdx.x; t < p.rows; t += kFinishThreads) {
+    const std::int64_t y = target_at(p, t);
+    if (y == p.ignore_index) continue;
+    if (y < 0 || y >= p.vocab) {
+      bad += 1;
+      continue;
+    }
+    valid += 1;
+    denom += p.class_weights ? static_cast<double>(p.class_weights[y]) : 1.0;
+  }
+  const double v = Reduce(tmp).Sum(valid);
+  __syncthreads();
+  const double d = Reduce(tmp).Sum(denom);
+  __syncthreads();
+  const double b = Reduce(tmp).Sum(bad);
+  __syncthreads();
+  double cw = 0;
+  if (p.class_weights)
+    for (std::int64_t j = threadIdx.x; j < p.vocab; j += kFinishThreads) cw += p.class_weights[j];
+  const double cw_sum = Reduce(tmp).Sum(cw);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kNumScalars; ++i) p.scalars[i] = 0;
+    p.scalars[kValidRows] = v;
+    p.scalars[kWeightSum] = d;
+    p.scalars[kInvDenom] = d > 0 ? 1.0 / d : 0.0;
+    p.scalars[kBadTargets] = b;
+    p.scalars[kClassWeightSum] = p.class_weights ? cw_sum : static_cast<double>(p.vocab);
+  }
+}
+
+template <typename TL>
+__global__ void __launch_bounds__(kStatsThreads)
+    row_stats_kernel(TokenParams p, const TL* logits, std::int64_t ld, std::int64_t r0) {
+  using Reduce = cub::BlockReduce<RowAcc, kStatsThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  constexpr int V = kVec<TL>;
+  const std::int64_t i = blockIdx.x, t = r0 + i, n = p.vocab;
+  const TL* row = logits + i * ld;
+  const bool vec = aligned16(logits) && (ld % V) == 0;
+  const std::int64_t y = valid_target(p, t);
+  const float cap = p.softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
+  const bool want_sum = p.rule.eps != 0.0f;
+
+  RowAcc acc = RowAcc::empty();
+  for (std::int64_t j = static_cast<std::int64_t>(threadIdx.x) * V; j < n; j += kStatsThreads * V) {
+    float z[V];
+    load_floats(row, j, n, vec, z);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const std::int64_t col = j + k;
+      if (col >= n) break;
+      accumulate_logit(acc, p, softcap_value(z[k] + bias_at(p, col), cap, inv_cap), col, y,
+                       want_sum);
+    }
+  }
+  const RowAcc r = Reduce(tmp).Reduce(acc, MergeAcc());
+  if (threadIdx.x == 0) apply_row_rule(p, t, y, r);
+}
+
+struct Totals {
+  double loss, zloss, correct, entropy;
+};
+struct SumTotals {
+  __device__ Totals operator()(const Totals& a, const Totals& b) const {
+    return {a.loss + b.loss, a.zloss + b.zloss, a.correct + b.correct, a.entropy + b.entropy};
+  }
+};
+
+__global__ void token_finish_kernel(TokenParams p, float* out_row_loss, float* out_lse,
+                                    std::int32_t* out_pred) {
+  using Reduce = cub::BlockReduce<Totals, kFinishThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  Totals acc{0, 0, 0, 0};
+  for (std::int64_t t = threadIdx.x; t < p.rows; t += kFinishThreads) {
+    const std::int64_t y = valid_target(p, t);
+    const bool valid = is_valid(p, y);
+    if (valid) {
+      acc.loss += p.row.loss[t];
+      acc.zloss += p.row.zloss[t];
+      acc.correct += p.row.argmax[t] == y ? 1.0 : 0.0;
+      acc.entropy += p.row.entropy[t];
+    }
+    if (out_row_loss) out_row_loss[t] = p.row.loss[t];
+    if (out_lse) out_lse[t] = p.row.lse[t];
+    if (out_pred) out_pred[t] = valid ? p.row.argmax[t] : -1;
+  }
+  const Totals r = Reduce(tmp).Reduce(acc, SumTotals());
+  if (threadIdx.x != 0) return;
+  const double valid = p.scalars[kValidRows];
+  const double scale = p.scale == Scale::kMean ? p.scalars[kInvDenom] : 1.0;
+  p.scalars[kLoss] = r.loss * scale;
+  p.scalars[kZLoss] = r.zloss * scale;
+  p.scalars[kAccuracy] = valid > 0 ? r.correct / valid : 0.0;
+  p.scalars[kEntropy] = valid > 0 ? r.entropy / valid : 0.0;
+}
+
+}  // namespace
+
+int launch_token_begin(const TokenParams& p, void* stream) {
+  token_begin_kernel<<<1, kFinishThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_row_stats(const TokenParams& p, const void* logits, Elem logits_elem, std::int64_t ld,
+                     std::int64_t r0, std::int64_t rows, void* stream) {
+  if (rows == 0) return 0;
+  auto s = static_cast<cudaStream_t>(stream);
+  const auto grid = static_cast<unsigned>(rows);
+  if (logits_elem == Elem::kF32)
+    row_stats_kernel<float>
+        <<<grid, kStatsThreads, 0, s>>>(p, static_cast<const float*>(logits), ld, r0);
+  else
+    row_stats_kernel<__nv_bfloat16>
+        <<<grid, kStatsThreads, 0, s>>>(p, static_cast<const __nv_bfloat16*>(logits), ld, r0);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_token_finish(const TokenParams& p, float* out_row_loss, float* out_lse,
+                        std::int32_t* out_pred, void* stream) {
+  token_finish_kernel<<<1, kFinishThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      p, out_row_loss, out_lse, out_pred);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace chunkloss::kern

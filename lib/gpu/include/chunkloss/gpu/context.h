@@ -1,0 +1,74 @@
+// The CUDA execution context: one device, one stream and a cuBLAS handle with its workspace,
+// owned explicitly by the caller (no hidden globals). No CUDA header is included here.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "chunkloss/core/context.h"
+
+namespace chunkloss::gpu {
+
+/// A CUDA context. Streams are passed as void* (a cudaStream_t); with `stream == nullptr` the
+/// context creates and owns a non-blocking stream. Work is enqueued on the stream; calls of the
+/// loss objects synchronise it once at the end to copy the scalar results to the host.
+/// Throws chunkloss::Error when the device does not exist or CUDA/cuBLAS fail.
+class Context final : public chunkloss::Context {
+ public:
+  explicit Context(int device = 0, void* stream = nullptr);
+  ~Context() override;
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  Device device() const override { return Device::kCuda; }
+  int device_index() const override;
+  /// The cudaStream_t all work runs on.
+  void* stream() const;
+  /// The cublasHandle_t bound to the stream.
+  void* cublas() const;
+  /// Makes this context's device current on the calling thread.
+  void activate() const;
+  /// Waits for all work on the stream.
+  void synchronize() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Number of CUDA devices (0 when the driver or the device is missing; never throws).
+int device_count();
+
+/// Owning device allocation (cudaMalloc/cudaFree) for tests, benchmarks and trainers.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(std::size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) {
+    o.ptr_ = nullptr;
+    o.bytes_ = 0;
+  }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* data() const { return ptr_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+/// Synchronous copies between host and device memory.
+void copy_to_device(void* dst, const void* src, std::size_t bytes);
+void copy_to_host(void* dst, const void* src, std::size_t bytes);
+/// Free and total device memory in bytes (cudaMemGetInfo) of the current device.
+void memory_info(std::size_t* free_bytes, std::size_t* total_bytes);
+
+}  // namespace chunkloss::gpu

@@ -1,0 +1,24 @@
+// GEMM wrapper over cublasGemmEx for the engine (internal): row-major operands of f32 or bf16,
+// fp32 accumulation (never TF32), selectable output dtype, beta for accumulation.
+#pragma once
+
+#include <cstdint>
+
+#include "chunkloss/core/dtype.h"
+#include "chunkloss/gpu/context.h"
+
+namespace chunkloss::gpu {
+
+/// A row-major matrix operand: `rows` x `cols` with leading dimension `ld` (elements).
+struct Matrix {
+  const void* data;
+  DType dtype;
+  std::int64_t rows, cols, ld;
+};
+
+/// C = op(A) op(B) + beta C, all row-major; `trans_a`/`trans_b` transpose the operand.
+/// C must be f32 or bf16; A and B share one dtype. Enqueued on the context's stream.
+void gemm(const Context& ctx, const Matrix& a, bool trans_a, const Matrix& b, bool trans_b, void* c,
+          DType c_dtype, std::int64_t ldc, float beta);
+
+}  // namespace chunkloss::gpu

@@ -1,0 +1,92 @@
+// The CUDA context (device, stream, cuBLAS handle and workspace) and device buffers.
+#include "chunkloss/gpu/context.h"
+
+#include "chunkloss/gpu/check.h"
+
+namespace chunkloss::gpu {
+
+namespace {
+constexpr std::size_t kCublasWorkspace = std::size_t{32} << 20;  // Hopper guidance: 32 MiB
+}
+
+struct Context::Impl {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  bool owns_stream = false;
+  cublasHandle_t cublas = nullptr;
+  void* cublas_ws = nullptr;
+};
+
+Context::Context(int device, void* stream) : impl_(std::make_unique<Impl>()) {
+  const int n = device_count();
+  CHUNKLOSS_CHECK(device >= 0 && device < n, "gpu::Context: device ", device, " does not exist (",
+                  n, " CUDA devices visible)");
+  impl_->device = device;
+  CHUNKLOSS_GPU_CHECK(cudaSetDevice(device));
+  if (stream) {
+    impl_->stream = static_cast<cudaStream_t>(stream);
+  } else {
+    CHUNKLOSS_GPU_CHECK(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking));
+    impl_->owns_stream = true;
+  }
+  CHUNKLOSS_GPU_CHECK(cublasCreate(&impl_->cublas));
+  CHUNKLOSS_GPU_CHECK(cublasSetStream(impl_->cublas, impl_->stream));
+  CHUNKLOSS_GPU_CHECK(cudaMalloc(&impl_->cublas_ws, kCublasWorkspace));
+  CHUNKLOSS_GPU_CHECK(cublasSetWorkspace(impl_->cublas, impl_->cublas_ws, kCublasWorkspace));
+}
+
+Context::~Context() {
+  (void)cudaSetDevice(impl_->device);
+  if (impl_->stream) (void)cudaStreamSynchronize(impl_->stream);
+  if (impl_->cublas) (void)cublasDestroy(impl_->cublas);
+  if (impl_->cublas_ws) (void)cudaFree(impl_->cublas_ws);
+  if (impl_->owns_stream) (void)cudaStreamDestroy(impl_->stream);
+}
+
+int Context::device_index() const { return impl_->device; }
+void* Context::stream() const { return impl_->stream; }
+void* Context::cublas() const { return impl_->cublas; }
+void Context::activate() const { CHUNKLOSS_GPU_CHECK(cudaSetDevice(impl_->device)); }
+void Context::synchronize() const { CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(impl_->stream)); }
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+DeviceBuffer::DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
+  if (bytes) CHUNKLOSS_GPU_CHECK(cudaMalloc(&ptr_, bytes));
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (ptr_) (void)cudaFree(ptr_);
+}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    if (ptr_) (void)cudaFree(ptr_);
+    ptr_ = o.ptr_;
+    bytes_ = o.bytes_;
+    o.ptr_ = nullptr;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
+void copy_to_device(void* dst, const void* src, std::size_t bytes) {
+  CHUNKLOSS_GPU_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+
+void copy_to_host(void* dst, const void* src, std::size_t bytes) {
+  CHUNKLOSS_GPU_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+
+void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {
+  CHUNKLOSS_GPU_CHECK(cudaMemGetInfo(free_bytes, total_bytes));
+}
+
+}  // namespace chunkloss::gpu

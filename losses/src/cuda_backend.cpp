@@ -1,0 +1,193 @@
+// The CUDA backend of the token engine: cuBLAS GEMMs (bf16 or fp32 operands, fp32 accumulation)
+// and the kernels of kernels/, all enqueued on the context's stream. No allocation and no host
+// synchronisation until finish(), which copies the scalar results once.
+#include <cuda_runtime.h>
+
+#include <cstring>
+
+#include "chunkloss/core/error.h"
+#include "chunkloss/gpu/check.h"
+#include "chunkloss/gpu/gemm.h"
+#include "chunkloss/kernels/token_epilogue.h"
+#include "engine.h"
+#include "row_arrays.h"
+
+namespace chunkloss::detail {
+namespace {
+
+kern::Elem elem(DType t) { return t == DType::kF32 ? kern::Elem::kF32 : kern::Elem::kBF16; }
+
+class CudaTokenBackend final : public TokenBackend {
+ public:
+  CudaTokenBackend(const gpu::Context& ctx, const TokenCall& call, const Plan& plan,
+                   const Workspace& ws, bool check_finite)
+      : ctx_(ctx), c_(call), plan_(plan), stream_(ctx.stream()), check_finite_(check_finite) {
+    tile_ = ws.at<void>(plan.logits);
+    if (plan.dw_accum.bytes) dw_acc_ = ws.at<float>(plan.dw_accum);
+    if (plan.dh_accum.bytes) dh_acc_ = ws.at<float>(plan.dh_accum);
+    if (plan.db_accum.bytes) db_acc_ = ws.at<float>(plan.db_accum);
+    scalars_ = ws.at<double>(plan.scalars);
+    const RowArrays r = RowArrays::carve(ws.at<float>(plan.row_stats), call.rows);
+    p_.rows = call.rows;
+    p_.vocab = call.vocab;
+    p_.targets = call.targets.data();
+    p_.targets_i64 = call.targets.dtype() == DType::kI64;
+    p_.ignore_index = call.ignore_index;
+    p_.bias = call.bias.defined() ? call.bias.data() : nullptr;
+    p_.bias_elem = elem(call.x.dtype());
+    p_.class_weights =
+        call.class_weights.defined() ? call.class_weights.data_as<const float>() : nullptr;
+    p_.token_weights =
+        call.token_weights.defined() ? call.token_weights.data_as<const float>() : nullptr;
+    p_.upstream = call.upstream.defined() ? call.upstream.data_as<const float>() : nullptr;
+    p_.rule = call.rule;
+    p_.softcap = call.softcap;
+    p_.entropy = call.entropy;
+    p_.scale = call.scale == RowScale::kMean  ? kern::Scale::kMean
+               : call.scale == RowScale::kSum ? kern::Scale::kSum
+                                              : kern::Scale::kUpstream;
+    p_.row = {r.lse, r.a, r.b, r.g, r.loss, r.zloss, r.entropy, r.argmax};
+    p_.scalars = scalars_;
+    ctx.activate();
+  }
+
+  void begin() override {
+    CHUNKLOSS_LAUNCH_CHECK(kern::launch_token_begin(p_, stream_));
+    if (check_finite_) {
+      for (const TensorView* t : {&c_.x, &c_.w, &c_.bias})
+        if (t->defined())
+          CHUNKLOSS_LAUNCH_CHECK(kern::launch_count_nonfinite(t->data(), elem(t->dtype()),
+                                                              t->numel(), scalars_, stream_));
+    }
+    if (db_acc_) CHUNKLOSS_LAUNCH_CHECK(kern::launch_zero(db_acc_, c_.vocab, stream_));
+  }
+
+  void logits(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1) override {
+    gpu::gemm(ctx_, x_rows(r0, r1), false, w_rows(v0, v1), true, tile_, plan_.logits_dtype, v1 - v0,
+              0.0f);
+  }
+
+  void row_stats(std::int64_t r0, std::int64_t r1) override {
+    CHUNKLOSS_LAUNCH_CHECK(kern::launch_row_stats(p_, tile_, elem(plan_.logits_dtype), c_.vocab, r0,
+                                                  r1 - r0, stream_));
+  }
+
+  // The bias gradient is summed from the fp32 logits first, then the tile becomes the gradient.
+  void grad_epilogue(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1) override {
+    if (db_acc_)
+      CHUNKLOSS_LAUNCH_CHECK(kern::launch_bias_grad(p_, tile_, elem(plan_.logits_dtype), v1 - v0,
+                                                    r0, r1 - r0, v0, v1 - v0, db_acc_ + v0,
+                                                    stream_));
+    CHUNKLOSS_LAUNCH_CHECK(kern::launch_grad_epilogue(p_, tile_, elem(plan_.logits_dtype),
+                                                      elem(c_.x.dtype()), v1 - v0, r0, r1 - r0, v0,
+                                                      v1 - v0, stream_));
+  }
+
+  void grad_x(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
+              bool first) override {
+    if (!c_.grad_x.defined()) return;
+    const std::int64_t h = c_.hidden;
+    if (dh_acc_) {
+      gpu::gemm(ctx_, grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), false, dh_acc_ + r0 * h,
+                DType::kF32, h, first ? 0.0f : 1.0f);
+      return;
+    }
+    auto* dst =
+        static_cast<unsigned char*>(c_.grad_x.data()) + r0 * h * dtype_size(c_.grad_x.dtype());
+    gpu::gemm(ctx_, grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), false, dst, c_.grad_x.dtype(),
+              h, first && !c_.accumulate ? 0.0f : 1.0f);
+  }
+
+  void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
+              bool first) override {
+    if (!c_.grad_w.defined()) return;
+    const gpu::Matrix g = grad_tile(r0, r1, v0, v1);
+    const std::int64_t h = c_.hidden;
+    if (dw_acc_) {
+      gpu::gemm(ctx_, g, true, x_rows(r0, r1), false, dw_acc_ + v0 * h, DType::kF32, h,
+                first ? 0.0f : 1.0f);
+      return;
+    }
+    auto* dst =
+        static_cast<unsigned char*>(c_.grad_w.data()) + v0 * h * dtype_size(c_.grad_w.dtype());
+    gpu::gemm(ctx_, g, true, x_rows(r0, r1), false, dst, c_.grad_w.dtype(), h,
+              first && !c_.accumulate ? 0.0f : 1.0f);
+  }
+
+  TokenTotals finish() override {
+    if (dw_acc_) flush(c_.grad_w, dw_acc_);
+    if (dh_acc_) flush(c_.grad_x, dh_acc_);
+    if (db_acc_) flush(c_.grad_bias, db_acc_);
+    CHUNKLOSS_LAUNCH_CHECK(kern::launch_token_finish(
+        p_, c_.out_row_loss.defined() ? c_.out_row_loss.data_as<float>() : nullptr,
+        c_.out_lse.defined() ? c_.out_lse.data_as<float>() : nullptr,
+        c_.out_pred.defined() ? c_.out_pred.data_as<std::int32_t>() : nullptr, stream_));
+    double s[kern::kNumScalars];
+    CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(s, scalars_, sizeof s, cudaMemcpyDeviceToHost,
+                                        static_cast<cudaStream_t>(stream_)));
+    CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
+    CHUNKLOSS_CHECK(s[kern::kBadTargets] == 0, "LinearCrossEntropy: targets ", c_.targets.str(),
+                    " has ", s[kern::kBadTargets], " values outside [0, V=", c_.vocab,
+                    ") that are not ignore_index (", c_.ignore_index,
+                    "); checked on the device, so the gradient buffers hold unspecified values");
+    std::uint64_t nonfinite;
+    std::memcpy(&nonfinite, &s[kern::kNonFinite], sizeof nonfinite);
+    CHUNKLOSS_CHECK(
+        nonfinite == 0, "LinearCrossEntropy: check_finite found ", nonfinite,
+        " non-finite values in hidden/weight/bias; the gradient buffers hold unspecified values");
+    TokenTotals t;
+    t.loss = s[kern::kLoss];
+    t.z_loss = s[kern::kZLoss];
+    t.valid_rows = static_cast<std::int64_t>(s[kern::kValidRows]);
+    t.weight_sum = s[kern::kWeightSum];
+    t.correct = s[kern::kAccuracy] * static_cast<double>(t.valid_rows);
+    t.entropy = s[kern::kEntropy] * static_cast<double>(t.valid_rows);
+    return t;
+  }
+
+ private:
+  gpu::Matrix x_rows(std::int64_t r0, std::int64_t r1) const {
+    const std::int64_t h = c_.hidden;
+    return {static_cast<const unsigned char*>(c_.x.data()) + r0 * h * dtype_size(c_.x.dtype()),
+            c_.x.dtype(), r1 - r0, h, h};
+  }
+  gpu::Matrix w_rows(std::int64_t v0, std::int64_t v1) const {
+    const std::int64_t h = c_.hidden;
+    return {static_cast<const unsigned char*>(c_.w.data()) + v0 * h * dtype_size(c_.w.dtype()),
+            c_.w.dtype(), v1 - v0, h, h};
+  }
+  // The gradient tile in the input dtype; narrower than the logits, its rows keep the logits'
+  // stride.
+  gpu::Matrix grad_tile(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1) const {
+    const std::int64_t cols = v1 - v0;
+    const auto ld =
+        static_cast<std::int64_t>(cols * dtype_size(plan_.logits_dtype) / dtype_size(c_.x.dtype()));
+    return {tile_, c_.x.dtype(), r1 - r0, cols, ld};
+  }
+  void flush(const TensorView& dst, const float* acc) {
+    CHUNKLOSS_LAUNCH_CHECK(kern::launch_store_f32(dst.data(), elem(dst.dtype()), acc, dst.numel(),
+                                                  c_.accumulate, stream_));
+  }
+
+  const gpu::Context& ctx_;
+  const TokenCall& c_;
+  const Plan& plan_;
+  void* stream_;
+  bool check_finite_;
+  void* tile_ = nullptr;
+  float *dw_acc_ = nullptr, *dh_acc_ = nullptr, *db_acc_ = nullptr;
+  double* scalars_ = nullptr;
+  kern::TokenParams p_;
+};
+
+}  // namespace
+
+std::unique_ptr<TokenBackend> make_cuda_token_backend(Context& ctx, const TokenCall& call,
+                                                      const Plan& plan, const Workspace& ws) {
+  CHUNKLOSS_CHECK(ws.device() == Device::kCuda,
+                  "LinearCrossEntropy: the workspace must be device memory");
+  return std::make_unique<CudaTokenBackend>(static_cast<const gpu::Context&>(ctx), call, plan, ws,
+                                            call.check_finite);
+}
+
+}  // namespace chunkloss::detail
