@@ -69,8 +69,8 @@ struct RowOut {
   float lse, a, b, g;
 };
 
-/// Writes row t's lse, entropy, argmax, scaled coefficients, loss and z-loss from its merged
-/// statistics; `y` is valid_target(p, t).
+/// Writes row t's lse, entropy, argmax, scaled coefficients (divided by the GEMMs' alpha, see
+/// kGemmScalarsOffset), loss and z-loss from its merged statistics; `y` is valid_target(p, t).
 __device__ inline RowOut apply_row_rule(const TokenParams& p, std::int64_t t, std::int64_t y,
                                         const RowAcc& r) {
   const float lse = r.m + logf(r.s);
@@ -86,7 +86,7 @@ __device__ inline RowOut apply_row_rule(const TokenParams& p, std::int64_t t, st
     const RowTerms rt = row_terms(rule, lse, r.zy, cw_y, sum_wz);
     const float tw = p.token_weights ? p.token_weights[t] : 1.0f;
     float coef = tw;
-    if (p.scale == Scale::kMean) coef *= static_cast<float>(p.scalars[kInvDenom]);
+    if (p.scale == Scale::kMean) coef *= static_cast<float>(p.scalars[kRowScale]);
     if (p.scale == Scale::kUpstream) coef *= p.upstream[t];
     a = coef * rt.alpha;
     b = coef * rt.beta;

@@ -64,7 +64,7 @@ __global__ void bias_grad_kernel(TokenParams p, const TL* tile, std::int64_t ld,
     s += grad_element(to_float(tile[i * ld + j]) + bj, valid_target(p, t) - v0 == j, p.row.lse[t],
                       a, b, g, u, cap, inv_cap);
   }
-  db[j] += s;
+  db[j] += s * reinterpret_cast<const float*>(p.scalars + kGemmScalarsOffset)[kAlpha];
 }
 
 template <typename TL>

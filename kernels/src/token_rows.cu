@@ -40,7 +40,16 @@ __global__ void token_begin_kernel(TokenParams p) {
     for (int i = 0; i < kNumScalars; ++i) p.scalars[i] = 0;
     p.scalars[kValidRows] = v;
     p.scalars[kWeightSum] = d;
-    p.scalars[kInvDenom] = d > 0 ? 1.0 / d : 0.0;
+    const double inv = d > 0 ? 1.0 / d : 0.0;
+    p.scalars[kInvDenom] = inv;
+    // 1/D = alpha * 2^e with alpha in [0.5, 1): the tile carries 2^e exactly, the GEMMs alpha.
+    int e = 0;
+    const double alpha = p.scale == Scale::kMean && inv > 0 ? frexp(inv, &e) : 1.0;
+    p.scalars[kRowScale] = p.scale == Scale::kMean ? ldexp(1.0, e) : 1.0;
+    float* gemm = reinterpret_cast<float*>(p.scalars + kGemmScalarsOffset);
+    gemm[kAlpha] = static_cast<float>(alpha);
+    gemm[kZero] = 0.0f;
+    gemm[kOne] = 1.0f;
     p.scalars[kBadTargets] = b;
     p.scalars[kClassWeightSum] = p.class_weights ? cw_sum : static_cast<double>(p.vocab);
   }

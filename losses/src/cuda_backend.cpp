@@ -88,14 +88,14 @@ class CudaTokenBackend final : public TokenBackend {
     if (!c_.grad_x.defined()) return;
     const std::int64_t h = c_.hidden;
     if (dh_acc_) {
-      gpu::gemm(ctx_, grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), false, dh_acc_ + r0 * h,
-                DType::kF32, h, first ? 0.0f : 1.0f);
+      grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), dh_acc_ + r0 * h, DType::kF32,
+                first);
       return;
     }
     auto* dst =
         static_cast<unsigned char*>(c_.grad_x.data()) + r0 * h * dtype_size(c_.grad_x.dtype());
-    gpu::gemm(ctx_, grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), false, dst, c_.grad_x.dtype(),
-              h, first && !c_.accumulate ? 0.0f : 1.0f);
+    grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), dst, c_.grad_x.dtype(),
+              first && !c_.accumulate);
   }
 
   void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
@@ -104,14 +104,12 @@ class CudaTokenBackend final : public TokenBackend {
     const gpu::Matrix g = grad_tile(r0, r1, v0, v1);
     const std::int64_t h = c_.hidden;
     if (dw_acc_) {
-      gpu::gemm(ctx_, g, true, x_rows(r0, r1), false, dw_acc_ + v0 * h, DType::kF32, h,
-                first ? 0.0f : 1.0f);
+      grad_gemm(g, true, x_rows(r0, r1), dw_acc_ + v0 * h, DType::kF32, first);
       return;
     }
     auto* dst =
         static_cast<unsigned char*>(c_.grad_w.data()) + v0 * h * dtype_size(c_.grad_w.dtype());
-    gpu::gemm(ctx_, g, true, x_rows(r0, r1), false, dst, c_.grad_w.dtype(), h,
-              first && !c_.accumulate ? 0.0f : 1.0f);
+    grad_gemm(g, true, x_rows(r0, r1), dst, c_.grad_w.dtype(), first && !c_.accumulate);
   }
 
   TokenTotals finish() override {
@@ -163,6 +161,13 @@ class CudaTokenBackend final : public TokenBackend {
     const auto ld =
         static_cast<std::int64_t>(cols * dtype_size(plan_.logits_dtype) / dtype_size(c_.x.dtype()));
     return {tile_, c_.x.dtype(), r1 - r0, cols, ld};
+  }
+  // dst [rows of op(a), H] = alpha op(a) b (+ dst unless `overwrite`); alpha is on the device.
+  void grad_gemm(const gpu::Matrix& a, bool trans_a, const gpu::Matrix& b, void* dst,
+                 DType dst_dtype, bool overwrite) {
+    const float* s = reinterpret_cast<const float*>(scalars_ + kern::kGemmScalarsOffset);
+    gpu::gemm_device_scalars(ctx_, a, trans_a, b, false, dst, dst_dtype, c_.hidden,
+                             s + kern::kAlpha, s + (overwrite ? kern::kZero : kern::kOne));
   }
   void flush(const TensorView& dst, const float* acc) {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_store_f32(dst.data(), elem(dst.dtype()), acc, dst.numel(),

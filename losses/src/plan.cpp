@@ -27,7 +27,7 @@ namespace {
 constexpr std::int64_t kRowGranule = 64;
 constexpr std::size_t kRowStatsFloats = 8;  // see RowStatsArrays in the backends
 constexpr std::int64_t kCpuWeightTile = 256;
-constexpr std::size_t kDeviceScalarBytes = 16 * sizeof(double);  // >= kern::kNumScalars
+constexpr std::size_t kDeviceScalarBytes = 16 * sizeof(double);  // >= kern::kNumScalars + 3 floats
 
 /// Device constants of the cost model: GEMM rate saturating with the rows of the GEMM
 /// (rate = peak * m / (m + m_half)) and the bandwidth that read-modify-writes run at.

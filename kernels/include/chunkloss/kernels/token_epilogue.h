@@ -25,8 +25,15 @@ enum Scalar : int {
   kBadTargets,
   kNonFinite,  ///< an unsigned 64-bit count stored in the double's bytes
   kClassWeightSum,
+  kRowScale,  ///< power of two applied to the gradient tile (the mean's 1/D = alpha * kRowScale)
   kNumScalars
 };
+
+/// The gradient GEMMs' alpha, 0 and 1 as fp32 values in device memory, stored after the doubles
+/// (cuBLAS device pointer mode): the gradient tile holds dL/dz / alpha, where alpha is the
+/// mantissa of the mean's 1/D, so a uniform coefficient costs no bf16 rounding in the tile.
+inline constexpr int kGemmScalarsOffset = kNumScalars + 1;  // in doubles
+enum GemmScalar : int { kAlpha = 0, kZero, kOne, kNumGemmScalars };
 
 /// How a row's coefficient c_t is formed from its token weight tw_t.
 enum class Scale : std::uint8_t { kMean, kSum, kUpstream };
