@@ -1,0 +1,127 @@
+// Test fixture for LinearCrossEntropy: seeded problem data in fp32 or bf16, gradient and output
+// buffers in either dtype, one call through the library with a fresh workspace, and the full
+// comparison of a call's results against the float64 oracle.
+#pragma once
+
+#include <chunkloss/core/context.h>
+#include <chunkloss/core/error.h>
+#include <chunkloss/losses/cross_entropy.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "reference/cross_entropy_ref.h"
+
+namespace chunkloss::test {
+
+/// Shape and contents of a generated problem.
+struct CeSpec {
+  std::int64_t n = 7, h = 123, v = 507;
+  DType dtype = DType::kF32;  ///< hidden, weight, bias
+  bool bias = false;
+  bool class_weights = false;
+  bool token_weights = false;
+  bool targets_i64 = false;
+  double ignore_fraction = 0.2;
+  std::int64_t ignore_index = -100;
+  /// Set every third valid row's target to its argmax, so accuracy is neither 0 nor 1.
+  bool hits = true;
+  /// Logits are about N(0, logit_scale^2): hidden ~ N(0, 1), weight ~ N(0, logit_scale^2 / H).
+  float logit_scale = 1.0f;
+  std::uint64_t seed = 1;
+};
+
+/// A generated problem. The float vectors hold the values the library sees (bf16-exact when
+/// the dtype is bf16), so the oracle runs on exactly the same numbers.
+struct CeData {
+  explicit CeData(const CeSpec& s);
+
+  CeSpec spec;
+  std::vector<float> hidden, weight, bias;
+  std::vector<BFloat16> hidden_bf, weight_bf, bias_bf;
+  std::vector<std::int32_t> targets32;
+  std::vector<std::int64_t> targets64;
+  std::vector<float> class_weights, token_weights, grad_output;
+
+  void set_target(std::int64_t row, std::int64_t y);
+  /// Rounds the float values to bf16 (when bf16) and refreshes the bf16 copies after an edit.
+  void sync();
+  /// Views of the inputs; grad_output is included for reduction none.
+  CrossEntropyInputs inputs(const CrossEntropyOptions& o) const;
+  reference::CeProblem problem(const CrossEntropyOptions& o) const;
+};
+
+/// Which gradients a call asks for, in which dtype.
+struct GradRequest {
+  bool hidden = true;
+  bool weight = true;
+  bool bias = true;  ///< only when the problem has a bias
+  DType dtype = DType::kF32;
+};
+
+/// Caller-owned gradient buffers of one dtype.
+class GradBuffers {
+ public:
+  GradBuffers(const CeData& d, const GradRequest& r, float fill = 0.0f);
+  /// Fills the buffers with bf16-exact N(0, scale^2) values, one scale per buffer (hidden,
+  /// weight, bias), for accumulate tests: scales near the gradients' own size keep the check
+  /// sensitive to a missing or doubled contribution.
+  void fill_random(std::uint64_t seed, double scale_h, double scale_w, double scale_b);
+  CrossEntropyGrads views(bool accumulate = false);
+  std::vector<double> hidden() const;
+  std::vector<double> weight() const;
+  std::vector<double> bias() const;
+  bool has_hidden() const { return has_h_; }
+  bool has_weight() const { return has_w_; }
+  bool has_bias() const { return has_b_; }
+  /// Byte-exact equality of every buffer.
+  bool bitwise_equal(const GradBuffers& o) const;
+
+ private:
+  DType dtype_;
+  bool has_h_, has_w_, has_b_;
+  std::int64_t n_, h_, v_;
+  std::vector<float> dh_, dw_, db_;
+  std::vector<BFloat16> dh_bf_, dw_bf_, db_bf_;
+};
+
+/// Per-row output buffers, pre-filled with sentinels (NaN, 12345) to catch unwritten rows.
+struct OutBuffers {
+  explicit OutBuffers(std::int64_t n);
+  CrossEntropyOutputs views();
+  std::vector<float> row_loss, lse;
+  std::vector<std::int32_t> predictions;
+};
+
+/// One library call and everything it produced.
+struct LibRun {
+  CrossEntropyResult result;
+  Plan plan;
+  GradBuffers grads;
+  OutBuffers out;
+};
+
+/// Runs forward_backward with a fresh workspace of exactly workspace_bytes(); `outputs` adds
+/// the per-row outputs (always added for reduction none).
+LibRun run_library(const CeData& d, const CrossEntropyOptions& o, const GradRequest& g,
+                   bool outputs = true, int threads = 0);
+
+/// Checks a run against the oracle: loss, z-loss, accuracy, entropy, valid rows, the mean's
+/// divisor, row_loss/lse/predictions (when produced) and every requested gradient, with the
+/// tolerance of the input dtype (values) and of the gradient dtype (gradients).
+void check_against_oracle(const CeData& d, const CrossEntropyOptions& o, const GradRequest& g,
+                          const LibRun& run, const reference::CeResult& ref, bool outputs = true);
+
+/// Generates, runs and checks one case; returns the run for further checks.
+LibRun check_case(const CeSpec& s, const CrossEntropyOptions& o, const GradRequest& g);
+
+/// Budget that gives exactly `rows` rows per chunk (a multiple of 64) for this problem and
+/// these gradients in token-chunk order; found by asking the planner, checked by the caller.
+std::size_t budget_for_chunk_rows(const CeData& d, const CrossEntropyOptions& o,
+                                  const GradRequest& g, std::int64_t rows);
+
+/// A one-line description of options, for INFO/CAPTURE.
+std::string describe(const CeSpec& s, const CrossEntropyOptions& o, const GradRequest& g);
+
+}  // namespace chunkloss::test
