@@ -86,6 +86,24 @@ __device__ __forceinline__ float bias_at(const TokenParams& p, std::int64_t j) {
                                    : __bfloat162float(static_cast<const __nv_bfloat16*>(p.bias)[j]);
 }
 
+/// True when a call has none of bias, softcap, class weights, label smoothing and entropy: the
+/// kernels then take a lean path with the same results (BOOL_SWITCH-style dispatch).
+inline bool plain_rows(const TokenParams& p) {
+  return !p.bias && p.softcap == 0.0f && !p.class_weights && p.rule.eps == 0.0f && !p.entropy;
+}
+
+/// Dispatches a runtime flag to a compile-time constant named by `name` inside the body.
+#define CHUNKLOSS_BOOL_SWITCH(cond, name, ...) \
+  [&] {                                        \
+    if (cond) {                                \
+      constexpr bool name = true;              \
+      return __VA_ARGS__();                    \
+    } else {                                   \
+      constexpr bool name = false;             \
+      return __VA_ARGS__();                    \
+    }                                          \
+  }()
+
 __host__ __device__ inline bool aligned16(const void* p) {
   return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0;
 }

@@ -87,7 +87,7 @@ __device__ inline RowOut apply_row_rule(const TokenParams& p, std::int64_t t, st
     const float tw = p.token_weights ? p.token_weights[t] : 1.0f;
     float coef = tw;
     if (p.scale == Scale::kMean) coef *= static_cast<float>(p.scalars[kRowScale]);
-    if (p.scale == Scale::kUpstream) coef *= p.upstream[t];
+    if (p.scale == Scale::kUpstream && p.upstream) coef *= p.upstream[t];  // null: forward only
     a = coef * rt.alpha;
     b = coef * rt.beta;
     g = coef * rt.gamma;

@@ -10,7 +10,8 @@ namespace {
 constexpr int kGradThreads = 256;
 constexpr int kSumThreads = 256;
 
-template <typename TL, typename TG>
+// kPlain (see plain_rows): dL/dz = a exp(z - lse) - b onehot, one exp per element.
+template <typename TL, typename TG, bool kPlain>
 __global__ void __launch_bounds__(kGradThreads)
     grad_epilogue_kernel(TokenParams p, TL* tile, std::int64_t ld, std::int64_t r0, std::int64_t v0,
                          std::int64_t cols) {
@@ -38,8 +39,12 @@ __global__ void __launch_bounds__(kGradThreads)
         d[k] = 0.0f;
         continue;
       }
-      const float u = p.class_weights ? p.class_weights[v0 + col] : 1.0f;
-      d[k] = grad_element(z[k] + bias_at(p, v0 + col), col == y, lse, a, b, g, u, cap, inv_cap);
+      if constexpr (kPlain) {
+        d[k] = a * __expf(z[k] - lse) - (col == y ? b : 0.0f);
+      } else {
+        const float u = p.class_weights ? p.class_weights[v0 + col] : 1.0f;
+        d[k] = grad_element(z[k] + bias_at(p, v0 + col), col == y, lse, a, b, g, u, cap, inv_cap);
+      }
     }
     if (j < cols) store_floats<TG, V>(grow, j, cols, vec, d);
   }
@@ -73,10 +78,13 @@ int grad_dispatch(const TokenParams& p, void* tile, Elem grad_elem, std::int64_t
                   cudaStream_t s) {
   const auto grid = static_cast<unsigned>(rows);
   TL* t = static_cast<TL*>(tile);
-  if (grad_elem == Elem::kF32)
-    grad_epilogue_kernel<TL, float><<<grid, kGradThreads, 0, s>>>(p, t, ld, r0, v0, cols);
-  else
-    grad_epilogue_kernel<TL, __nv_bfloat16><<<grid, kGradThreads, 0, s>>>(p, t, ld, r0, v0, cols);
+  CHUNKLOSS_BOOL_SWITCH(plain_rows(p), kPlain, [&] {
+    if (grad_elem == Elem::kF32)
+      grad_epilogue_kernel<TL, float, kPlain><<<grid, kGradThreads, 0, s>>>(p, t, ld, r0, v0, cols);
+    else
+      grad_epilogue_kernel<TL, __nv_bfloat16, kPlain>
+          <<<grid, kGradThreads, 0, s>>>(p, t, ld, r0, v0, cols);
+  });
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -55,7 +55,9 @@ __global__ void token_begin_kernel(TokenParams p) {
   }
 }
 
-template <typename TL>
+// kPlain: no bias, softcap, class weights, smoothing or entropy; each 16-byte vector then
+// rescales the running sum once (max of the vector first) instead of branching per element.
+template <typename TL, bool kPlain>
 __global__ void __launch_bounds__(kStatsThreads)
     row_stats_kernel(TokenParams p, const TL* logits, std::int64_t ld, std::int64_t r0) {
   using Reduce = cub::BlockReduce<RowAcc, kStatsThreads>;
@@ -72,12 +74,36 @@ __global__ void __launch_bounds__(kStatsThreads)
   for (std::int64_t j = static_cast<std::int64_t>(threadIdx.x) * V; j < n; j += kStatsThreads * V) {
     float z[V];
     load_floats(row, j, n, vec, z);
+    if constexpr (kPlain) {
+      float vm = -INFINITY;
+      int vi = 0;
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const std::int64_t col = j + k;
-      if (col >= n) break;
-      accumulate_logit(acc, p, softcap_value(z[k] + bias_at(p, col), cap, inv_cap), col, y,
-                       want_sum);
+      for (int k = 0; k < V; ++k) {
+        if (j + k >= n) z[k] = -INFINITY;
+        if (z[k] > vm) {
+          vm = z[k];
+          vi = k;
+        }
+      }
+      if (vm > acc.m) {
+        acc.s *= __expf(acc.m - vm);
+        acc.m = vm;
+        acc.arg = static_cast<int>(j) + vi;
+      }
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc.s += __expf(z[k] - acc.m);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        if (j + k == y) acc.zy = z[k];
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const std::int64_t col = j + k;
+        if (col >= n) break;
+        accumulate_logit(acc, p, softcap_value(z[k] + bias_at(p, col), cap, inv_cap), col, y,
+                         want_sum);
+      }
     }
   }
   const RowAcc r = Reduce(tmp).Reduce(acc, MergeAcc());
@@ -121,7 +147,25 @@ __global__ void token_finish_kernel(TokenParams p, float* out_row_loss, float* o
   p.scalars[kEntropy] = valid > 0 ? r.entropy / valid : 0.0;
 }
 
+__global__ void export_scalars_kernel(const double* s, float* out) {
+  unsigned long long nonfinite;
+  memcpy(&nonfinite, &s[kNonFinite], sizeof nonfinite);
+  const double v[7] = {s[kLoss],
+                       s[kZLoss],
+                       s[kAccuracy],
+                       s[kEntropy],
+                       s[kValidRows],
+                       s[kWeightSum],
+                       s[kBadTargets] + static_cast<double>(nonfinite)};
+  for (int i = 0; i < 7; ++i) out[i] = static_cast<float>(v[i]);
+}
+
 }  // namespace
+
+int launch_export_scalars(const double* scalars, float* out, void* stream) {
+  export_scalars_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(scalars, out);
+  return static_cast<int>(cudaGetLastError());
+}
 
 int launch_token_begin(const TokenParams& p, void* stream) {
   token_begin_kernel<<<1, kFinishThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
@@ -133,12 +177,14 @@ int launch_row_stats(const TokenParams& p, const void* logits, Elem logits_elem,
   if (rows == 0) return 0;
   auto s = static_cast<cudaStream_t>(stream);
   const auto grid = static_cast<unsigned>(rows);
-  if (logits_elem == Elem::kF32)
-    row_stats_kernel<float>
-        <<<grid, kStatsThreads, 0, s>>>(p, static_cast<const float*>(logits), ld, r0);
-  else
-    row_stats_kernel<__nv_bfloat16>
-        <<<grid, kStatsThreads, 0, s>>>(p, static_cast<const __nv_bfloat16*>(logits), ld, r0);
+  CHUNKLOSS_BOOL_SWITCH(plain_rows(p), kPlain, [&] {
+    if (logits_elem == Elem::kF32)
+      row_stats_kernel<float, kPlain>
+          <<<grid, kStatsThreads, 0, s>>>(p, static_cast<const float*>(logits), ld, r0);
+    else
+      row_stats_kernel<__nv_bfloat16, kPlain>
+          <<<grid, kStatsThreads, 0, s>>>(p, static_cast<const __nv_bfloat16*>(logits), ld, r0);
+  });
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -129,7 +129,8 @@ class CpuTokenBackend final : public TokenBackend {
             c_.token_weights.defined() ? c_.token_weights.data_as<const float>()[t] : 1.0f;
         float coef = tw;
         if (c_.scale == RowScale::kMean) coef *= inv_denom;
-        if (c_.scale == RowScale::kUpstream) coef *= c_.upstream.data_as<const float>()[t];
+        if (c_.scale == RowScale::kUpstream && c_.upstream.defined())  // absent: forward only
+          coef *= c_.upstream.data_as<const float>()[t];
         a = coef * rt.alpha;
         b = coef * rt.beta;
         g = coef * rt.gamma;
@@ -248,6 +249,14 @@ class CpuTokenBackend final : public TokenBackend {
     if (c_.scale == RowScale::kMean) {
       tot.loss = denom_ > 0 ? tot.loss / denom_ : 0.0;
       tot.z_loss = denom_ > 0 ? tot.z_loss / denom_ : 0.0;
+    }
+    if (c_.out_scalars.defined()) {
+      const double v = static_cast<double>(valid_);
+      const double out[7] = {
+          tot.loss, tot.z_loss, v > 0 ? tot.correct / v : 0.0, v > 0 ? tot.entropy / v : 0.0, v,
+          denom_,   0.0};
+      float* dst = c_.out_scalars.data_as<float>();
+      for (int i = 0; i < 7; ++i) dst[i] = static_cast<float>(out[i]);
     }
     return tot;
   }

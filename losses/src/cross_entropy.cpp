@@ -3,6 +3,7 @@
 #include "chunkloss/losses/cross_entropy.h"
 
 #include <cmath>
+#include <limits>
 
 #include "chunkloss/core/error.h"
 #include "engine.h"
@@ -76,6 +77,9 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   check_optional(kWho, "outputs.row_loss", out.row_loss, dev, {n}, {DType::kF32});
   check_optional(kWho, "outputs.lse", out.lse, dev, {n}, {DType::kF32});
   check_optional(kWho, "outputs.predictions", out.predictions, dev, {n}, {DType::kI32});
+  check_optional(kWho, "outputs.scalars", out.scalars, dev, {7}, {DType::kF32});
+  CHUNKLOSS_CHECK(!calling || o.copy_results_to_host || out.scalars.defined(), kWho,
+                  ": copy_results_to_host = false needs outputs.scalars [7] f32");
   if (calling && dev == Device::kCpu) {
     detail::check_targets(kWho, in.targets, v, o.ignore_index);
     if (o.check_finite) {
@@ -104,6 +108,8 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   k.out_row_loss = out.row_loss;
   k.out_lse = out.lse;
   k.out_pred = out.predictions;
+  k.out_scalars = out.scalars;
+  k.copy_results = o.copy_results_to_host;
   k.ignore_index = o.ignore_index;
   const float ls = o.label_smoothing;
   k.rule.one_minus_ls = 1.0f - ls;
@@ -175,6 +181,12 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
   ws.require(plan.layout, kWho);
   const detail::TokenTotals t = detail::run_token_objective(ctx, c.call, plan, ws);
   CrossEntropyResult r;
+  if (!options_.copy_results_to_host) {
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    r.loss = r.z_loss = r.accuracy = r.entropy = r.weight_sum = nan;
+    r.valid_rows = -1;
+    return r;
+  }
   r.loss = t.loss;
   r.z_loss = t.z_loss;
   r.valid_rows = t.valid_rows;

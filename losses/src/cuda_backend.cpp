@@ -120,6 +120,10 @@ class CudaTokenBackend final : public TokenBackend {
         p_, c_.out_row_loss.defined() ? c_.out_row_loss.data_as<float>() : nullptr,
         c_.out_lse.defined() ? c_.out_lse.data_as<float>() : nullptr,
         c_.out_pred.defined() ? c_.out_pred.data_as<std::int32_t>() : nullptr, stream_));
+    if (c_.out_scalars.defined())
+      CHUNKLOSS_LAUNCH_CHECK(
+          kern::launch_export_scalars(scalars_, c_.out_scalars.data_as<float>(), stream_));
+    if (!c_.copy_results) return {};
     double s[kern::kNumScalars];
     CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(s, scalars_, sizeof s, cudaMemcpyDeviceToHost,
                                         static_cast<cudaStream_t>(stream_)));

@@ -22,7 +22,8 @@ struct TokenCall {
   TensorView x, w, bias, targets, class_weights, token_weights, upstream;
   TensorView grad_x, grad_w, grad_bias;
   bool accumulate = false;
-  TensorView out_row_loss, out_lse, out_pred;
+  TensorView out_row_loss, out_lse, out_pred, out_scalars;
+  bool copy_results = true;  ///< false: the backend leaves the totals on the device only
   std::int64_t ignore_index = -100;
   kern::RowRule rule;
   float softcap = 0.0f;  ///< 0: none
@@ -60,7 +61,8 @@ class TokenBackend {
   /// dw[v0:v1] (+)= tile^T x[r0:r1]; db[v0:v1] (+)= colsum(tile).
   virtual void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
                       bool first) = 0;
-  /// Flushes accumulators into the caller's buffers and reduces the scalar totals.
+  /// Flushes accumulators into the caller's buffers and reduces the scalar totals (into
+  /// out_scalars when given; to the host unless copy_results is false).
   virtual TokenTotals finish() = 0;
 };
 

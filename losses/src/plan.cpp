@@ -146,15 +146,20 @@ Plan plan_token_objective(const PlanRequest& q) {
     dh_acc = static_cast<std::size_t>(n * h) * 4;
   const std::size_t vocab_fixed =
       fixed + dh_acc + static_cast<std::size_t>(n) * cpu_staging_per_row(q, true);
+  std::int64_t cv = 0;  // pass-1 chunk rows of vocab-block order
   if (q.grad_weight && budget > vocab_fixed) {
-    // The logits buffer serves both passes: [C, V] in pass 1, [N, Vb] in pass 2.
-    const std::size_t room = std::max(budget - vocab_fixed, static_cast<std::size_t>(c) * v * lb);
+    // One logits buffer serves both passes, [Cv, V] in pass 1 and [N, Vb] in pass 2, and both
+    // must fit beside the order's fixed parts.
+    const std::size_t room = budget - vocab_fixed;
+    cv = static_cast<std::int64_t>(room / (static_cast<std::size_t>(v) * lb));
+    cv = std::min(c, cv >= n ? n : cv / kRowGranule * kRowGranule);
     vb = static_cast<std::int64_t>(room / (static_cast<std::size_t>(n) * lb));
     vb = vb >= v ? v : vb / kRowGranule * kRowGranule;
+    if (cv == 0) vb = 0;
   }
   if (vb > 0) {
     const std::int64_t blocks = (v + vb - 1) / vb;
-    p.predicted_vocab_cost_s = gemm_time(dm, nhv, static_cast<double>(c)) +
+    p.predicted_vocab_cost_s = gemm_time(dm, nhv, static_cast<double>(cv)) +
                                gemm_time(dm, gemms * nhv, static_cast<double>(n)) + 2.0 * epilogue +
                                (q.grad_hidden ? 2.0 * static_cast<double>(n * h) * 4.0 *
                                                     static_cast<double>(blocks - 1) / dm.bandwidth
@@ -170,8 +175,8 @@ Plan plan_token_objective(const PlanRequest& q) {
     why << "token_chunk requested";
   } else if (q.order == LoopOrder::kVocabBlock) {
     CHUNKLOSS_CHECK(vb > 0,
-                    "plan: loop_order vocab_block needs [N, 64] logits and its accumulators "
-                    "within the budget: N=",
+                    "plan: loop_order vocab_block needs [64, V] and [N, 64] logits and its "
+                    "accumulators within the budget: N=",
                     n, " H=", h, " V=", v, " budget=", budget, " bytes");
     p.order = LoopOrder::kVocabBlock;
     why << "vocab_block requested";
@@ -193,6 +198,11 @@ Plan plan_token_objective(const PlanRequest& q) {
   const bool vocab_order = p.order == LoopOrder::kVocabBlock;
   p.vocab_block = vocab_order ? vb : v;
   p.num_vocab_blocks = (v + p.vocab_block - 1) / p.vocab_block;
+  if (vocab_order) {
+    c = cv;
+    p.chunk_rows = c;
+    p.num_chunks = (n + c - 1) / c;
+  }
   std::size_t logits_bytes = static_cast<std::size_t>(c) * v * lb;
   if (vocab_order) logits_bytes = std::max(logits_bytes, static_cast<std::size_t>(n * vb) * lb);
   p.logits = p.layout.add(logits_bytes);

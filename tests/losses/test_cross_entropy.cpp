@@ -895,12 +895,8 @@ TEST_CASE("forward only: same loss and outputs, inputs untouched, token-chunk pl
   }
 }
 
-// Known bug (reported): validation allows reduction none without grad_output when no gradient
-// is requested (cross_entropy.h: required only "when any gradient is requested"), but the CPU
-// backend's row_stats reads grad_output[t] for every valid row regardless and dereferences the
-// absent view's null pointer: SIGSEGV. Skipped because it crashes the process; run it with
-// `chunkloss_test_losses --no-skip -tc="known bug*"`. Remove the skip once fixed.
-TEST_CASE("known bug: forward only with reduction none needs no grad_output" * doctest::skip()) {
+// Validation allows reduction none without grad_output when no gradient is requested.
+TEST_CASE("forward only with reduction none needs no grad_output") {
   CeSpec s;
   CrossEntropyOptions o;
   o.reduction = Reduction::kNone;
@@ -1317,6 +1313,36 @@ TEST_CASE("a failed call leaves gradients and outputs untouched") {
       }
     }
   }
+}
+
+TEST_CASE("outputs.scalars holds the results; copy_results_to_host = false returns NaN") {
+  const CeData d(CeSpec{});
+  const GradRequest g;
+  CrossEntropyOptions o;
+  o.label_smoothing = 0.1f;
+  o.z_loss = 1e-3f;
+  const LibRun host = run_library(d, o, g, false);
+  o.copy_results_to_host = false;
+  const LinearCrossEntropy ce(o);
+  const CrossEntropyInputs in = d.inputs(o);
+  GradBuffers gb(d, g);
+  const CrossEntropyGrads gv = gb.views();
+  AlignedBuffer ws(ce.workspace_bytes(in, gv));
+  CpuContext ctx(2);
+  CrossEntropyOutputs out;
+  CHECK_THROWS_WITH_AS(ce.forward_backward(ctx, in, gv, out, ws.workspace()),
+                       doctest::Contains("outputs.scalars"), Error);
+  std::vector<float> s(7, -1.0f);
+  out.scalars = TensorView::of(s.data(), {7});
+  const CrossEntropyResult r = ce.forward_backward(ctx, in, gv, out, ws.workspace());
+  CHECK(std::isnan(r.loss));
+  CHECK(s[0] == doctest::Approx(host.result.loss).epsilon(1e-6));
+  CHECK(s[1] == doctest::Approx(host.result.z_loss).epsilon(1e-6));
+  CHECK(s[2] == doctest::Approx(host.result.accuracy));
+  CHECK(s[4] == static_cast<float>(host.result.valid_rows));
+  CHECK(s[5] == doctest::Approx(host.result.weight_sum));
+  CHECK(s[6] == 0.0f);
+  CHECK(gb.bitwise_equal(host.grads));
 }
 
 }  // namespace

@@ -94,6 +94,10 @@ int launch_bias_grad(const TokenParams& p, const void* tile, Elem logits_elem, s
 int launch_token_finish(const TokenParams& p, float* out_row_loss, float* out_lse,
                         std::int32_t* out_pred, void* stream);
 
+/// out[0..7) = loss, z_loss, accuracy, entropy, valid rows, weight sum, invalid inputs (bad
+/// targets + non-finite values) as floats, from the scalar block, on the device.
+int launch_export_scalars(const double* scalars, float* out, void* stream);
+
 /// dst = (add ? dst : 0) + src for `n` elements, dst in `dst_elem`.
 int launch_store_f32(void* dst, Elem dst_elem, const float* src, std::int64_t n, bool add,
                      void* stream);

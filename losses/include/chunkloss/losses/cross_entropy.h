@@ -40,6 +40,10 @@ struct CrossEntropyOptions {
   bool fp32_weight_grad_accumulator = false;
   /// Check hidden, weight and bias for NaN/Inf before computing (one extra read of each).
   bool check_finite = false;
+  /// Copy the scalar results to the host at the end of the call (the call's one host
+  /// synchronisation on CUDA). false: no synchronisation at all; the CrossEntropyResult fields
+  /// are NaN and the results are read from outputs.scalars, which is then required.
+  bool copy_results_to_host = true;
 };
 
 /// Inputs. Shapes: hidden [N, H], weight [V, H] (same float dtype), bias [V] optional (same
@@ -68,13 +72,17 @@ struct CrossEntropyGrads {
   bool accumulate = false;
 };
 
-/// Optional per-row outputs: row_loss [N] f32 (required with Reduction::kNone; ignored rows
+/// Optional outputs: row_loss [N] f32 (required with Reduction::kNone; ignored rows
 /// get 0), lse [N] f32 (ignored rows get their lse too), predictions [N] i32 (argmax, -1 for
 /// ignored rows).
+/// scalars [7] f32 on the inputs' device receives loss, z_loss, accuracy, entropy, valid_rows,
+/// weight_sum and the number of invalid inputs found on the device (out-of-range targets and,
+/// with check_finite, non-finite values: nonzero means the other values are unspecified).
 struct CrossEntropyOutputs {
   TensorView row_loss;
   TensorView lse;
   TensorView predictions;
+  TensorView scalars;
 };
 
 /// Scalar results, copied to the host once at the end of the call.

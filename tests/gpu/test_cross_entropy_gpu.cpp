@@ -1,0 +1,397 @@
+// GPU suite of LinearCrossEntropy: the CUDA path against the CPU path (itself checked against
+// the float64 oracle) on the same inputs, every option, both loop orders, fp32 and bf16, odd
+// shapes, budget invariance, bitwise run-to-run equality, all-ignored rows and bad targets.
+// Skips itself, with a message, when no CUDA device exists.
+#include <doctest/doctest.h>
+
+#include <chunkloss/core/error.h>
+#include <chunkloss/gpu/context.h>
+#include <chunkloss/losses/cross_entropy.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace chunkloss;
+
+bool have_gpu() {
+  if (gpu::device_count() > 0) return true;
+  MESSAGE("no CUDA device: GPU test skipped");
+  return false;
+}
+
+struct Problem {
+  std::int64_t n, h, v;
+  DType dtype;  // inputs and gradient buffers
+  bool bias = false, class_weights = false, token_weights = false;
+  double ignore_fraction = 1.0 / 7;
+  std::uint64_t seed = 1;
+};
+
+// Host-side data in the problem's storage dtype.
+struct HostData {
+  std::vector<unsigned char> x, w, b;
+  std::vector<std::int64_t> y;
+  std::vector<float> cw, tw, up;
+};
+
+std::vector<unsigned char> random_floats(std::int64_t count, DType t, float scale,
+                                         std::mt19937_64& g) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<unsigned char> out(static_cast<std::size_t>(count) * dtype_size(t));
+  for (std::int64_t i = 0; i < count; ++i) {
+    const float f = d(g);
+    if (t == DType::kF32)
+      std::memcpy(out.data() + i * 4, &f, 4);
+    else
+      reinterpret_cast<BFloat16*>(out.data())[i] = BFloat16(f);
+  }
+  return out;
+}
+
+HostData make_data(const Problem& p) {
+  std::mt19937_64 g(p.seed);
+  HostData d;
+  d.x = random_floats(p.n * p.h, p.dtype, 1.0f, g);
+  d.w = random_floats(p.v * p.h, p.dtype, 1.0f / std::sqrt(static_cast<float>(p.h)) * 2.0f, g);
+  if (p.bias) d.b = random_floats(p.v, p.dtype, 0.5f, g);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (std::int64_t i = 0; i < p.n; ++i)
+    d.y.push_back(u(g) < p.ignore_fraction ? -100 : static_cast<std::int64_t>(g() % p.v));
+  for (std::int64_t j = 0; p.class_weights && j < p.v; ++j)
+    d.cw.push_back(static_cast<float>(0.5 + u(g)));
+  for (std::int64_t i = 0; p.token_weights && i < p.n; ++i)
+    d.tw.push_back(static_cast<float>(u(g) * 2));
+  for (std::int64_t i = 0; i < p.n; ++i) d.up.push_back(static_cast<float>(u(g) - 0.3));
+  return d;
+}
+
+struct Outcome {
+  CrossEntropyResult r;
+  std::vector<float> dx, dw, db, lse, row_loss;
+  std::vector<std::int32_t> pred;
+  Plan plan;
+};
+
+std::vector<float> as_floats(const std::vector<unsigned char>& raw, DType t) {
+  const std::size_t n = raw.size() / dtype_size(t);
+  std::vector<float> f(n);
+  for (std::size_t i = 0; i < n; ++i)
+    f[i] = t == DType::kF32 ? reinterpret_cast<const float*>(raw.data())[i]
+                            : static_cast<float>(reinterpret_cast<const BFloat16*>(raw.data())[i]);
+  return f;
+}
+
+// Runs one call on `dev` with gradient buffers pre-filled with `prefill` (for accumulate).
+Outcome run(const Problem& p, const HostData& d, const CrossEntropyOptions& o, Device dev,
+            bool grads = true, bool accumulate = false) {
+  const std::size_t es = dtype_size(p.dtype);
+  const std::int64_t n = p.n, h = p.h, v = p.v;
+  std::vector<unsigned char> dx0(static_cast<std::size_t>(n * h) * es),
+      dw0(static_cast<std::size_t>(v * h) * es), db0(static_cast<std::size_t>(v) * es);
+  if (accumulate) {
+    std::mt19937_64 g(99);
+    dx0 = random_floats(n * h, p.dtype, 0.01f, g);
+    dw0 = random_floats(v * h, p.dtype, 0.01f, g);
+    db0 = random_floats(v, p.dtype, 0.01f, g);
+  }
+  // Host mirror buffers; on CUDA they are copied to device buffers.
+  struct Buf {
+    std::vector<unsigned char> host;
+    gpu::DeviceBuffer dev;
+    void* ptr(Device where) {
+      return where == Device::kCpu ? static_cast<void*>(host.data()) : dev.data();
+    }
+  };
+  auto make = [&](const void* src, std::size_t bytes) {
+    Buf b;
+    b.host.assign(static_cast<const unsigned char*>(src),
+                  static_cast<const unsigned char*>(src) + bytes);
+    if (dev == Device::kCuda && bytes) {
+      b.dev = gpu::DeviceBuffer(bytes);
+      gpu::copy_to_device(b.dev.data(), src, bytes);
+    }
+    return b;
+  };
+  auto fetch = [&](Buf& b) {
+    if (dev == Device::kCuda && !b.host.empty())
+      gpu::copy_to_host(b.host.data(), b.dev.data(), b.host.size());
+  };
+  Buf bx = make(d.x.data(), d.x.size()), bw = make(d.w.data(), d.w.size()),
+      bb = make(d.b.data(), d.b.size());
+  Buf by = make(d.y.data(), d.y.size() * 8), bcw = make(d.cw.data(), d.cw.size() * 4),
+      btw = make(d.tw.data(), d.tw.size() * 4), bup = make(d.up.data(), d.up.size() * 4);
+  Buf gx = make(dx0.data(), dx0.size()), gw = make(dw0.data(), dw0.size()),
+      gb = make(db0.data(), db0.size());
+  std::vector<float> zeros(static_cast<std::size_t>(n), 0.0f);
+  Buf olse = make(zeros.data(), zeros.size() * 4), oloss = make(zeros.data(), zeros.size() * 4),
+      opred = make(zeros.data(), zeros.size() * 4);
+
+  CrossEntropyInputs in;
+  in.hidden = TensorView(bx.ptr(dev), p.dtype, {n, h}, dev);
+  in.weight = TensorView(bw.ptr(dev), p.dtype, {v, h}, dev);
+  if (p.bias) in.bias = TensorView(bb.ptr(dev), p.dtype, {v}, dev);
+  in.targets = TensorView(by.ptr(dev), DType::kI64, {n}, dev);
+  if (p.class_weights) in.class_weights = TensorView(bcw.ptr(dev), DType::kF32, {v}, dev);
+  if (p.token_weights) in.token_weights = TensorView(btw.ptr(dev), DType::kF32, {n}, dev);
+  if (o.reduction == Reduction::kNone && grads)
+    in.grad_output = TensorView(bup.ptr(dev), DType::kF32, {n}, dev);
+  CrossEntropyGrads gr;
+  if (grads) {
+    gr.hidden = TensorView(gx.ptr(dev), p.dtype, {n, h}, dev);
+    gr.weight = TensorView(gw.ptr(dev), p.dtype, {v, h}, dev);
+    if (p.bias) gr.bias = TensorView(gb.ptr(dev), p.dtype, {v}, dev);
+    gr.accumulate = accumulate;
+  }
+  CrossEntropyOutputs out;
+  out.lse = TensorView(olse.ptr(dev), DType::kF32, {n}, dev);
+  out.row_loss = TensorView(oloss.ptr(dev), DType::kF32, {n}, dev);
+  out.predictions = TensorView(opred.ptr(dev), DType::kI32, {n}, dev);
+
+  LinearCrossEntropy ce(o);
+  Outcome res;
+  res.plan = ce.plan(in, gr);
+  const std::size_t wsb = res.plan.workspace_bytes();
+  if (dev == Device::kCuda) {
+    gpu::Context ctx(0);
+    gpu::DeviceBuffer ws(wsb);
+    res.r = ce.forward_backward(ctx, in, gr, out, Workspace(ws.data(), wsb, Device::kCuda));
+  } else {
+    CpuContext ctx(2);
+    void* mem = std::aligned_alloc(256, (wsb + 255) / 256 * 256 + 256);
+    res.r = ce.forward_backward(ctx, in, gr, out, Workspace(mem, wsb));
+    std::free(mem);
+  }
+  for (Buf* b : {&gx, &gw, &gb, &olse, &oloss, &opred}) fetch(*b);
+  res.dx = as_floats(gx.host, p.dtype);
+  res.dw = as_floats(gw.host, p.dtype);
+  res.db = as_floats(gb.host, p.dtype);
+  res.lse = as_floats(olse.host, DType::kF32);
+  res.row_loss = as_floats(oloss.host, DType::kF32);
+  res.pred.resize(static_cast<std::size_t>(n));
+  std::memcpy(res.pred.data(), opred.host.data(), res.pred.size() * 4);
+  return res;
+}
+
+double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double num = 0, den = 0;
+  std::size_t worst = 0;
+  double worst_d = -1;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double d = static_cast<double>(a[i]) - b[i];
+    num += d * d;
+    den += static_cast<double>(b[i]) * b[i];
+    if (std::abs(d) > worst_d) {
+      worst_d = std::abs(d);
+      worst = i;
+    }
+  }
+  if (a.empty()) return 0;
+  INFO("worst index ", worst, ": gpu ", a[worst], " cpu ", b[worst]);
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+void compare(const Problem& p, const CrossEntropyOptions& o, bool accumulate = false) {
+  const HostData d = make_data(p);
+  const Outcome c = run(p, d, o, Device::kCpu, true, accumulate);
+  const Outcome g = run(p, d, o, Device::kCuda, true, accumulate);
+  const bool f32 = p.dtype == DType::kF32;
+  // bf16: both paths round the same fp32 gradients to bf16 (1 ulp = 2^-8 relative); a bf16 dW
+  // summed over several chunks also rounds each partial sum, which cancellation can amplify.
+  const bool bf16_partials = !f32 && g.plan.num_chunks > 1 && !o.fp32_weight_grad_accumulator;
+  const double tol_loss = f32 ? 2e-5 : 2e-4, tol_grad = f32 ? 2e-5 : 1.5e-2;
+  const double tol_dw = bf16_partials ? 6e-2 : tol_grad;
+  INFO("N=", p.n, " H=", p.h, " V=", p.v, " dtype=", dtype_name(p.dtype),
+       " gpu plan: ", g.plan.str());
+  CHECK(g.r.valid_rows == c.r.valid_rows);
+  CHECK(std::abs(g.r.loss - c.r.loss) <= tol_loss * (1 + std::abs(c.r.loss)));
+  CHECK(std::abs(g.r.z_loss - c.r.z_loss) <= tol_loss * (1 + std::abs(c.r.z_loss)));
+  CHECK(std::abs(g.r.weight_sum - c.r.weight_sum) <= 1e-6 * (1 + c.r.weight_sum));
+  CHECK(rel_err(g.dx, c.dx) <= tol_grad);
+  CHECK(rel_err(g.dw, c.dw) <= tol_dw);
+  if (p.bias) CHECK(rel_err(g.db, c.db) <= tol_grad);
+  CHECK(rel_err(g.lse, c.lse) <= (f32 ? 1e-6 : 1e-5));
+  CHECK(rel_err(g.row_loss, c.row_loss) <= (f32 ? 2e-5 : 2e-4));
+  // Predictions may differ only where two logits tie to rounding; count disagreements.
+  int differ = 0;
+  for (std::size_t i = 0; i < c.pred.size(); ++i) differ += c.pred[i] != g.pred[i];
+  CHECK(differ <= static_cast<int>(c.pred.size() / 100));
+}
+
+}  // namespace
+
+TEST_CASE("gpu: LinearCrossEntropy matches the CPU path for every option and both orders") {
+  if (!have_gpu()) return;
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    for (LoopOrder order : {LoopOrder::kTokenChunk, LoopOrder::kVocabBlock}) {
+      CAPTURE(loop_order_name(order));
+      Problem p{300, 123, 507, t};
+      CrossEntropyOptions o;
+      o.loop_order = order;
+      // Several chunks; the CPU stages bf16 operands as fp32 within the same budget.
+      o.memory_budget_bytes =
+          64 * 507 * 4 * 3 + (t == DType::kBF16 ? (2 * 256 + 2 * 300) * 123 * 4 : 0);
+      SUBCASE("defaults") { compare(p, o); }
+      SUBCASE("label smoothing") {
+        o.label_smoothing = 0.2f;
+        compare(p, o);
+      }
+      SUBCASE("class weights + smoothing") {
+        p.class_weights = true;
+        o.label_smoothing = 0.1f;
+        compare(p, o);
+      }
+      SUBCASE("z-loss") {
+        o.z_loss = 1e-2f;
+        compare(p, o);
+      }
+      SUBCASE("softcap") {
+        o.softcap = 3.0f;
+        compare(p, o);
+      }
+      SUBCASE("bias") {
+        p.bias = true;
+        compare(p, o);
+      }
+      SUBCASE("token weights, sum") {
+        p.token_weights = true;
+        o.reduction = Reduction::kSum;
+        compare(p, o);
+      }
+      SUBCASE("reduction none with upstream gradient") {
+        o.reduction = Reduction::kNone;
+        compare(p, o);
+      }
+      SUBCASE("entropy") {
+        o.compute_entropy = true;
+        compare(p, o);
+      }
+      SUBCASE("all options, accumulate, fp32 dW accumulator") {
+        p.bias = p.class_weights = p.token_weights = true;
+        o.label_smoothing = 0.1f;
+        o.z_loss = 1e-3f;
+        o.softcap = 4.0f;
+        o.fp32_weight_grad_accumulator = true;
+        o.memory_budget_bytes += 507 * 123 * 4;  // the accumulator is on top of the chunk buffers
+        compare(p, o, true);
+      }
+    }
+  }
+}
+
+TEST_CASE(
+    "gpu: shapes: one row, V below one chunk, vectorised widths, N not a multiple of the chunk") {
+  if (!have_gpu()) return;
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    CrossEntropyOptions o;
+    compare({1, 16, 33, t}, o);
+    compare({7, 123, 507, t}, o);
+    compare({130, 64, 1024, t, true}, o);
+    o.memory_budget_bytes = 64 * 2048 * 4 + 100000;
+    compare({517, 96, 2048, t, true, true}, o);
+    o.loop_order = LoopOrder::kVocabBlock;
+    compare({517, 96, 2048, t, true, true}, o);
+  }
+}
+
+TEST_CASE("gpu: bf16 logits chunk is close to fp32 logits") {
+  if (!have_gpu()) return;
+  const Problem p{256, 128, 4096, DType::kBF16};
+  const HostData d = make_data(p);
+  CrossEntropyOptions o32, o16;
+  o16.logits_dtype = DType::kBF16;
+  const Outcome a = run(p, d, o32, Device::kCuda), b = run(p, d, o16, Device::kCuda);
+  CHECK(std::abs(a.r.loss - b.r.loss) <= 1e-2 * std::abs(a.r.loss));
+  CHECK(rel_err(b.dx, a.dx) <= 3e-2);
+  CHECK(rel_err(b.dw, a.dw) <= 3e-2);
+}
+
+TEST_CASE("gpu: bitwise run-to-run equality and budget invariance") {
+  if (!have_gpu()) return;
+  const Problem p{777, 256, 8192, DType::kBF16, true};
+  const HostData d = make_data(p);
+  CrossEntropyOptions o;
+  const Outcome a = run(p, d, o, Device::kCuda), b = run(p, d, o, Device::kCuda);
+  CHECK(a.r.loss == b.r.loss);
+  CHECK(std::memcmp(a.dx.data(), b.dx.data(), a.dx.size() * 4) == 0);
+  CHECK(std::memcmp(a.dw.data(), b.dw.data(), a.dw.size() * 4) == 0);
+  CHECK(std::memcmp(a.db.data(), b.db.data(), a.db.size() * 4) == 0);
+  o.memory_budget_bytes = 128 * 8192 * 4 + 200000;
+  o.fp32_weight_grad_accumulator = true;
+  const Outcome c = run(p, d, o, Device::kCuda);
+  CHECK(c.plan.num_chunks > 1);
+  CHECK(std::abs(c.r.loss - a.r.loss) <= 1e-5 * std::abs(a.r.loss));
+  CHECK(rel_err(c.dx, a.dx) <= 1e-2);
+  CHECK(rel_err(c.dw, a.dw) <= 1e-2);
+}
+
+TEST_CASE("gpu: all rows ignored gives loss 0 and zero gradients; forward only") {
+  if (!have_gpu()) return;
+  Problem p{64, 32, 300, DType::kF32, true};
+  p.ignore_fraction = 1.0;
+  const HostData d = make_data(p);
+  const Outcome g = run(p, d, {}, Device::kCuda);
+  CHECK(g.r.loss == 0.0);
+  CHECK(g.r.valid_rows == 0);
+  for (float x : g.dx) REQUIRE(x == 0.0f);
+  for (float x : g.dw) REQUIRE(x == 0.0f);
+  for (float x : g.db) REQUIRE(x == 0.0f);
+  p.ignore_fraction = 0.2;
+  const HostData d2 = make_data(p);
+  const Outcome f = run(p, d2, {}, Device::kCuda, false), fb = run(p, d2, {}, Device::kCuda, true);
+  CHECK(f.r.loss == doctest::Approx(fb.r.loss).epsilon(1e-6));
+}
+
+TEST_CASE("gpu: out-of-range targets and non-finite inputs raise chunkloss::Error") {
+  if (!have_gpu()) return;
+  Problem p{40, 16, 100, DType::kF32};
+  HostData d = make_data(p);
+  d.y[5] = 100;
+  CHECK_THROWS_WITH_AS(run(p, d, {}, Device::kCuda), doctest::Contains("targets"),
+                       chunkloss::Error);
+  d = make_data(p);
+  reinterpret_cast<float*>(d.x.data())[3] = NAN;
+  CrossEntropyOptions o;
+  o.check_finite = true;
+  CHECK_THROWS_WITH_AS(run(p, d, o, Device::kCuda), doctest::Contains("non-finite"),
+                       chunkloss::Error);
+}
+
+TEST_CASE("gpu: results left on the device match the host copy; no synchronisation asked") {
+  if (!have_gpu()) return;
+  const Problem p{200, 64, 1000, DType::kBF16};
+  const HostData d = make_data(p);
+  const Outcome host = run(p, d, {}, Device::kCuda);
+  gpu::DeviceBuffer x(d.x.size()), w(d.w.size()), y(d.y.size() * 8), sc(7 * 4);
+  gpu::copy_to_device(x.data(), d.x.data(), d.x.size());
+  gpu::copy_to_device(w.data(), d.w.data(), d.w.size());
+  gpu::copy_to_device(y.data(), d.y.data(), d.y.size() * 8);
+  CrossEntropyOptions o;
+  o.copy_results_to_host = false;
+  const LinearCrossEntropy ce(o);
+  CrossEntropyInputs in;
+  in.hidden = TensorView(x.data(), DType::kBF16, {p.n, p.h}, Device::kCuda);
+  in.weight = TensorView(w.data(), DType::kBF16, {p.v, p.h}, Device::kCuda);
+  in.targets = TensorView(y.data(), DType::kI64, {p.n}, Device::kCuda);
+  gpu::Context ctx(0);
+  gpu::DeviceBuffer ws(ce.workspace_bytes(in));
+  CrossEntropyOutputs out;
+  CHECK_THROWS_WITH_AS(ce.forward(ctx, in, out, Workspace(ws.data(), ws.bytes(), Device::kCuda)),
+                       doctest::Contains("outputs.scalars"), chunkloss::Error);
+  out.scalars = TensorView(sc.data(), DType::kF32, {7}, Device::kCuda);
+  const CrossEntropyResult r =
+      ce.forward(ctx, in, out, Workspace(ws.data(), ws.bytes(), Device::kCuda));
+  CHECK(std::isnan(r.loss));
+  ctx.synchronize();
+  float s[7];
+  gpu::copy_to_host(s, sc.data(), sizeof s);
+  CHECK(s[0] == doctest::Approx(host.r.loss).epsilon(1e-6));
+  CHECK(s[4] == static_cast<float>(host.r.valid_rows));
+  CHECK(s[6] == 0.0f);
+}
