@@ -1,0 +1,146 @@
+// JSONL readers: split into lines, parse each with nlohmann::json, pull typed fields out with
+// errors that name the source, the line and the field.
+#include "chunkloss/data/jsonl.h"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "chunkloss/core/error.h"
+
+namespace chunkloss::data {
+namespace {
+
+using nlohmann::json;
+
+struct Line {
+  std::string_view source;
+  std::size_t number;
+};
+
+const json& field(const json& obj, const Line& at, const char* name) {
+  const auto it = obj.find(name);
+  CHUNKLOSS_CHECK(it != obj.end(), at.source, ":", at.number, ": missing field \"", name, "\"");
+  return *it;
+}
+
+std::string string_field(const json& obj, const Line& at, const char* name, bool allow_empty) {
+  const json& v = field(obj, at, name);
+  CHUNKLOSS_CHECK(v.is_string(), at.source, ":", at.number, ": field \"", name,
+                  "\" must be a string, got ", v.type_name());
+  std::string s = v.get<std::string>();
+  CHUNKLOSS_CHECK(allow_empty || !s.empty(), at.source, ":", at.number, ": field \"", name,
+                  "\" is empty");
+  return s;
+}
+
+bool bool_field(const json& obj, const Line& at, const char* name) {
+  const json& v = field(obj, at, name);
+  CHUNKLOSS_CHECK(v.is_boolean(), at.source, ":", at.number, ": field \"", name,
+                  "\" must be a boolean (true or false), got ", v.type_name(), " ",
+                  v.is_primitive() ? v.dump() : std::string("..."));
+  return v.get<bool>();
+}
+
+bool blank(std::string_view s) {
+  for (char c : s) {
+    if (c != ' ' && c != '\t' && c != '\r' && c != '\f' && c != '\v') return false;
+  }
+  return true;
+}
+
+// Calls `per_line(object, line)` for every non-blank line; returns how many there were.
+template <typename F>
+std::size_t for_each_object(std::string_view text, std::string_view source, F&& per_line) {
+  std::size_t count = 0, number = 0, start = 0;
+  while (start < text.size()) {
+    std::size_t end = text.find('\n', start);
+    if (end == std::string_view::npos) end = text.size();
+    std::string_view line = text.substr(start, end - start);
+    start = end + 1;
+    ++number;
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (blank(line)) continue;
+    const Line at{source, number};
+    json obj;
+    try {
+      obj = json::parse(line.begin(), line.end());
+    } catch (const json::exception& e) {
+      CHUNKLOSS_FAIL(source, ":", number, ": bad JSON: ", e.what());
+    }
+    CHUNKLOSS_CHECK(obj.is_object(), source, ":", number, ": expected a JSON object, got ",
+                    obj.type_name());
+    per_line(obj, at);
+    ++count;
+  }
+  CHUNKLOSS_CHECK(count > 0, source, ": no examples (the file is empty or blank)");
+  return count;
+}
+
+}  // namespace
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  CHUNKLOSS_CHECK(in.good(), "cannot open ", path, " for reading");
+  std::ostringstream os;
+  os << in.rdbuf();
+  CHUNKLOSS_CHECK(!in.bad(), "error while reading ", path);
+  return os.str();
+}
+
+std::vector<SftExample> parse_sft_jsonl(std::string_view text, std::string_view source) {
+  std::vector<SftExample> out;
+  for_each_object(text, source, [&](const json& obj, const Line& at) {
+    const bool has_text = obj.contains("text");
+    const bool has_pc = obj.contains("prompt") || obj.contains("completion");
+    CHUNKLOSS_CHECK(!(has_text && has_pc), at.source, ":", at.number,
+                    ": ambiguous SFT line: both \"text\" and \"prompt\"/\"completion\" present");
+    if (has_text) {
+      out.push_back({std::string(), string_field(obj, at, "text", false)});
+    } else {
+      CHUNKLOSS_CHECK(has_pc, at.source, ":", at.number,
+                      ": missing field \"completion\" (an SFT line needs \"prompt\" and "
+                      "\"completion\", or \"text\")");
+      std::string prompt = string_field(obj, at, "prompt", true);
+      out.push_back({std::move(prompt), string_field(obj, at, "completion", false)});
+    }
+  });
+  return out;
+}
+
+std::vector<PreferenceExample> parse_preference_jsonl(std::string_view text,
+                                                      std::string_view source) {
+  std::vector<PreferenceExample> out;
+  for_each_object(text, source, [&](const json& obj, const Line& at) {
+    PreferenceExample ex;
+    ex.prompt = string_field(obj, at, "prompt", true);
+    ex.chosen = string_field(obj, at, "chosen", false);
+    ex.rejected = string_field(obj, at, "rejected", false);
+    out.push_back(std::move(ex));
+  });
+  return out;
+}
+
+std::vector<UnpairedExample> parse_unpaired_jsonl(std::string_view text, std::string_view source) {
+  std::vector<UnpairedExample> out;
+  for_each_object(text, source, [&](const json& obj, const Line& at) {
+    UnpairedExample ex;
+    ex.prompt = string_field(obj, at, "prompt", true);
+    ex.completion = string_field(obj, at, "completion", false);
+    ex.label = bool_field(obj, at, "label");
+    out.push_back(std::move(ex));
+  });
+  return out;
+}
+
+std::vector<SftExample> read_sft_jsonl(const std::string& path) {
+  return parse_sft_jsonl(read_text_file(path), path);
+}
+std::vector<PreferenceExample> read_preference_jsonl(const std::string& path) {
+  return parse_preference_jsonl(read_text_file(path), path);
+}
+std::vector<UnpairedExample> read_unpaired_jsonl(const std::string& path) {
+  return parse_unpaired_jsonl(read_text_file(path), path);
+}
+
+}  // namespace chunkloss::data
