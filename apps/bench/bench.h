@@ -1,0 +1,86 @@
+// chunkloss-bench cases: what one case asks for (loss, device, shape, dtype, budget) and what it
+// measured (loss time vs the bare-GEMM floor, extra memory, a naive materialised baseline and
+// the error against it). Each (loss, device) pair is one runner function in the registry.
+#pragma once
+
+#include <chunkloss/core/dtype.h>
+#include <chunkloss/losses/plan.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "device.h"
+
+namespace chunkloss::bench {
+
+/// One benchmark case.
+struct CaseConfig {
+  std::string loss = "ce";
+  std::string device = "cpu";
+  std::int64_t rows = 4096;    ///< N
+  std::int64_t hidden = 1024;  ///< H
+  std::int64_t vocab = 32768;  ///< V
+  DType dtype = DType::kF32;   ///< hidden, weight and the gradient buffers
+  double budget_mib = 256;
+  std::size_t budget_bytes = std::size_t{256} << 20;
+  LoopOrder order = LoopOrder::kAuto;
+  int repeats = 3;
+  int threads = 0;  ///< resolved thread count (never 0 here)
+  std::uint64_t seed = 1;
+  bool naive = true;           ///< time and check against the materialised computation
+  bool chunked_floor = false;  ///< also time the floor GEMMs at the plan's chunk rows
+  bool fp32_weight_grad_accumulator = false;  ///< the CrossEntropyOptions field of that name
+  bool exact = false;  ///< also compare with a float64 computation (where the runner has one)
+};
+
+/// What one case measured. Times are medians in ms over `repeats` timed runs after a warm-up.
+struct CaseResult {
+  double time_ms = 0;   ///< the loss's forward + backward
+  double floor_ms = 0;  ///< the bare GEMMs it cannot avoid, full size (median of per-run sums)
+  double ratio = 0;     ///< time_ms / floor_ms
+  std::vector<std::pair<std::string, double>> gemm_ms;  ///< each floor GEMM's median
+  std::optional<double> chunked_floor_ms;               ///< floor GEMMs at the plan's chunk rows
+  std::vector<double> times_ms, floor_times_ms, naive_times_ms;
+
+  std::size_t extra_bytes = 0;  ///< the loss's workspace: plan.workspace_bytes()
+  PeakMemory extra_measured;    ///< measured growth of the loss's first call (workspace incl.)
+
+  std::optional<double> naive_ms;
+  std::optional<PeakMemory> naive_extra;  ///< measured growth of the naive's first run
+  std::optional<std::size_t> naive_logits_bytes;
+  std::optional<double> max_rel_err_vs_naive, err_loss, err_grad_hidden, err_grad_weight;
+  std::optional<double> f64_err_grad_hidden, f64_err_grad_weight;  ///< vs float64 (exact)
+  std::optional<double> bf16_storage_err;  ///< error of storing the naive's gradients in bf16
+  std::string reference;                   ///< how the naive computation was done, in words
+
+  double loss_value = 0;
+  std::optional<double> naive_loss_value;
+  bool loss_repeatable = true;  ///< every call returned the bitwise same loss
+
+  Plan plan;
+  std::string floor_what;  ///< which GEMMs the floor is, in words
+  std::string device_desc;
+  std::string load_before, load_after;  ///< /proc/loadavg around the case (CPU)
+};
+
+/// Runs one case on `dev`. Throws chunkloss::Error or std::runtime_error on failure.
+using CaseRunner = CaseResult (*)(const CaseConfig& config, BenchDevice& dev);
+
+/// The runner for (loss, device), or nullptr when this build has none.
+CaseRunner find_runner(std::string_view loss, std::string_view device);
+
+/// The names accepted by --loss and --device in this build.
+std::vector<std::string> known_losses();
+std::vector<std::string> known_devices();
+
+/// Cross-entropy on the CPU (ce_cpu.cpp).
+CaseResult run_ce_cpu(const CaseConfig& config, BenchDevice& dev);
+/// Cross-entropy on CUDA device 0 (cuda_ce.cu; builds with CUDA only). Times with CUDA events,
+/// measures memory with cudaMemGetInfo; the BenchDevice argument is not used.
+CaseResult run_ce_cuda(const CaseConfig& config, BenchDevice& dev);
+
+}  // namespace chunkloss::bench

@@ -1,0 +1,307 @@
+// Cross-entropy on the CPU: LinearCrossEntropy fwd+bwd against the three bare Eigen GEMMs at
+// full size (logits, dX, dW) and against a naive computation that materialises the [N, V]
+// logits, all in this process on the same threads and the same (bf16-rounded) input values.
+#include <chunkloss/core/context.h>
+#include <chunkloss/core/error.h>
+#include <chunkloss/core/workspace.h>
+#include <chunkloss/losses/cross_entropy.h>
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <random>
+
+#include <sys/mman.h>
+
+#include "bench.h"
+
+namespace chunkloss::bench {
+namespace {
+
+using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using MatMap = Eigen::Map<RowMat>;
+using CMatMap = Eigen::Map<const RowMat>;
+
+constexpr std::int64_t kIgnoreIndex = -100;
+constexpr std::int64_t kIgnoreEvery = 7;  // rows 3, 10, 17, ... are ignored (as torch_ce.py)
+
+// An anonymous mapping of fresh pages (page-aligned, so 256-byte aligned): its pages become
+// resident on first write, so the resident-set growth of a window shows what was touched.
+class HostBuffer {
+ public:
+  explicit HostBuffer(std::size_t bytes) : bytes_(bytes) {
+    if (bytes == 0) return;
+    p_ = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHUNKLOSS_CHECK(p_ != MAP_FAILED, "bench: cannot map ", bytes, " bytes");
+  }
+  ~HostBuffer() {
+    if (p_ && p_ != MAP_FAILED) munmap(p_, bytes_);
+  }
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// p[i] ~ N(0, stddev^2), deterministic for a seed whatever the thread count (one generator per
+// block of 64 Ki values).
+void fill_normal(float* p, std::int64_t n, float stddev, std::uint64_t seed, int threads) {
+  constexpr std::int64_t kBlock = 1 << 16;
+  const std::int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
+                      static_cast<std::uint32_t>(b), static_cast<std::uint32_t>(b >> 32)};
+    std::mt19937_64 gen(seq);
+    std::normal_distribution<float> dist(0.0f, stddev);
+    const std::int64_t end = std::min(n, (b + 1) * kBlock);
+    for (std::int64_t i = b * kBlock; i < end; ++i) p[i] = dist(gen);
+  }
+}
+
+void round_to_bf16(float* src, BFloat16* dst, std::int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) {
+    dst[i] = BFloat16(src[i]);
+    src[i] = static_cast<float>(dst[i]);
+  }
+}
+
+float value(const float* p, std::int64_t i) { return p[i]; }
+float value(const BFloat16* p, std::int64_t i) { return static_cast<float>(p[i]); }
+
+// ||a - b|| / ||b|| in double.
+template <typename A>
+double rel_norm_err(const A* a, const float* b, std::int64_t n, int threads) {
+  double e = 0, r = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : e, r)
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(value(a, i)) - static_cast<double>(b[i]);
+    e += d * d;
+    r += static_cast<double>(b[i]) * static_cast<double>(b[i]);
+  }
+  return r > 0 ? std::sqrt(e / r) : std::sqrt(e);
+}
+
+// ||bf16(b) - b|| / ||b||: the error of storing the reference result itself in bf16.
+double bf16_storage_err(const float* b, std::int64_t n, int threads) {
+  double e = 0, r = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : e, r)
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(chunkloss::round_to_bf16(b[i])) - b[i];
+    e += d * d;
+    r += static_cast<double>(b[i]) * static_cast<double>(b[i]);
+  }
+  return r > 0 ? std::sqrt(e / r) : std::sqrt(e);
+}
+
+std::string loadavg() {
+  std::ifstream f("/proc/loadavg");
+  std::string s;
+  std::getline(f, s);
+  return s;
+}
+
+// The naive computation, in fp32: logits [N, V] = X W^T materialised, row softmax (max-shifted,
+// Eigen's vectorised exp), the mean loss summed in double, the gradient written over the
+// logits (ignored rows zero), then dX = G W and dW = G^T X.
+struct Naive {
+  CMatMap x, w;
+  const std::int64_t* y;
+  std::int64_t n, h, v, valid;
+  int threads;
+  std::vector<double> row_loss;
+
+  double run(float* z_buf, float* dx, float* dw) {
+    MatMap z(z_buf, n, v);
+    z.noalias() = x * w.transpose();
+    const float inv = valid > 0 ? static_cast<float>(1.0 / static_cast<double>(valid)) : 0.0f;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (std::int64_t t = 0; t < n; ++t) {
+      Eigen::Map<Eigen::ArrayXf> a(z_buf + t * v, v);
+      const std::int64_t yt = y[t];
+      if (yt == kIgnoreIndex) {
+        a.setZero();
+        row_loss[static_cast<std::size_t>(t)] = 0;
+        continue;
+      }
+      const float m = a.maxCoeff();
+      const float lse = m + std::log((a - m).exp().sum());
+      row_loss[static_cast<std::size_t>(t)] = static_cast<double>(lse - a[yt]);
+      a = (a - lse).exp() * inv;
+      a[yt] -= inv;
+    }
+    double loss = 0;
+    for (const double l : row_loss) loss += l;
+    MatMap(dx, n, h).noalias() = z * w;
+    MatMap(dw, v, h).noalias() = z.transpose() * x;
+    return valid > 0 ? loss / static_cast<double>(valid) : 0.0;
+  }
+};
+
+}  // namespace
+
+CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
+  CaseResult res;
+  res.device_desc = dev.describe();
+  res.load_before = loadavg();
+  const std::int64_t n = c.rows, h = c.hidden, v = c.vocab;
+  const int threads = c.threads;
+  const bool bf16 = c.dtype == DType::kBF16;
+  CHUNKLOSS_CHECK(c.dtype == DType::kF32 || bf16, "bench: --dtype must be f32 or bf16");
+  Eigen::setNbThreads(threads);
+
+  // Inputs: hidden ~ N(0, 1), weight ~ N(0, 1/H) so the logits are O(1); 1 row in 7 ignored.
+  // For bf16 the library gets the bf16 values; the floor and the naive use them widened to fp32.
+  HostBuffer x32(static_cast<std::size_t>(n * h) * 4), w32(static_cast<std::size_t>(v * h) * 4);
+  fill_normal(x32.as<float>(), n * h, 1.0f, c.seed * 2, threads);
+  fill_normal(w32.as<float>(), v * h, 1.0f / std::sqrt(static_cast<float>(h)), c.seed * 2 + 1,
+              threads);
+  const std::size_t es = dtype_size(c.dtype);
+  HostBuffer xb(bf16 ? static_cast<std::size_t>(n * h) * 2 : 0),
+      wb(bf16 ? static_cast<std::size_t>(v * h) * 2 : 0);
+  if (bf16) {
+    round_to_bf16(x32.as<float>(), xb.as<BFloat16>(), n * h, threads);
+    round_to_bf16(w32.as<float>(), wb.as<BFloat16>(), v * h, threads);
+  }
+  std::vector<std::int64_t> y(static_cast<std::size_t>(n));
+  std::mt19937_64 gen(c.seed * 2 + 7);
+  std::uniform_int_distribution<std::int64_t> pick(0, v - 1);
+  std::int64_t valid = 0;
+  for (std::int64_t t = 0; t < n; ++t) {
+    const std::int64_t target = pick(gen);
+    y[static_cast<std::size_t>(t)] = t % kIgnoreEvery == 3 ? kIgnoreIndex : target;
+    valid += t % kIgnoreEvery != 3;
+  }
+  const CMatMap xm(x32.as<float>(), n, h), wm(w32.as<float>(), v, h);
+
+  // The library's operands and gradient buffers (zeroed, so their pages are resident).
+  HostBuffer dx(static_cast<std::size_t>(n * h) * es), dw(static_cast<std::size_t>(v * h) * es);
+  std::fill_n(dx.as<unsigned char>(), dx.bytes(), 0);
+  std::fill_n(dw.as<unsigned char>(), dw.bytes(), 0);
+  CrossEntropyOptions opt;
+  opt.memory_budget_bytes = c.budget_bytes;
+  opt.loop_order = c.order;
+  opt.fp32_weight_grad_accumulator = c.fp32_weight_grad_accumulator;
+  const LinearCrossEntropy ce(opt);
+  CrossEntropyInputs in;
+  in.hidden = TensorView(bf16 ? xb.as<void>() : x32.as<void>(), c.dtype, {n, h});
+  in.weight = TensorView(bf16 ? wb.as<void>() : w32.as<void>(), c.dtype, {v, h});
+  in.targets = TensorView::of(y.data(), {n});
+  CrossEntropyGrads gr;
+  gr.hidden = TensorView(dx.as<void>(), c.dtype, {n, h});
+  gr.weight = TensorView(dw.as<void>(), c.dtype, {v, h});
+  res.plan = ce.plan(in, gr);
+  res.extra_bytes = res.plan.workspace_bytes();
+  CpuContext ctx(threads);
+
+  // The floor's buffers: the [N, V] logits (also the gradient operand), dX [N, H], dW [V, H].
+  HostBuffer fz(static_cast<std::size_t>(n * v) * 4), fdx(static_cast<std::size_t>(n * h) * 4),
+      fdw(static_cast<std::size_t>(v * h) * 4);
+  MatMap fzm(fz.as<float>(), n, v), fdxm(fdx.as<float>(), n, h), fdwm(fdw.as<float>(), v, h);
+  auto gemm_logits = [&] { fzm.noalias() = xm * wm.transpose(); };
+  auto gemm_dx = [&] { fdxm.noalias() = fzm * wm; };
+  auto gemm_dw = [&] { fdwm.noalias() = fzm.transpose() * xm; };
+  // The same three GEMMs over the plan's token chunks (dW accumulated chunk by chunk).
+  const std::int64_t chunk = res.plan.chunk_rows;
+  auto chunked_floor = [&] {
+    for (std::int64_t r0 = 0; r0 < n; r0 += chunk) {
+      const std::int64_t rows = std::min(n, r0 + chunk) - r0;
+      MatMap zc(fz.as<float>(), rows, v);
+      zc.noalias() = xm.middleRows(r0, rows) * wm.transpose();
+      fdxm.middleRows(r0, rows).noalias() = zc * wm;
+      if (r0 == 0)
+        fdwm.noalias() = zc.transpose() * xm.middleRows(r0, rows);
+      else
+        fdwm.noalias() += zc.transpose() * xm.middleRows(r0, rows);
+    }
+  };
+  const bool do_chunked = c.chunked_floor && res.plan.order == LoopOrder::kTokenChunk;
+  res.floor_what =
+      "3 Eigen fp32 GEMMs at full size: logits [N, V] = X W^T, dX [N, H] = G W, "
+      "dW [V, H] = G^T X (G: the logits buffer)";
+
+  // The naive computation's gradients (fp32, resident before its memory window).
+  HostBuffer ndx(c.naive ? static_cast<std::size_t>(n * h) * 4 : 0),
+      ndw(c.naive ? static_cast<std::size_t>(v * h) * 4 : 0);
+  std::fill_n(ndx.as<unsigned char>(), ndx.bytes(), 0);
+  std::fill_n(ndw.as<unsigned char>(), ndw.bytes(), 0);
+  Naive naive{xm, wm, y.data(), n, h, v, valid, threads, std::vector<double>(y.size())};
+  std::unique_ptr<HostBuffer> nz;
+
+  // Warm-up runs; the first library call and the first naive run are the memory windows.
+  gemm_logits();
+  gemm_dx();
+  gemm_dw();
+  if (do_chunked) chunked_floor();
+  dev.begin_peak();
+  HostBuffer ws_buf(res.extra_bytes);
+  const Workspace ws(ws_buf.as<void>(), ws_buf.bytes());
+  res.loss_value = ce.forward_backward(ctx, in, gr, {}, ws).loss;
+  res.extra_measured = dev.end_peak();
+  if (c.naive) {
+    dev.begin_peak();
+    nz = std::make_unique<HostBuffer>(static_cast<std::size_t>(n * v) * 4);
+    naive.run(nz->as<float>(), ndx.as<float>(), ndw.as<float>());
+    res.naive_extra = dev.end_peak();
+    res.naive_logits_bytes = nz->bytes();
+  }
+
+  // Timed rounds, interleaved so drift in the machine's load hits every variant alike.
+  std::vector<double> t_logits, t_dx, t_dw, t_chunked;
+  double naive_loss = 0;
+  for (int r = 0; r < c.repeats; ++r) {
+    t_logits.push_back(dev.time_ms(gemm_logits));
+    t_dx.push_back(dev.time_ms(gemm_dx));
+    t_dw.push_back(dev.time_ms(gemm_dw));
+    res.floor_times_ms.push_back(t_logits.back() + t_dx.back() + t_dw.back());
+    if (do_chunked) t_chunked.push_back(dev.time_ms(chunked_floor));
+    double loss = 0;
+    res.times_ms.push_back(
+        dev.time_ms([&] { loss = ce.forward_backward(ctx, in, gr, {}, ws).loss; }));
+    res.loss_repeatable = res.loss_repeatable && loss == res.loss_value;
+    if (c.naive)
+      res.naive_times_ms.push_back(dev.time_ms(
+          [&] { naive_loss = naive.run(nz->as<float>(), ndx.as<float>(), ndw.as<float>()); }));
+  }
+  res.time_ms = median(res.times_ms);
+  res.floor_ms = median(res.floor_times_ms);
+  res.ratio = res.time_ms / res.floor_ms;
+  res.gemm_ms = {
+      {"logits", median(t_logits)}, {"grad_hidden", median(t_dx)}, {"grad_weight", median(t_dw)}};
+  if (do_chunked) res.chunked_floor_ms = median(t_chunked);
+
+  if (c.naive) {
+    res.naive_ms = median(res.naive_times_ms);
+    res.naive_loss_value = naive_loss;
+    res.err_loss = std::abs(res.loss_value - naive_loss) / std::abs(naive_loss);
+    const float* rx = ndx.as<float>();
+    const float* rw = ndw.as<float>();
+    res.err_grad_hidden = bf16 ? rel_norm_err(dx.as<BFloat16>(), rx, n * h, threads)
+                               : rel_norm_err(dx.as<float>(), rx, n * h, threads);
+    res.err_grad_weight = bf16 ? rel_norm_err(dw.as<BFloat16>(), rw, v * h, threads)
+                               : rel_norm_err(dw.as<float>(), rw, v * h, threads);
+    res.max_rel_err_vs_naive =
+        std::max({*res.err_loss, *res.err_grad_hidden, *res.err_grad_weight});
+    if (bf16)
+      res.bf16_storage_err =
+          std::max(bf16_storage_err(rx, n * h, threads), bf16_storage_err(rw, v * h, threads));
+    res.reference =
+        "naive fp32: Eigen GEMM logits [N, V] materialised, fp32 softmax and gradient, loss "
+        "summed in double, two Eigen fp32 gradient GEMMs";
+    if (bf16) res.reference += ", on the bf16 input values widened to fp32";
+  }
+  res.load_after = loadavg();
+  return res;
+}
+
+}  // namespace chunkloss::bench

@@ -1,0 +1,160 @@
+// chunkloss-bench output: details, markdown table and JSON of the cases (see report.h).
+#include "report.h"
+
+#include <cstdio>
+#include <sstream>
+
+namespace chunkloss::bench {
+namespace {
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+std::string mib(std::size_t b) {
+  const double m = static_cast<double>(b) / (1 << 20);
+  return fmt(m < 10 ? "%.2f" : "%.1f", m);
+}
+
+template <typename T>
+nlohmann::json opt(const std::optional<T>& v) {
+  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+}
+
+}  // namespace
+
+std::string case_details(const CaseRecord& rec) {
+  const CaseConfig& c = rec.config;
+  const CaseResult& r = rec.result;
+  std::ostringstream os;
+  os << "case: " << rec.command << "\n";
+  os << "  date: " << rec.date << "\n";
+  os << "  plan: " << r.plan.str() << "\n";
+  os << "  loss fwd+bwd: " << fmt("%.2f", r.time_ms) << " ms (median of " << c.repeats << ":";
+  for (double t : r.times_ms) os << " " << fmt("%.2f", t);
+  os << "), loss " << fmt("%.9g", r.loss_value)
+     << (r.loss_repeatable ? ", bitwise repeatable" : ", NOT bitwise repeatable") << "\n";
+  os << "  floor: " << fmt("%.2f", r.floor_ms) << " ms =";
+  for (std::size_t i = 0; i < r.gemm_ms.size(); ++i)
+    os << (i ? " +" : "") << " " << r.gemm_ms[i].first << " " << fmt("%.2f", r.gemm_ms[i].second);
+  os << " (" << r.floor_what << ")\n";
+  if (r.chunked_floor_ms)
+    os << "  floor at the plan's " << r.plan.chunk_rows
+       << "-row chunks: " << fmt("%.2f", *r.chunked_floor_ms) << " ms (ratio "
+       << fmt("%.3f", r.time_ms / *r.chunked_floor_ms) << " of the loss over it)\n";
+  os << "  extra memory: workspace " << mib(r.extra_bytes) << " MiB; measured over the first call "
+     << mib(r.extra_measured.bytes) << " MiB (" << r.extra_measured.method << ")\n";
+  if (r.naive_ms) {
+    os << "  naive: " << fmt("%.2f", *r.naive_ms) << " ms, [N, V] logits "
+       << mib(*r.naive_logits_bytes) << " MiB, measured " << mib(r.naive_extra->bytes) << " MiB ("
+       << r.naive_extra->method << "), loss " << fmt("%.9g", *r.naive_loss_value) << "\n";
+    os << "  error vs naive (relative norm): loss " << fmt("%.3g", *r.err_loss) << ", dX "
+       << fmt("%.3g", *r.err_grad_hidden) << ", dW " << fmt("%.3g", *r.err_grad_weight);
+    if (r.bf16_storage_err)
+      os << " (bf16 storage of the naive's gradients alone: " << fmt("%.3g", *r.bf16_storage_err)
+         << ")";
+    os << "\n  reference: " << r.reference << "\n";
+  }
+  os << "  device: " << r.device_desc << "\n";
+  os << "  loadavg before: " << r.load_before << ", after: " << r.load_after << "\n";
+  return os.str();
+}
+
+std::string table_markdown(const std::vector<CaseRecord>& records) {
+  std::ostringstream os;
+  os << "| loss | device | N | H | V | dtype | budget MiB | time ms | floor ms | ratio | extra MiB "
+        "| naive ms | naive extra MiB | naive/extra | max rel err |\n";
+  os << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const CaseRecord& rec : records) {
+    const CaseConfig& c = rec.config;
+    const CaseResult& r = rec.result;
+    os << "| " << c.loss << " | " << c.device << " | " << c.rows << " | " << c.hidden << " | "
+       << c.vocab << " | " << dtype_name(c.dtype) << " | " << fmt("%g", c.budget_mib) << " | "
+       << fmt("%.1f", r.time_ms) << " | " << fmt("%.1f", r.floor_ms) << " | "
+       << fmt("%.3f", r.ratio) << " | " << mib(r.extra_bytes) << " | ";
+    if (r.naive_ms)
+      os << fmt("%.1f", *r.naive_ms) << " | " << mib(r.naive_extra->bytes) << " | "
+         << fmt("%.1fx",
+                static_cast<double>(r.naive_extra->bytes) / static_cast<double>(r.extra_bytes))
+         << " | " << fmt("%.2e", *r.max_rel_err_vs_naive) << " |\n";
+    else
+      os << "- | - | - | - |\n";
+  }
+  return os.str();
+}
+
+nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
+  const CaseConfig& c = rec.config;
+  const CaseResult& r = rec.result;
+  const Plan& p = r.plan;
+  nlohmann::json j;
+  j["loss"] = c.loss;
+  j["device"] = c.device;
+  j["rows"] = c.rows;
+  j["hidden"] = c.hidden;
+  j["vocab"] = c.vocab;
+  j["dtype"] = std::string(dtype_name(c.dtype));
+  j["budget_bytes"] = c.budget_bytes;
+  j["time_ms"] = r.time_ms;
+  j["floor_ms"] = r.floor_ms;
+  j["ratio"] = r.ratio;
+  j["extra_bytes"] = r.extra_bytes;
+  j["naive_ms"] = opt(r.naive_ms);
+  j["naive_extra_bytes"] = r.naive_extra ? nlohmann::json(r.naive_extra->bytes) : nullptr;
+  j["max_rel_err_vs_naive"] = opt(r.max_rel_err_vs_naive);
+
+  j["date"] = rec.date;
+  j["command"] = rec.command;
+  j["argv"] = argv;
+  j["repeats"] = c.repeats;
+  j["threads"] = c.threads;
+  j["seed"] = c.seed;
+  j["reduction"] = "mean";
+  j["ignore_index"] = -100;
+  j["ignored_rows"] = "1 in 7 (rows t with t % 7 == 3)";
+  j["inputs"] = "hidden ~ N(0, 1), weight ~ N(0, 1/H), targets uniform in [0, V)";
+  j["times_ms"] = r.times_ms;
+  j["floor"] = r.floor_what;
+  j["floor_times_ms"] = r.floor_times_ms;
+  for (const auto& [name, ms] : r.gemm_ms) j["gemm_" + name + "_ms"] = ms;
+  j["chunked_floor_ms"] = opt(r.chunked_floor_ms);
+  j["extra_measured_bytes"] = r.extra_measured.bytes;
+  j["extra_measured_method"] = r.extra_measured.method;
+  j["naive_times_ms"] = r.naive_times_ms;
+  j["naive_extra_method"] = r.naive_extra ? nlohmann::json(r.naive_extra->method) : nullptr;
+  j["naive_logits_bytes"] = opt(r.naive_logits_bytes);
+  j["naive_extra_over_extra"] = r.naive_extra
+                                    ? nlohmann::json(static_cast<double>(r.naive_extra->bytes) /
+                                                     static_cast<double>(r.extra_bytes))
+                                    : nullptr;
+  j["err_loss"] = opt(r.err_loss);
+  j["err_grad_hidden"] = opt(r.err_grad_hidden);
+  j["err_grad_weight"] = opt(r.err_grad_weight);
+  j["bf16_storage_err"] = opt(r.bf16_storage_err);
+  j["f64_err_grad_hidden"] = opt(r.f64_err_grad_hidden);
+  j["f64_err_grad_weight"] = opt(r.f64_err_grad_weight);
+  j["reference"] = r.reference;
+  j["loss_value"] = r.loss_value;
+  j["naive_loss_value"] = opt(r.naive_loss_value);
+  j["loss_bitwise_repeatable"] = r.loss_repeatable;
+  j["plan"] = p.str();
+  j["plan_order"] = std::string(loop_order_name(p.order));
+  j["requested_order"] = std::string(loop_order_name(c.order));
+  j["chunk_rows"] = p.chunk_rows;
+  j["num_chunks"] = p.num_chunks;
+  j["vocab_block"] = p.vocab_block;
+  j["num_vocab_blocks"] = p.num_vocab_blocks;
+  j["plan_reason"] = p.reason;
+  j["plan_over_budget"] = p.over_budget;
+  j["fp32_weight_grad_accumulator"] = c.fp32_weight_grad_accumulator;
+  j["workspace_bytes"] = p.workspace_bytes();
+  j["device_desc"] = r.device_desc;
+  j["loadavg_before"] = r.load_before;
+  j["loadavg_after"] = r.load_after;
+  j["compiler"] = __VERSION__;
+  return j;
+}
+
+}  // namespace chunkloss::bench

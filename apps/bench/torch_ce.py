@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""PyTorch eager side-by-side for chunkloss-bench --loss ce --device cuda.
+
+Times F.cross_entropy((x @ W.T).float(), y) forward+backward (bf16 inputs, mean over valid rows,
+1 in 7 rows ignored) and the three bare GEMMs (logits, dX, dW) in the same process, with CUDA
+events after warm-up (median), and the peak device memory beyond inputs and gradients.
+Run on the GPU machine: python3 apps/bench/torch_ce.py --shapes 8192x4096x128256 16384x4096x128256
+"""
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def timed(fn, repeats):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def case(n, h, v, repeats, dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, h, device="cuda", dtype=dtype, generator=g).requires_grad_()
+    w = (torch.randn(v, h, device="cuda", dtype=dtype, generator=g) * (2.0 / h**0.5)).requires_grad_()
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    y[3::7] = -100
+
+    def floor():
+        z = x.detach() @ w.detach().T
+        z @ w.detach()
+        z.T @ x.detach()
+
+    def eager():
+        x.grad = None
+        w.grad = None
+        F.cross_entropy((x @ w.T).float(), y, ignore_index=-100).backward()
+
+    floor_ms = timed(floor, repeats)
+    eager()  # allocate the gradient buffers before measuring the peak
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    eager_ms = timed(eager, repeats)
+    extra = torch.cuda.max_memory_allocated() - base
+    return {"loss": "ce", "device": "cuda", "impl": "torch_eager", "rows": n, "hidden": h, "vocab": v,
+            "dtype": str(dtype).replace("torch.", ""), "time_ms": eager_ms, "floor_ms": floor_ms,
+            "ratio": eager_ms / floor_ms, "extra_bytes": extra, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=["8192x4096x128256"], help="NxHxV (default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=10, help="timed repeats (default %(default)s)")
+    ap.add_argument("--json", help="write the results as a JSON array to this file")
+    a = ap.parse_args()
+    out = []
+    for s in a.shapes:
+        n, h, v = (int(t) for t in s.split("x"))
+        r = case(n, h, v, a.repeats, torch.bfloat16)
+        out.append(r)
+        print(f"torch eager {n}x{h}x{v}: {r['time_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms, "
+              f"ratio {r['ratio']:.3f}, extra {r['extra_bytes'] / 2**30:.2f} GiB")
+        torch.cuda.empty_cache()
+    print("command: python3 " + " ".join(sys.argv))
+    if a.json:
+        with open(a.json + ".tmp", "w") as f:
+            json.dump(out, f, indent=1)
+        import os
+        os.replace(a.json + ".tmp", a.json)
+
+
+if __name__ == "__main__":
+    main()

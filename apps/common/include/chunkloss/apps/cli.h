@@ -1,0 +1,49 @@
+// Command-line helpers shared by the apps: a usage error that maps to exit code 2, strict
+// parsing of comma-separated option lists, shell quoting to print a reproducing command,
+// UTC timestamps, and atomic file writes (write FILE.tmp, then rename).
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace chunkloss::apps {
+
+/// Exit codes of every app: 0 success, 1 runtime failure, 2 bad command line.
+inline constexpr int kExitFailure = 1;
+inline constexpr int kExitUsage = 2;
+
+/// A bad option or option value; apps print its message on one line and exit with kExitUsage.
+class UsageError : public std::runtime_error {
+ public:
+  explicit UsageError(const std::string& what) : std::runtime_error(what) {}
+};
+
+/// Splits "a,b,c" on commas. Throws UsageError naming `option` on an empty item.
+std::vector<std::string> split_list(std::string_view option, std::string_view text);
+
+/// Parses every item of a comma list as an integer in [lo, hi]. Throws UsageError.
+std::vector<std::int64_t> parse_int_list(std::string_view option, std::string_view text,
+                                         std::int64_t lo, std::int64_t hi);
+
+/// Parses every item of a comma list as a finite number in [lo, hi]. Throws UsageError.
+std::vector<double> parse_number_list(std::string_view option, std::string_view text, double lo,
+                                      double hi);
+
+/// Quotes one word for a POSIX shell (unchanged when it needs no quoting).
+std::string shell_quote(std::string_view word);
+
+/// The words joined by spaces, each shell-quoted.
+std::string shell_join(const std::vector<std::string>& words);
+
+/// Now in UTC: "2026-12-02T14:25:14Z" (iso) or "2026-12-02" (date only).
+std::string utc_now_iso();
+std::string utc_today();
+
+/// Writes `content` to `path` atomically: `path`.tmp is written and flushed, then renamed over
+/// `path`. Throws std::runtime_error naming the file on failure (and removes the .tmp file).
+void write_file_atomic(const std::string& path, std::string_view content);
+
+}  // namespace chunkloss::apps

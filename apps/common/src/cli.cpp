@@ -1,0 +1,123 @@
+// Command-line helpers shared by the apps (see cli.h).
+#include "chunkloss/apps/cli.h"
+
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <sstream>
+
+namespace chunkloss::apps {
+
+std::vector<std::string> split_list(std::string_view option, std::string_view text) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t comma = text.find(',', start);
+    const std::string_view item = text.substr(
+        start, comma == std::string_view::npos ? std::string_view::npos : comma - start);
+    if (item.empty())
+      throw UsageError("--" + std::string(option) + ": empty item in '" + std::string(text) + "'");
+    out.emplace_back(item);
+    if (comma == std::string_view::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+std::vector<std::int64_t> parse_int_list(std::string_view option, std::string_view text,
+                                         std::int64_t lo, std::int64_t hi) {
+  std::vector<std::int64_t> out;
+  for (const std::string& item : split_list(option, text)) {
+    std::int64_t v = 0;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    if (ec != std::errc() || end != item.data() + item.size() || v < lo || v > hi) {
+      std::ostringstream os;
+      os << "--" << option << ": '" << item << "' is not an integer in [" << lo << ", " << hi
+         << "]";
+      throw UsageError(os.str());
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+std::vector<double> parse_number_list(std::string_view option, std::string_view text, double lo,
+                                      double hi) {
+  std::vector<double> out;
+  for (const std::string& item : split_list(option, text)) {
+    errno = 0;
+    char* end = nullptr;
+    const double v = std::strtod(item.c_str(), &end);
+    if (errno != 0 || end != item.c_str() + item.size() || !std::isfinite(v) || v < lo || v > hi) {
+      std::ostringstream os;
+      os << "--" << option << ": '" << item << "' is not a number in [" << lo << ", " << hi << "]";
+      throw UsageError(os.str());
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+std::string shell_quote(std::string_view word) {
+  constexpr std::string_view kSafe =
+      "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-+./=:,@%";
+  if (!word.empty() && word.find_first_not_of(kSafe) == std::string_view::npos)
+    return std::string(word);
+  std::string q = "'";
+  for (const char ch : word) {
+    if (ch == '\'')
+      q += "'\\''";
+    else
+      q += ch;
+  }
+  return q + "'";
+}
+
+std::string shell_join(const std::vector<std::string>& words) {
+  std::string out;
+  for (const std::string& w : words) {
+    if (!out.empty()) out += ' ';
+    out += shell_quote(w);
+  }
+  return out;
+}
+
+namespace {
+
+std::string utc_format(const char* fmt) {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char buf[64];
+  std::strftime(buf, sizeof buf, fmt, &tm);
+  return buf;
+}
+
+}  // namespace
+
+std::string utc_now_iso() { return utc_format("%Y-%m-%dT%H:%M:%SZ"); }
+std::string utc_today() { return utc_format("%Y-%m-%d"); }
+
+void write_file_atomic(const std::string& path, std::string_view content) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (f) f.write(content.data(), static_cast<std::streamsize>(content.size()));
+    if (f) f.flush();
+    if (!f) {
+      std::remove(tmp.c_str());
+      throw std::runtime_error("cannot write " + tmp);
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = std::strerror(errno);
+    std::remove(tmp.c_str());
+    throw std::runtime_error("cannot rename " + tmp + " to " + path + ": " + why);
+  }
+}
+
+}  // namespace chunkloss::apps
