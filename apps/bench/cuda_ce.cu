@@ -265,14 +265,17 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
   {
     gpu::DeviceBuffer z(n * v * es);
     res.gemm_ms.emplace_back("logits X W^T", time_ms(s, c.repeats, [&] {
-      gm.logits(x.data(), w.data(), z.data(), int(n), int(h), int(v), ct, CUBLAS_COMPUTE_32F);
-    }));
+                               gm.logits(x.data(), w.data(), z.data(), int(n), int(h), int(v), ct,
+                                         CUBLAS_COMPUTE_32F);
+                             }));
     res.gemm_ms.emplace_back("dX = G W", time_ms(s, c.repeats, [&] {
-      gm.dx(z.data(), w.data(), dx.data(), int(n), int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F);
-    }));
+                               gm.dx(z.data(), w.data(), dx.data(), int(n), int(h), int(v), ct, ct,
+                                     ct, CUBLAS_COMPUTE_32F);
+                             }));
     res.gemm_ms.emplace_back("dW = G^T X", time_ms(s, c.repeats, [&] {
-      gm.dw(z.data(), x.data(), dw.data(), int(n), int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F);
-    }));
+                               gm.dw(z.data(), x.data(), dw.data(), int(n), int(h), int(v), ct, ct,
+                                     ct, CUBLAS_COMPUTE_32F);
+                             }));
     res.floor_ms = time_ms(s, c.repeats, [&] {
       gm.logits(x.data(), w.data(), z.data(), int(n), int(h), int(v), ct, CUBLAS_COMPUTE_32F);
       gm.dx(z.data(), w.data(), dx.data(), int(n), int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F);
@@ -296,9 +299,10 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
   const Plan plan = ce.plan(in, gr);
   res.plan = plan;
   res.extra_bytes = plan.workspace_bytes();
-  res.floor_what = std::string("3 cuBLAS GEMMs at full size (logits, dX, dW), ") + (bf16 ? "bf16" : "fp32") +
-                   " operands and outputs, fp32 accumulation";
-  res.device_desc += ", gpu::Context (cuBLAS workspace) " + std::to_string(context_bytes >> 20) + " MiB";
+  res.floor_what = std::string("3 cuBLAS GEMMs at full size (logits, dX, dW), ") +
+                   (bf16 ? "bf16" : "fp32") + " operands and outputs, fp32 accumulation";
+  res.device_desc +=
+      ", gpu::Context (cuBLAS workspace) " + std::to_string(context_bytes >> 20) + " MiB";
   const std::size_t before_ws = free_bytes();
   gpu::DeviceBuffer ws(plan.workspace_bytes());
   const Workspace wsv(ws.data(), ws.bytes(), Device::kCuda);
@@ -346,9 +350,9 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
     res.naive_loss_value = naive_loss;
     const double e_loss = std::abs(res.loss_value - naive_loss) / std::abs(naive_loss);
     const double e_dx = bf16 ? rel_err(dx.as<__nv_bfloat16>(), ndx.as<float>(), n * h)
-                               : rel_err(dx.as<float>(), ndx.as<float>(), n * h);
+                             : rel_err(dx.as<float>(), ndx.as<float>(), n * h);
     const double e_dw = bf16 ? rel_err(dw.as<__nv_bfloat16>(), ndw.as<float>(), v * h)
-                               : rel_err(dw.as<float>(), ndw.as<float>(), v * h);
+                             : rel_err(dw.as<float>(), ndw.as<float>(), v * h);
     res.err_loss = e_loss;
     res.err_grad_hidden = e_dx;
     res.err_grad_weight = e_dw;
@@ -377,9 +381,9 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
            CUBLAS_COMPUTE_64F);
     BENCH_CHECK(cudaGetLastError());
     res.f64_err_grad_hidden = bf16 ? rel_err(dx.as<__nv_bfloat16>(), dxd.as<double>(), n * h)
-                                : rel_err(dx.as<float>(), dxd.as<double>(), n * h);
+                                   : rel_err(dx.as<float>(), dxd.as<double>(), n * h);
     res.f64_err_grad_weight = bf16 ? rel_err(dw.as<__nv_bfloat16>(), dwd.as<double>(), v * h)
-                                : rel_err(dw.as<float>(), dwd.as<double>(), v * h);
+                                   : rel_err(dw.as<float>(), dwd.as<double>(), v * h);
   }
   return res;
 }

@@ -24,7 +24,7 @@ void gemm(const Context& ctx, const Matrix& a, bool trans_a, const Matrix& b, bo
 /// As gemm(), C = alpha op(A) op(B) + beta C with alpha and beta read from device memory when
 /// the GEMM runs (no host synchronisation).
 void gemm_device_scalars(const Context& ctx, const Matrix& a, bool trans_a, const Matrix& b,
-                         bool trans_b, void* c, DType c_dtype, std::int64_t ldc,
-                         const float* alpha, const float* beta);
+                         bool trans_b, void* c, DType c_dtype, std::int64_t ldc, const float* alpha,
+                         const float* beta);
 
 }  // namespace chunkloss::gpu
