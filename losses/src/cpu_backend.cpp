@@ -276,6 +276,7 @@ class CpuTokenBackend final : public TokenBackend {
   }
 
  private:
+  std::int64_t call_vocab() const override { return v_; }
   std::int64_t target(std::int64_t t) const {
     return c_.targets.dtype() == DType::kI32 ? c_.targets.data_as<const std::int32_t>()[t]
                                              : c_.targets.data_as<const std::int64_t>()[t];

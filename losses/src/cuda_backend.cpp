@@ -26,6 +26,7 @@ class CudaTokenBackend final : public TokenBackend {
     if (plan.dw_accum.bytes) dw_acc_ = ws.at<float>(plan.dw_accum);
     if (plan.dh_accum.bytes) dh_acc_ = ws.at<float>(plan.dh_accum);
     if (plan.db_accum.bytes) db_acc_ = ws.at<float>(plan.db_accum);
+    if (plan.staging.bytes) x_stage_ = ws.at<unsigned char>(plan.staging);
     scalars_ = ws.at<double>(plan.scalars);
     const RowArrays r = RowArrays::carve(ws.at<float>(plan.row_stats), call.rows);
     p_.rows = call.rows;
@@ -113,6 +114,33 @@ class CudaTokenBackend final : public TokenBackend {
     grad_gemm(g, true, x_rows(r0, r1), dst, c_.grad_w.dtype(), first && !c_.accumulate);
   }
 
+  // Several ranges (a resident group's chosen and rejected rows): their X rows are copied
+  // side by side into the staging slice so dW gets one GEMM over all the group's rows, which
+  // reads and writes dW once per group instead of once per range.
+  void grad_w_ranges(const std::vector<RowRange>& ranges, bool first) override {
+    if (ranges.size() == 1 || !x_stage_ || !c_.grad_w.defined())
+      return TokenBackend::grad_w_ranges(ranges, first);
+    const std::int64_t h = c_.hidden;
+    const std::size_t row_bytes = static_cast<std::size_t>(h) * dtype_size(c_.x.dtype());
+    const auto s = static_cast<cudaStream_t>(stream_);
+    std::int64_t rows = 0;
+    for (const RowRange& r : ranges) {
+      CHUNKLOSS_GPU_CHECK(
+          cudaMemcpyAsync(x_stage_ + rows * row_bytes,
+                          static_cast<const unsigned char*>(c_.x.data()) + r.r0 * row_bytes,
+                          (r.r1 - r.r0) * row_bytes, cudaMemcpyDeviceToDevice, s));
+      rows += r.r1 - r.r0;
+    }
+    select_tile(0);
+    const gpu::Matrix g = grad_tile(0, rows, 0, c_.vocab);
+    const gpu::Matrix x{x_stage_, c_.x.dtype(), rows, h, h};
+    if (dw_acc_) {
+      grad_gemm(g, true, x, dw_acc_, DType::kF32, first);
+      return;
+    }
+    grad_gemm(g, true, x, c_.grad_w.data(), c_.grad_w.dtype(), first && !c_.accumulate);
+  }
+
   void select_tile(std::int64_t row_offset) override {
     tile_ = tile_base_ + row_offset * c_.vocab * dtype_size(plan_.logits_dtype);
   }
@@ -171,6 +199,7 @@ class CudaTokenBackend final : public TokenBackend {
   }
 
  private:
+  std::int64_t call_vocab() const override { return c_.vocab; }
   gpu::Matrix x_rows(std::int64_t r0, std::int64_t r1) const {
     const std::int64_t h = c_.hidden;
     return {static_cast<const unsigned char*>(c_.x.data()) + r0 * h * dtype_size(c_.x.dtype()),
@@ -206,7 +235,7 @@ class CudaTokenBackend final : public TokenBackend {
   const Plan& plan_;
   void* stream_;
   bool check_finite_;
-  unsigned char *tile_ = nullptr, *tile_base_ = nullptr;
+  unsigned char *tile_ = nullptr, *tile_base_ = nullptr, *x_stage_ = nullptr;
   float *dw_acc_ = nullptr, *dh_acc_ = nullptr, *db_acc_ = nullptr;
   double* scalars_ = nullptr;
   kern::TokenParams p_;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "chunkloss/core/context.h"
 #include "chunkloss/core/tensor.h"
@@ -42,6 +43,11 @@ struct TokenTotals {
   double weight_sum = 0;
 };
 
+/// Rows [r0, r1).
+struct RowRange {
+  std::int64_t r0, r1;
+};
+
 /// The steps the engine drives. Row ranges are [r0, r1), column ranges [v0, v1); the logits
 /// buffer holds the current tile densely as [r1 - r0, v1 - v0].
 class TokenBackend {
@@ -62,6 +68,18 @@ class TokenBackend {
   /// dw[v0:v1] (+)= tile^T x[r0:r1]; db[v0:v1] (+)= colsum(tile).
   virtual void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
                       bool first) = 0;
+  /// dw (+)= tile^T x over the rows of `ranges`, whose tiles lie one after another from the
+  /// start of the logits slice (a resident group); db (+)= their column sums. The default
+  /// runs grad_w per range; a backend may do it in one GEMM.
+  virtual void grad_w_ranges(const std::vector<RowRange>& ranges, bool first) {
+    std::int64_t offset = 0;
+    for (const RowRange& r : ranges) {
+      select_tile(offset);
+      grad_w(r.r0, r.r1, 0, call_vocab(), first);
+      first = false;
+      offset += r.r1 - r.r0;
+    }
+  }
   /// Points the logits tile `row_offset` rows (of V columns) into the logits slice, so a
   /// resident group keeps several chunks' logits between the passes.
   virtual void select_tile(std::int64_t row_offset) = 0;
@@ -74,6 +92,9 @@ class TokenBackend {
   /// Flushes accumulators into the caller's buffers and reduces the scalar totals (into
   /// out_scalars when given; to the host unless copy_results is false).
   virtual TokenTotals finish() = 0;
+
+ protected:
+  virtual std::int64_t call_vocab() const = 0;
 };
 
 /// The backend for the context's device (throws when CUDA support is not built in).

@@ -136,17 +136,18 @@ double dw_bytes(const PlanRequest& q) {
 
 // Slices of the plan's workspace once the order and chunking are known: a logits buffer of
 // `logits_bytes`, the row statistics, the accumulators and the backend's staging for
-// `staging_rows` rows of the GEMMs' row range.
+// `staging_rows` rows of the GEMMs' row range plus `extra_staging` bytes.
 void lay_out(Plan& p, const PlanRequest& q, std::size_t logits_bytes, std::size_t dh_acc,
-             std::int64_t staging_rows) {
+             std::int64_t staging_rows, std::size_t extra_staging = 0) {
   const bool vocab_order = p.order == LoopOrder::kVocabBlock;
   p.logits = p.layout.add(logits_bytes);
   p.row_stats = p.layout.add(row_stats_bytes(q));
   if (dw_accum_bytes(q)) p.dw_accum = p.layout.add(dw_accum_bytes(q));
   if (vocab_order && dh_acc) p.dh_accum = p.layout.add(dh_acc);
   if (db_accum_bytes(q)) p.db_accum = p.layout.add(db_accum_bytes(q));
-  const std::size_t staging = cpu_staging_fixed(q) + static_cast<std::size_t>(staging_rows) *
-                                                         cpu_staging_per_row(q, vocab_order);
+  const std::size_t staging =
+      cpu_staging_fixed(q) +
+      static_cast<std::size_t>(staging_rows) * cpu_staging_per_row(q, vocab_order) + extra_staging;
   if (staging) p.staging = p.layout.add(staging);
   if (q.device == Device::kCuda) p.scalars = p.layout.add(kDeviceScalarBytes);
 }
@@ -307,11 +308,18 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   const double rec_cost = rec.order == LoopOrder::kVocabBlock ? rec_vocab : rec_token;
 
   // Resident: the most whole units whose group's logits (and staging for one unit-range of
-  // rows) fit the budget.
+  // rows) fit the budget. On CUDA a pair group's X rows are staged side by side for its one
+  // dW GEMM (see the CUDA backend's grad_w_ranges).
+  const auto x_stage = [&](std::int64_t g) -> std::size_t {
+    const bool stage = q.device == Device::kCuda && q.grad_weight && L.unit_sequences > 1;
+    return stage ? static_cast<std::size_t>(g * t * L.unit_sequences * q.hidden) *
+                       dtype_size(q.input_dtype)
+                 : 0;
+  };
   const auto group_bytes = [&](std::int64_t g) {
     const auto range_rows = static_cast<std::size_t>(g * t);
     return fixed_bytes(q) + range_rows * L.unit_sequences * v * lb +
-           range_rows * cpu_staging_per_row(q, false);
+           range_rows * cpu_staging_per_row(q, false) + x_stage(g);
   };
   std::int64_t g = 0;
   for (std::int64_t lo = 1, hi = units; lo <= hi;) {  // group_bytes grows with g
@@ -325,8 +333,8 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   std::int64_t groups = 0;
   if (g > 0) {
     groups = (units + g - 1) / g;
-    const double chunks = groups == 1 ? 1.0 : static_cast<double>(groups * L.unit_sequences);
-    constexpr double kCudaSyncS = 3e-5;  // two host round trips per group
+    const double chunks = static_cast<double>(groups);  // one dW GEMM per group
+    constexpr double kCudaSyncS = 3e-5;                 // two host round trips per group
     res_cost = gemm_time(dm, gemm_count(q) * nhv, static_cast<double>(g * t)) +
                3.0 * epilogue_pass_time(q, dm) +
                (q.grad_weight ? 2.0 * dw_bytes(q) * (chunks - 1) / dm.bandwidth : 0.0) +
@@ -375,7 +383,8 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   p.predicted_token_cost_s = res_cost;
   why << " (" << g << " of " << units << " units per group)";
   p.reason = why.str();
-  lay_out(p, q, static_cast<std::size_t>(g * t * L.unit_sequences * v) * lb, 0, p.chunk_rows);
+  lay_out(p, q, static_cast<std::size_t>(g * t * L.unit_sequences * v) * lb, 0, p.chunk_rows,
+          one_chunk ? 0 : x_stage(g));
   return p;
 }
 

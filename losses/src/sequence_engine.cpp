@@ -8,10 +8,6 @@
 namespace chunkloss::detail {
 namespace {
 
-struct RowRange {
-  std::int64_t r0, r1;
-};
-
 // The contiguous row ranges holding units [u0, u1): one per sequence position in the unit,
 // merged when they touch (a group of all the units is the single range [0, N)).
 std::vector<RowRange> unit_ranges(const SequenceCall& c, std::int64_t u0, std::int64_t u1) {
@@ -124,9 +120,9 @@ SequenceSums run_sequence_objective(Context& ctx, const SequenceCall& c, const P
                    b->select_tile(offset);
                    b->grad_epilogue(r0, r1, 0, v);
                    b->grad_x(r0, r1, 0, v, true);
-                   b->grad_w(r0, r1, 0, v, first);
-                   first = false;
                  });
+      b->grad_w_ranges(ranges, first);
+      first = false;
     }
     b->finish();
     return sums;
