@@ -49,9 +49,11 @@ class CpuTokenBackend final : public TokenBackend {
       : c_(call), plan_(plan), threads_(ctx.threads()), h_(call.hidden), v_(call.vocab) {
     tile_ = tile_base_ = ws.at<float>(plan.logits);
     rows_ = RowArrays::carve(ws.at<float>(plan.row_stats), call.rows);
-    if (plan.dw_accum.bytes) dw_acc_ = ws.at<float>(plan.dw_accum);
-    if (plan.dh_accum.bytes) dh_acc_ = ws.at<float>(plan.dh_accum);
-    if (plan.db_accum.bytes) db_acc_ = ws.at<float>(plan.db_accum);
+    // The plan may be shared with a forward-only call (a reference head): accumulators only
+    // for the gradients this call computes.
+    if (plan.dw_accum.bytes && call.grad_w.defined()) dw_acc_ = ws.at<float>(plan.dw_accum);
+    if (plan.dh_accum.bytes && call.grad_x.defined()) dh_acc_ = ws.at<float>(plan.dh_accum);
+    if (plan.db_accum.bytes && call.grad_bias.defined()) db_acc_ = ws.at<float>(plan.db_accum);
     float* s = plan.staging.bytes ? ws.at<float>(plan.staging) : nullptr;
     const bool bf16_in = call.x.dtype() == DType::kBF16;
     const bool vocab_order = plan.order == LoopOrder::kVocabBlock;

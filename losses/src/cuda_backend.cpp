@@ -23,9 +23,11 @@ class CudaTokenBackend final : public TokenBackend {
                    const Workspace& ws, bool check_finite)
       : ctx_(ctx), c_(call), plan_(plan), stream_(ctx.stream()), check_finite_(check_finite) {
     tile_ = tile_base_ = ws.at<unsigned char>(plan.logits);
-    if (plan.dw_accum.bytes) dw_acc_ = ws.at<float>(plan.dw_accum);
-    if (plan.dh_accum.bytes) dh_acc_ = ws.at<float>(plan.dh_accum);
-    if (plan.db_accum.bytes) db_acc_ = ws.at<float>(plan.db_accum);
+    // The plan may be shared with a forward-only call (a reference head): accumulators only
+    // for the gradients this call computes.
+    if (plan.dw_accum.bytes && call.grad_w.defined()) dw_acc_ = ws.at<float>(plan.dw_accum);
+    if (plan.dh_accum.bytes && call.grad_x.defined()) dh_acc_ = ws.at<float>(plan.dh_accum);
+    if (plan.db_accum.bytes && call.grad_bias.defined()) db_acc_ = ws.at<float>(plan.db_accum);
     if (plan.staging.bytes) x_stage_ = ws.at<unsigned char>(plan.staging);
     scalars_ = ws.at<double>(plan.scalars);
     const RowArrays r = RowArrays::carve(ws.at<float>(plan.row_stats), call.rows);

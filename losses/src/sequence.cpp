@@ -400,6 +400,15 @@ double kl_from_batch(Context& ctx, const Checked& c, const Workspace& ws) {
   return std::max(0.0, sum / static_cast<double>(pol.size()));
 }
 
+// The call's plan; with a KL batch, whose passes run first from the start of the same block,
+// the layout is extended to hold their plan too.
+Plan call_plan(const Checked& c) {
+  Plan p = plan_sequence_objective(c.request, c.layout);
+  const std::size_t kl = c.kl_policy ? c.kl_plan.workspace_bytes() : 0;
+  if (kl > p.workspace_bytes()) p.layout.add(kl - p.workspace_bytes());
+  return p;
+}
+
 }  // namespace
 
 SequenceLoss::SequenceLoss(std::shared_ptr<const SequenceObjective> objective,
@@ -418,16 +427,12 @@ SequenceLoss::SequenceLoss(std::shared_ptr<const SequenceObjective> objective,
 
 Plan SequenceLoss::plan(const PreferenceInputs& in, const PreferenceGrads& grads) const {
   const Device dev = in.policy.hidden.defined() ? in.policy.hidden.device() : Device::kCpu;
-  const Checked c = check_call(*objective_, options_, nullptr, dev, in, grads);
-  return plan_sequence_objective(c.request, c.layout);
+  return call_plan(check_call(*objective_, options_, nullptr, dev, in, grads));
 }
 
 std::size_t SequenceLoss::workspace_bytes(const PreferenceInputs& in,
                                           const PreferenceGrads& grads) const {
-  const Device dev = in.policy.hidden.defined() ? in.policy.hidden.device() : Device::kCpu;
-  const Checked c = check_call(*objective_, options_, nullptr, dev, in, grads);
-  const std::size_t main = plan_sequence_objective(c.request, c.layout).workspace_bytes();
-  return c.kl_policy ? std::max(main, c.kl_plan.workspace_bytes()) : main;
+  return plan(in, grads).workspace_bytes();
 }
 
 PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceInputs& in,
@@ -436,7 +441,7 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   const SequenceObjective& obj = *objective_;
   const std::string who(obj.name());
   Checked c = check_call(obj, options_, &ctx, ctx.device(), in, grads);
-  const Plan plan = plan_sequence_objective(c.request, c.layout);
+  const Plan plan = call_plan(c);
   CHUNKLOSS_CHECK(ws.device() == ctx.device(), who, ": workspace is on ", device_name(ws.device()),
                   ", the context on ", device_name(ctx.device()));
   ws.require(plan.layout, who.c_str());

@@ -9,13 +9,15 @@ namespace chunkloss::detail {
 namespace {
 
 // The contiguous row ranges holding units [u0, u1): one per sequence position in the unit,
-// merged when they touch (a group of all the units is the single range [0, N)).
-std::vector<RowRange> unit_ranges(const SequenceCall& c, std::int64_t u0, std::int64_t u1) {
+// merged when they touch and the merged range is still one chunk (a group of all the units
+// is then the single chunk [0, N)). Every range is at most `chunk` rows.
+std::vector<RowRange> unit_ranges(const SequenceCall& c, std::int64_t u0, std::int64_t u1,
+                                  std::int64_t chunk) {
   const std::int64_t t = c.seq_len, units = c.sequences / c.unit_sequences;
   std::vector<RowRange> r;
   for (std::int64_t k = 0; k < c.unit_sequences; ++k) {
     const RowRange next{(k * units + u0) * t, (k * units + u1) * t};
-    if (!r.empty() && r.back().r1 == next.r0)
+    if (!r.empty() && r.back().r1 == next.r0 && next.r1 - r.back().r0 <= chunk)
       r.back().r1 = next.r1;
     else
       r.push_back(next);
@@ -111,7 +113,7 @@ SequenceSums run_sequence_objective(Context& ctx, const SequenceCall& c, const P
     bool first = true;
     for (std::int64_t u0 = 0; u0 < units; u0 += plan.group_units) {
       const std::int64_t u1 = std::min(units, u0 + plan.group_units);
-      const std::vector<RowRange> ranges = unit_ranges(c, u0, u1);
+      const std::vector<RowRange> ranges = unit_ranges(c, u0, u1, plan.chunk_rows);
       pass_one(*b, c, ranges, plan, true, sums.logp, &sums.logit_sum);
       on_units(u0, u1, sums, coef);
       upload_coefficients(*b, c, ranges, coef);
