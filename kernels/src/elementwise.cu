@@ -23,6 +23,29 @@ __global__ void store_f32_kernel(T* dst, const float* src, std::int64_t n, bool 
     dst[i] = from_float<T>(add ? to_float(dst[i]) + src[i] : src[i]);
 }
 
+template <typename TD, typename TS>
+__global__ void scale_rows_kernel(TD* dst, const TS* src, const float* scale, std::int64_t n,
+                                  std::int64_t cols, bool add) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    const float v = scale[i / cols] * to_float(src[i]);
+    dst[i] = from_float<TD>(add ? to_float(dst[i]) + v : v);
+  }
+}
+
+template <typename TD>
+int scale_rows_from(TD* dst, const void* src, Elem src_elem, const float* scale, std::int64_t n,
+                    std::int64_t cols, bool add, cudaStream_t s) {
+  if (src_elem == Elem::kF32)
+    scale_rows_kernel<<<blocks_for(n), kThreads, 0, s>>>(dst, static_cast<const float*>(src), scale,
+                                                         n, cols, add);
+  else
+    scale_rows_kernel<<<blocks_for(n), kThreads, 0, s>>>(
+        dst, static_cast<const __nv_bfloat16*>(src), scale, n, cols, add);
+  return static_cast<int>(cudaGetLastError());
+}
+
 // Integer counts: each block reduces its count and adds it with one integer atomic, so the
 // total is exact and deterministic.
 template <typename T>
@@ -56,6 +79,16 @@ int launch_store_f32(void* dst, Elem dst_elem, const float* src, std::int64_t n,
     store_f32_kernel<<<blocks_for(n), kThreads, 0, s>>>(static_cast<__nv_bfloat16*>(dst), src, n,
                                                         add);
   return static_cast<int>(cudaGetLastError());
+}
+
+int launch_scale_rows(void* dst, Elem dst_elem, const void* src, Elem src_elem, const float* scale,
+                      std::int64_t rows, std::int64_t cols, bool add, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  const std::int64_t n = rows * cols;
+  if (n == 0) return 0;
+  if (dst_elem == Elem::kF32)
+    return scale_rows_from(static_cast<float*>(dst), src, src_elem, scale, n, cols, add, s);
+  return scale_rows_from(static_cast<__nv_bfloat16*>(dst), src, src_elem, scale, n, cols, add, s);
 }
 
 int launch_count_nonfinite(const void* x, Elem elem, std::int64_t n, double* scalars,

@@ -3,7 +3,9 @@
 // synchronisation until finish(), which copies the scalar results once.
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "chunkloss/core/error.h"
 #include "chunkloss/gpu/check.h"
@@ -28,7 +30,8 @@ class CudaTokenBackend final : public TokenBackend {
     if (plan.dw_accum.bytes && call.grad_w.defined()) dw_acc_ = ws.at<float>(plan.dw_accum);
     if (plan.dh_accum.bytes && call.grad_x.defined()) dh_acc_ = ws.at<float>(plan.dh_accum);
     if (plan.db_accum.bytes && call.grad_bias.defined()) db_acc_ = ws.at<float>(plan.db_accum);
-    if (plan.staging.bytes) x_stage_ = ws.at<unsigned char>(plan.staging);
+    carve_staging(plan.staging.bytes ? ws.at<unsigned char>(plan.staging) : nullptr,
+                  plan.staging.bytes);
     scalars_ = ws.at<double>(plan.scalars);
     const RowArrays r = RowArrays::carve(ws.at<float>(plan.row_stats), call.rows);
     p_.rows = call.rows;
@@ -49,8 +52,9 @@ class CudaTokenBackend final : public TokenBackend {
     p_.scale = call.scale == RowScale::kMean  ? kern::Scale::kMean
                : call.scale == RowScale::kSum ? kern::Scale::kSum
                                               : kern::Scale::kUpstream;
-    p_.row = {r.lse, r.a, r.b, r.g, r.loss, r.zloss, r.entropy, r.zsum, r.argmax};
+    p_.row = {r.lse, r.a, r.b, r.g, r.loss, r.zloss, r.entropy, r.zsum, r.scale, r.argmax};
     p_.logit_sums = call.logit_sums;
+    p_.row_scales = call.row_scales;
     p_.scalars = scalars_;
     ctx.activate();
   }
@@ -98,6 +102,13 @@ class CudaTokenBackend final : public TokenBackend {
     }
     auto* dst =
         static_cast<unsigned char*>(c_.grad_x.data()) + r0 * h * dtype_size(c_.grad_x.dtype());
+    if (dh_stage_) {  // row scales: fp32 rows, scaled and rounded once into the caller's dH
+      grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), dh_stage_, DType::kF32, true);
+      CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(dst, elem(c_.grad_x.dtype()), dh_stage_,
+                                                     kern::Elem::kF32, p_.row.scale + r0, r1 - r0,
+                                                     h, !first || c_.accumulate, stream_));
+      return;
+    }
     grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), dst, c_.grad_x.dtype(),
               first && !c_.accumulate);
   }
@@ -107,35 +118,47 @@ class CudaTokenBackend final : public TokenBackend {
     if (!c_.grad_w.defined()) return;
     const gpu::Matrix g = grad_tile(r0, r1, v0, v1);
     const std::int64_t h = c_.hidden;
+    gpu::Matrix x = x_rows(r0, r1);
+    if (x_scaled_) {  // row scales: dW = G^T (scale * X), X rows scaled once per chunk
+      const bool vocab_order = plan_.order == LoopOrder::kVocabBlock;
+      if (!vocab_order || !x_scaled_ready_)
+        scale_x_rows(x_scaled_, vocab_order ? 0 : r0, vocab_order ? c_.rows : r1);
+      x_scaled_ready_ = vocab_order;
+      x.data = x_scaled_ + (vocab_order ? r0 * x_row_bytes() : 0);
+    }
     if (dw_acc_) {
-      grad_gemm(g, true, x_rows(r0, r1), dw_acc_ + v0 * h, DType::kF32, first);
+      grad_gemm(g, true, x, dw_acc_ + v0 * h, DType::kF32, first);
       return;
     }
     auto* dst =
         static_cast<unsigned char*>(c_.grad_w.data()) + v0 * h * dtype_size(c_.grad_w.dtype());
-    grad_gemm(g, true, x_rows(r0, r1), dst, c_.grad_w.dtype(), first && !c_.accumulate);
+    grad_gemm(g, true, x, dst, c_.grad_w.dtype(), first && !c_.accumulate);
   }
 
   // Several ranges (a resident group's chosen and rejected rows): their X rows are copied
-  // side by side into the staging slice so dW gets one GEMM over all the group's rows, which
-  // reads and writes dW once per group instead of once per range.
+  // side by side into the staging slice (scaled, with row scales) so dW gets one GEMM over all
+  // the group's rows, which reads and writes dW once per group instead of once per range.
   void grad_w_ranges(const std::vector<RowRange>& ranges, bool first) override {
-    if (ranges.size() == 1 || !x_stage_ || !c_.grad_w.defined())
+    unsigned char* stage = ranges.size() == 1 && c_.row_scales ? x_scaled_ : x_stage_;
+    if ((ranges.size() == 1 && !c_.row_scales) || !stage || !c_.grad_w.defined())
       return TokenBackend::grad_w_ranges(ranges, first);
     const std::int64_t h = c_.hidden;
-    const std::size_t row_bytes = static_cast<std::size_t>(h) * dtype_size(c_.x.dtype());
+    const std::size_t row_bytes = x_row_bytes();
     const auto s = static_cast<cudaStream_t>(stream_);
     std::int64_t rows = 0;
     for (const RowRange& r : ranges) {
-      CHUNKLOSS_GPU_CHECK(
-          cudaMemcpyAsync(x_stage_ + rows * row_bytes,
-                          static_cast<const unsigned char*>(c_.x.data()) + r.r0 * row_bytes,
-                          (r.r1 - r.r0) * row_bytes, cudaMemcpyDeviceToDevice, s));
+      if (c_.row_scales)
+        scale_x_rows(stage + rows * row_bytes, r.r0, r.r1);
+      else
+        CHUNKLOSS_GPU_CHECK(
+            cudaMemcpyAsync(stage + rows * row_bytes,
+                            static_cast<const unsigned char*>(c_.x.data()) + r.r0 * row_bytes,
+                            (r.r1 - r.r0) * row_bytes, cudaMemcpyDeviceToDevice, s));
       rows += r.r1 - r.r0;
     }
     select_tile(0);
     const gpu::Matrix g = grad_tile(0, rows, 0, c_.vocab);
-    const gpu::Matrix x{x_stage_, c_.x.dtype(), rows, h, h};
+    const gpu::Matrix x{stage, c_.x.dtype(), rows, h, h};
     if (dw_acc_) {
       grad_gemm(g, true, x, dw_acc_, DType::kF32, first);
       return;
@@ -156,18 +179,38 @@ class CudaTokenBackend final : public TokenBackend {
     CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(s));
   }
 
-  // Pageable host memory: each copy returns once `c` is staged, so `c` may be reused at once.
-  // The stats epilogue left g = 0 (no smoothing under the plain rule).
+  // Pageable host memory: each copy returns once its source is staged, so the host vectors
+  // may be reused at once. The stats epilogue left g = 0 (no smoothing under the plain rule).
+  // With row scales c = scale * 2^e: the tile gets the exact power of two, the mantissa is
+  // applied to the dH rows and the X rows of the dW GEMM.
   void set_coefficients(std::int64_t r0, std::int64_t r1, const float* c) override {
     const auto s = static_cast<cudaStream_t>(stream_);
     const std::size_t bytes = static_cast<std::size_t>(r1 - r0) * sizeof(float);
-    CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(p_.row.a + r0, c, bytes, cudaMemcpyHostToDevice, s));
-    CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(p_.row.b + r0, c, bytes, cudaMemcpyHostToDevice, s));
+    const float* ab = c;
+    if (c_.row_scales) {
+      pow2_.resize(static_cast<std::size_t>(r1 - r0));
+      mant_.resize(pow2_.size());
+      for (std::size_t i = 0; i < pow2_.size(); ++i) {
+        int e = 0;
+        mant_[i] = std::frexp(c[i], &e);
+        pow2_[i] = c[i] == 0.0f ? 0.0f : std::ldexp(1.0f, e);
+      }
+      ab = pow2_.data();
+      CHUNKLOSS_GPU_CHECK(
+          cudaMemcpyAsync(p_.row.scale + r0, mant_.data(), bytes, cudaMemcpyHostToDevice, s));
+    }
+    CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(p_.row.a + r0, ab, bytes, cudaMemcpyHostToDevice, s));
+    CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(p_.row.b + r0, ab, bytes, cudaMemcpyHostToDevice, s));
   }
 
   TokenTotals finish() override {
     if (dw_acc_) flush(c_.grad_w, dw_acc_);
-    if (dh_acc_) flush(c_.grad_x, dh_acc_);
+    if (dh_acc_ && c_.row_scales)
+      CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(c_.grad_x.data(), elem(c_.grad_x.dtype()),
+                                                     dh_acc_, kern::Elem::kF32, p_.row.scale,
+                                                     c_.rows, c_.hidden, c_.accumulate, stream_));
+    else if (dh_acc_)
+      flush(c_.grad_x, dh_acc_);
     if (db_acc_) flush(c_.grad_bias, db_acc_);
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_token_finish(
         p_, c_.out_row_loss.defined() ? c_.out_row_loss.data_as<float>() : nullptr,
@@ -202,6 +245,35 @@ class CudaTokenBackend final : public TokenBackend {
 
  private:
   std::int64_t call_vocab() const override { return c_.vocab; }
+  std::size_t x_row_bytes() const {
+    return static_cast<std::size_t>(c_.hidden) * dtype_size(c_.x.dtype());
+  }
+  // The staging slice (see plan.cpp's staging_per_row): with row scales, fp32 dH rows for one
+  // chunk (token-chunk order) and scaled X rows (one chunk, or all rows in vocab-block order);
+  // the rest, if any, holds a resident group's X rows side by side.
+  void carve_staging(unsigned char* s, std::size_t bytes) {
+    unsigned char* end = s + bytes;
+    if (s && c_.row_scales) {
+      const bool vocab_order = plan_.order == LoopOrder::kVocabBlock;
+      const std::int64_t rows = vocab_order ? c_.rows : plan_.chunk_rows;
+      if (!vocab_order && c_.grad_x.defined()) {
+        dh_stage_ = reinterpret_cast<float*>(s);
+        s += static_cast<std::size_t>(rows * c_.hidden) * 4;
+      }
+      if (c_.grad_w.defined()) {
+        x_scaled_ = s;
+        s += static_cast<std::size_t>(rows) * x_row_bytes();
+      }
+    }
+    if (s && s < end) x_stage_ = s;
+  }
+  // dst rows = scale * X rows [r0, r1), in X's dtype.
+  void scale_x_rows(unsigned char* dst, std::int64_t r0, std::int64_t r1) {
+    const kern::Elem e = elem(c_.x.dtype());
+    CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(
+        dst, e, static_cast<const unsigned char*>(c_.x.data()) + r0 * x_row_bytes(), e,
+        p_.row.scale + r0, r1 - r0, c_.hidden, false, stream_));
+  }
   gpu::Matrix x_rows(std::int64_t r0, std::int64_t r1) const {
     const std::int64_t h = c_.hidden;
     return {static_cast<const unsigned char*>(c_.x.data()) + r0 * h * dtype_size(c_.x.dtype()),
@@ -238,6 +310,10 @@ class CudaTokenBackend final : public TokenBackend {
   void* stream_;
   bool check_finite_;
   unsigned char *tile_ = nullptr, *tile_base_ = nullptr, *x_stage_ = nullptr;
+  unsigned char* x_scaled_ = nullptr;
+  float* dh_stage_ = nullptr;
+  bool x_scaled_ready_ = false;
+  std::vector<float> pow2_, mant_;
   float *dw_acc_ = nullptr, *dh_acc_ = nullptr, *db_acc_ = nullptr;
   double* scalars_ = nullptr;
   kern::TokenParams p_;

@@ -30,6 +30,7 @@ struct TokenCall {
   float softcap = 0.0f;  ///< 0: none
   bool entropy = false;
   bool logit_sums = false;  ///< store each row's sum of logits (sequence objectives' metrics)
+  bool row_scales = false;  ///< see PlanRequest::row_scales (CUDA)
   RowScale scale = RowScale::kMean;
   bool check_finite = false;  ///< device backends check hidden/weight/bias on the device
 

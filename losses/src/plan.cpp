@@ -39,7 +39,7 @@ std::string_view regime_name(Regime r) {
 namespace {
 
 constexpr std::int64_t kRowGranule = 64;
-constexpr std::size_t kRowStatsFloats = 9;  // see losses/src/row_arrays.h
+constexpr std::size_t kRowStatsFloats = 10;  // see losses/src/row_arrays.h
 constexpr std::int64_t kCpuWeightTile = 256;
 constexpr std::size_t kDeviceScalarBytes = 16 * sizeof(double);  // >= kern::kNumScalars + 3 floats
 
@@ -77,11 +77,18 @@ std::size_t cpu_staging_fixed(const PlanRequest& q) {
   return b;
 }
 
-// CPU scratch per row of the GEMMs' row range: the fp32 X rows and, in token-chunk order, the
-// fp32 dH rows (vocab-block order accumulates dH in the dh_accum slice instead).
-std::size_t cpu_staging_per_row(const PlanRequest& q, bool vocab_order) {
-  if (q.device != Device::kCpu) return 0;
+// Backend scratch per row of the GEMMs' row range. CPU: the fp32 X rows and, in token-chunk
+// order, the fp32 dH rows (vocab-block order accumulates dH in the dh_accum slice instead).
+// CUDA with per-row scales: the fp32 dH rows before scaling (token-chunk order) and the scaled
+// X rows for the dW GEMM.
+std::size_t staging_per_row(const PlanRequest& q, bool vocab_order) {
   const auto row = static_cast<std::size_t>(q.hidden) * 4;
+  if (q.device != Device::kCpu) {
+    if (!q.row_scales) return 0;
+    std::size_t b = !vocab_order && q.grad_hidden ? row : 0;
+    if (q.grad_weight) b += static_cast<std::size_t>(q.hidden) * dtype_size(q.input_dtype);
+    return b;
+  }
   std::size_t b = q.input_dtype == DType::kBF16 ? row : 0;
   if (!vocab_order && q.grad_hidden && q.grad_hidden_dtype == DType::kBF16) b += row;
   return b;
@@ -147,7 +154,7 @@ void lay_out(Plan& p, const PlanRequest& q, std::size_t logits_bytes, std::size_
   if (db_accum_bytes(q)) p.db_accum = p.layout.add(db_accum_bytes(q));
   const std::size_t staging =
       cpu_staging_fixed(q) +
-      static_cast<std::size_t>(staging_rows) * cpu_staging_per_row(q, vocab_order) + extra_staging;
+      static_cast<std::size_t>(staging_rows) * staging_per_row(q, vocab_order) + extra_staging;
   if (staging) p.staging = p.layout.add(staging);
   if (q.device == Device::kCuda) p.scalars = p.layout.add(kDeviceScalarBytes);
 }
@@ -172,7 +179,7 @@ Plan plan_token_objective(const PlanRequest& q) {
   // Chunk rows: the largest multiple of 64 (or all rows) whose chunk buffers fit the budget.
   // The optional fp32 dW accumulator (V*H*4) is on top of the budget, as the option documents.
   const std::size_t fixed = fixed_bytes(q);
-  const std::size_t per_row = static_cast<std::size_t>(v) * lb + cpu_staging_per_row(q, false);
+  const std::size_t per_row = static_cast<std::size_t>(v) * lb + staging_per_row(q, false);
   std::int64_t c = 0;
   if (budget > fixed) c = static_cast<std::int64_t>((budget - fixed) / per_row);
   if (c >= n) {
@@ -201,10 +208,10 @@ Plan plan_token_objective(const PlanRequest& q) {
   // when dH is not fp32, and on the CPU fp32 copies of bf16 X for all rows).
   std::int64_t vb = 0;
   std::size_t dh_acc = 0;
-  if (q.grad_hidden && q.grad_hidden_dtype != DType::kF32)
+  if (q.grad_hidden && (q.grad_hidden_dtype != DType::kF32 || q.row_scales))
     dh_acc = static_cast<std::size_t>(n * h) * 4;
   const std::size_t vocab_fixed =
-      fixed + dh_acc + static_cast<std::size_t>(n) * cpu_staging_per_row(q, true);
+      fixed + dh_acc + static_cast<std::size_t>(n) * staging_per_row(q, true);
   std::int64_t cv = 0;  // pass-1 chunk rows of vocab-block order
   if (q.grad_weight && budget > vocab_fixed) {
     // One logits buffer serves both passes, [Cv, V] in pass 1 and [N, Vb] in pass 2, and both
@@ -312,6 +319,7 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   // dW GEMM (see the CUDA backend's grad_w_ranges).
   const auto x_stage = [&](std::int64_t g) -> std::size_t {
     const bool stage = q.device == Device::kCuda && q.grad_weight && L.unit_sequences > 1;
+    // (with row scales the staged rows are also scaled; one range uses the per-row staging)
     return stage ? static_cast<std::size_t>(g * t * L.unit_sequences * q.hidden) *
                        dtype_size(q.input_dtype)
                  : 0;
@@ -319,7 +327,7 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   const auto group_bytes = [&](std::int64_t g) {
     const auto range_rows = static_cast<std::size_t>(g * t);
     return fixed_bytes(q) + range_rows * L.unit_sequences * v * lb +
-           range_rows * cpu_staging_per_row(q, false) + x_stage(g);
+           range_rows * staging_per_row(q, false) + x_stage(g);
   };
   std::int64_t g = 0;
   for (std::int64_t lo = 1, hi = units; lo <= hi;) {  // group_bytes grows with g
@@ -374,7 +382,7 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   // Chunks are a group's unit-ranges; one group of every unit is a single range of all rows,
   // one chunk when its staging fits too.
   const bool one_chunk = groups == 1 && group_bytes(g) + static_cast<std::size_t>(q.rows - g * t) *
-                                                             cpu_staging_per_row(q, false) <=
+                                                             staging_per_row(q, false) <=
                                             budget;
   p.chunk_rows = one_chunk ? q.rows : g * t;
   p.num_chunks = one_chunk ? 1 : groups * L.unit_sequences;

@@ -1,6 +1,7 @@
-// Per-row arrays of the engine, carved from the plan's row_stats slice (9 x N x 4 bytes):
+// Per-row arrays of the engine, carved from the plan's row_stats slice (10 x N x 4 bytes):
 // lse, the scaled gradient coefficients a, b, g, the row loss and its z-loss part, the entropy,
-// the logit sum (sequence objectives' metrics) and the first argmax.
+// the logit sum (sequence objectives' metrics), the row scale (CUDA row_scales) and the first
+// argmax.
 #pragma once
 
 #include <cstdint>
@@ -8,12 +9,12 @@
 namespace chunkloss::detail {
 
 struct RowArrays {
-  float *lse, *a, *b, *g, *loss, *zloss, *entropy, *zsum;
+  float *lse, *a, *b, *g, *loss, *zloss, *entropy, *zsum, *scale;
   std::int32_t* argmax;
 
   static RowArrays carve(float* base, std::int64_t n) {
     RowArrays r{};
-    float** slots[] = {&r.lse, &r.a, &r.b, &r.g, &r.loss, &r.zloss, &r.entropy, &r.zsum};
+    float** slots[] = {&r.lse, &r.a, &r.b, &r.g, &r.loss, &r.zloss, &r.entropy, &r.zsum, &r.scale};
     std::int64_t i = 0;
     for (float** s : slots) *s = base + n * i++;
     r.argmax = reinterpret_cast<std::int32_t*>(base + n * i);

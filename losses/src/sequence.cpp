@@ -236,6 +236,8 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Conte
   k.policy.grad_bias = gr.bias;
   k.policy.accumulate = gr.accumulate;
   k.policy.logit_sums = true;
+  // A bf16 gradient tile on CUDA keeps per-sequence coefficients out of its rounding.
+  k.policy.row_scales = dev == Device::kCuda && hs.dtype == DType::kBF16;
   if (ref_head)
     k.reference = head_call(in.reference, hs, targets_rows, o.ignore_index, o.check_finite, dev);
   k.sequences = s;
@@ -246,6 +248,7 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Conte
   c.request.grad_hidden = gr.hidden.defined();
   c.request.grad_weight = gr.weight.defined();
   c.request.grad_bias = gr.bias.defined();
+  c.request.row_scales = k.policy.row_scales;
   if (c.request.grad_hidden) c.request.grad_hidden_dtype = gr.hidden.dtype();
   if (c.request.grad_weight) c.request.grad_weight_dtype = gr.weight.dtype();
   c.layout.sequences = s;
@@ -477,7 +480,10 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
         const UnitResult& res = results[ui];
         CHUNKLOSS_CHECK(std::isfinite(res.loss) && std::isfinite(res.dlogp[k]), who,
                         ": the objective returned a non-finite loss or derivative for unit ", u,
-                        " (logp ", st[k].logp, ", ref ", st[k].ref_logp, ")");
+                        " (logp ", st[k].logp, ", ref ", st[k].ref_logp, ")",
+                        u0 > 0 ? "; earlier resident groups' gradients were already written, so "
+                                 "the gradient buffers hold unspecified values"
+                               : "");
         const auto seq = static_cast<std::size_t>(static_cast<std::int64_t>(k) * units + u);
         coef[seq] = -res.dlogp[k] * inv_units + (st[k].label == 1 ? nll_coef : 0.0);
       }

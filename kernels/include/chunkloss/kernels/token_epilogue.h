@@ -40,7 +40,7 @@ enum class Scale : std::uint8_t { kMean, kSum, kUpstream };
 
 /// Per-row arrays in device memory (see losses/src/row_arrays.h): N floats each, argmax ints.
 struct RowPtrs {
-  float *lse, *a, *b, *g, *loss, *zloss, *entropy, *zsum;
+  float *lse, *a, *b, *g, *loss, *zloss, *entropy, *zsum, *scale;
   std::int32_t* argmax;
 };
 
@@ -60,6 +60,7 @@ struct TokenParams {
   float softcap = 0.0f;  ///< 0: none
   bool entropy = false;
   bool logit_sums = false;  ///< store each row's logit sum in row.zsum
+  bool row_scales = false;  ///< the tile's gradient rows are to be multiplied by row.scale
   Scale scale = Scale::kMean;
   RowPtrs row;
   double* scalars = nullptr;  ///< kNumScalars doubles
@@ -98,6 +99,11 @@ int launch_token_finish(const TokenParams& p, float* out_row_loss, float* out_ls
 /// out[0..7) = loss, z_loss, accuracy, entropy, valid rows, weight sum, invalid inputs (bad
 /// targets + non-finite values) as floats, from the scalar block, on the device.
 int launch_export_scalars(const double* scalars, float* out, void* stream);
+
+/// dst[r, j] = (add ? dst[r, j] : 0) + scale[r] * src[r, j] for `rows` rows of `cols`, dense;
+/// src in `src_elem` (f32 or bf16), dst in `dst_elem`; fp32 math, one rounding.
+int launch_scale_rows(void* dst, Elem dst_elem, const void* src, Elem src_elem, const float* scale,
+                      std::int64_t rows, std::int64_t cols, bool add, void* stream);
 
 /// dst = (add ? dst : 0) + src for `n` elements, dst in `dst_elem`.
 int launch_store_f32(void* dst, Elem dst_elem, const float* src, std::int64_t n, bool add,

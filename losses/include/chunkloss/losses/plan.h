@@ -47,6 +47,10 @@ struct PlanRequest {
   bool grad_weight = false;                   ///< dW requested
   bool grad_bias = false;                     ///< db requested
   bool fp32_weight_grad_accumulator = false;  ///< accumulate dW in fp32 workspace
+  /// Per-row gradient coefficients kept out of a bf16 gradient tile (CUDA sequence objectives):
+  /// the tile holds a power of two per row, and the mantissa scales the dH rows and a staged
+  /// copy of the X rows, so a coefficient shared by many rows costs no correlated rounding.
+  bool row_scales = false;
   std::size_t budget_bytes = 0;  ///< bound on the workspace, less the optional fp32 dW accumulator
   LoopOrder order = LoopOrder::kAuto;
 };

@@ -169,7 +169,10 @@ class SequenceLoss {
   /// Loss, metrics and the requested gradients. `workspace` holds workspace_bytes() on the
   /// inputs' device. Throws chunkloss::Error naming the argument before writing anything on
   /// invalid input (odd S for pairs, shape or dtype mismatch, out-of-range targets, a sequence
-  /// without valid tokens, missing or unexpected reference or labels).
+  /// without valid tokens, missing or unexpected reference or labels). An objective returning a
+  /// non-finite value also throws; in the resident regime with several groups the objective
+  /// runs group by group, so if that happens after the first group the gradient buffers hold
+  /// unspecified values (the message says so). On CUDA, check_finite reports at the end.
   PreferenceResult forward_backward(Context& ctx, const PreferenceInputs& in,
                                     const PreferenceGrads& grads, const Workspace& workspace) const;
   /// Evaluation: pass 1 only, no gradient work.
