@@ -1,5 +1,5 @@
 # CTest driver: install the built tree into a scratch prefix, then configure, build and run the
-# consumer project against it. Variables: BUILD_DIR, SOURCE_DIR, WORK_DIR, GENERATOR.
+# consumer project's two checks against it. Variables: BUILD_DIR, SOURCE_DIR, WORK_DIR, GENERATOR.
 file(REMOVE_RECURSE ${WORK_DIR})
 function(step)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -13,3 +13,4 @@ step(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/build -G ${GENERATOR}
      -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCMAKE_BUILD_TYPE=Release)
 step(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 step(${WORK_DIR}/build/consumer)
+step(${WORK_DIR}/build/consumer_objective)

@@ -54,6 +54,33 @@ double check_close(std::string_view what, const std::vector<double>& got,
   return err;
 }
 
+double check_close_scaled(std::string_view what, const std::vector<double>& got,
+                          const std::vector<double>& want, double scale, double tol) {
+  double diff = std::numeric_limits<double>::infinity();
+  if (got.size() == want.size()) {
+    diff = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) diff += (got[i] - want[i]) * (got[i] - want[i]);
+    diff = std::sqrt(diff);
+  }
+  const double err = scale > 0 ? diff / scale : diff;
+  const bool ok = err <= tol;  // false for NaN
+  if (!ok) {
+    std::ostringstream os;
+    os.precision(9);
+    os << what << ": error norm " << diff << " / scale " << scale << " = " << err << " > tolerance "
+       << tol << " (sizes " << got.size() << " vs " << want.size() << ")";
+    const std::int64_t w = worst_index(got, want);
+    if (w >= 0) {
+      const auto i = static_cast<std::size_t>(w);
+      os << "; worst index " << w << ": got " << got[i] << ", want " << want[i];
+    }
+    FAIL_CHECK(os.str());
+  } else {
+    CHECK(ok);
+  }
+  return err;
+}
+
 void check_scalar(std::string_view what, double got, double want, double tol) {
   const double bound = tol * std::max(std::abs(want), 1.0);
   const bool ok = std::abs(got - want) <= bound;

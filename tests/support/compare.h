@@ -43,6 +43,12 @@ double check_close(std::string_view what, const std::vector<T>& got, const std::
   return check_close(what, to_double(got), to_double(want), tol);
 }
 
+/// CHECKs ||got - want||_2 <= tol * scale: for values that are small differences of larger
+/// terms (scale = the norm of those terms), whose rounding is relative to the terms. Reports
+/// like check_close. Returns ||got - want||_2 / scale.
+double check_close_scaled(std::string_view what, const std::vector<double>& got,
+                          const std::vector<double>& want, double scale, double tol);
+
 /// CHECKs |got - want| <= tol * max(|want|, 1): relative for large values, absolute near zero.
 void check_scalar(std::string_view what, double got, double want, double tol);
 

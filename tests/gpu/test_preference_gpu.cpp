@@ -1,0 +1,450 @@
+// GPU suite of the preference losses: the CUDA path against the CPU path (itself checked against
+// the float64 oracle) and against the oracle, on the same generated problems: every DPO loss
+// type, ORPO, SimPO, CPO, KTO (KL given and computed), fp32 and bf16, resident and recompute,
+// several budgets, accumulation, forward only, SequenceLogProbs, bitwise run-to-run equality,
+// host-side per-sequence vectors, and bad input. Skips itself, with a message, without a device.
+#include <doctest/doctest.h>
+
+#include <chunkloss/core/error.h>
+#include <chunkloss/gpu/context.h>
+#include <chunkloss/losses/preference.h>
+#include <chunkloss/losses/sequence.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "losses/preference_fixture.h"
+#include "reference/preference_ref.h"
+#include "support/compare.h"
+#include "support/tolerance.h"
+#include "support/workspace.h"
+
+namespace chunkloss::test {
+namespace {
+
+using reference::PrefConfig;
+
+bool have_gpu() {
+  if (gpu::device_count() > 0) return true;
+  MESSAGE("no CUDA device: GPU test skipped");
+  return false;
+}
+
+constexpr DpoLoss kDpoLosses[] = {DpoLoss::kSigmoid, DpoLoss::kHinge,    DpoLoss::kIpo,
+                                  DpoLoss::kRobust,  DpoLoss::kExoPair,  DpoLoss::kNcaPair,
+                                  DpoLoss::kBcoPair, DpoLoss::kSppoHard, DpoLoss::kApoZero,
+                                  DpoLoss::kApoDown, DpoLoss::kDiscoPop};
+constexpr Regime kRegimes[] = {Regime::kResident, Regime::kRecompute};
+
+Dpo make_loss(const DpoOptions& o) { return Dpo(o); }
+Orpo make_loss(const OrpoOptions& o) { return Orpo(o); }
+Simpo make_loss(const SimpoOptions& o) { return Simpo(o); }
+Cpo make_loss(const CpoOptions& o) { return Cpo(o); }
+Kto make_loss(const KtoOptions& o) { return Kto(o); }
+
+TensorView like(void* p, const TensorView& t, Device dev) {
+  switch (t.ndim()) {
+    case 1:
+      return TensorView(p, t.dtype(), {t.size(0)}, dev);
+    case 2:
+      return TensorView(p, t.dtype(), {t.size(0), t.size(1)}, dev);
+    case 3:
+      return TensorView(p, t.dtype(), {t.size(0), t.size(1), t.size(2)}, dev);
+    default:
+      return TensorView(p, t.dtype(), {t.size(0), t.size(1), t.size(2), t.size(3)}, dev);
+  }
+}
+
+// Device copies of host views; the buffers live as long as this object.
+struct DeviceCopies {
+  std::vector<gpu::DeviceBuffer> keep;
+  TensorView put(const TensorView& host) {
+    if (!host.defined()) return {};
+    keep.emplace_back(std::max<std::size_t>(host.nbytes(), 4));
+    gpu::copy_to_device(keep.back().data(), host.data(), host.nbytes());
+    return like(keep.back().data(), host, Device::kCuda);
+  }
+  Head put(const Head& h) { return {put(h.hidden), put(h.weight), put(h.bias)}; }
+};
+
+// A problem's inputs on the device; `host_vectors` leaves reference_logps and labels (and the
+// KL batch's reference_logps) on the host, which the API allows.
+struct DeviceInputs {
+  DeviceInputs(const PrefData& d, bool host_vectors = false) {
+    const PreferenceInputs h = d.inputs();
+    in = h;
+    in.policy = mem.put(h.policy);
+    in.targets = mem.put(h.targets);
+    in.reference = mem.put(h.reference);
+    in.kl_batch.policy = mem.put(h.kl_batch.policy);
+    in.kl_batch.targets = mem.put(h.kl_batch.targets);
+    in.kl_batch.reference = mem.put(h.kl_batch.reference);
+    if (!host_vectors) {
+      in.reference_logps = mem.put(h.reference_logps);
+      in.labels = mem.put(h.labels);
+      in.kl_batch.reference_logps = mem.put(h.kl_batch.reference_logps);
+    }
+  }
+  DeviceCopies mem;
+  PreferenceInputs in;
+};
+
+// Runs one call on the GPU with gradient buffers starting from `start` (its contents matter
+// with accumulate) and returns the results with the gradients copied back into a PrefRun.
+// With `error`, a chunkloss::Error is caught and its message stored, and the gradient buffers
+// are still copied back (to check that a failed call wrote nothing).
+PrefRun run_gpu(const PrefData& d, const SequenceLoss& loss, const PrefGradBuffers& start,
+                bool accumulate = false, bool host_vectors = false, std::string* error = nullptr) {
+  DeviceInputs di(d, host_vectors);
+  PrefRun run{{}, {}, start};
+  PreferenceGrads host = run.grads.views(accumulate);
+  DeviceCopies gmem;
+  PreferenceGrads dev;
+  dev.accumulate = accumulate;
+  dev.hidden = gmem.put(host.hidden);
+  dev.weight = gmem.put(host.weight);
+  dev.bias = gmem.put(host.bias);
+  run.plan = loss.plan(di.in, dev);
+  const std::size_t bytes = loss.workspace_bytes(di.in, dev);
+  CHECK(bytes == run.plan.workspace_bytes());
+  gpu::DeviceBuffer ws(std::max<std::size_t>(bytes, 256));
+  gpu::Context ctx(0);
+  const Workspace w(ws.data(), bytes, Device::kCuda);
+  try {
+    run.result =
+        dev.any() ? loss.forward_backward(ctx, di.in, dev, w) : loss.forward(ctx, di.in, w);
+  } catch (const Error& e) {
+    if (!error) throw;
+    *error = e.what();
+  }
+  for (auto [h, g] : {std::pair{host.hidden, dev.hidden}, std::pair{host.weight, dev.weight},
+                      std::pair{host.bias, dev.bias}})
+    if (h.defined()) gpu::copy_to_host(h.data(), g.data(), h.nbytes());
+  return run;
+}
+
+PrefRun run_gpu(const PrefData& d, const SequenceLoss& loss, const PrefGradRequest& g) {
+  return run_gpu(d, loss, PrefGradBuffers(d, g));
+}
+
+// GPU against the CPU path: fp32 GEMMs agree to fp32 rounding; bf16 GEMMs take the gradient
+// coefficients rounded to bf16 (as the CPU does not), so bf16 gradients agree to ~2^-8.
+PrefTol gpu_vs_cpu(DType input, DType grad) {
+  return {input == DType::kF32 ? 2e-5 : 2e-4, input == DType::kF32 ? 2e-5 : 2e-4,
+          grad == DType::kF32 && input == DType::kF32 ? 2e-5 : 1.5e-2};
+}
+
+// GPU against the float64 oracle: fp32 within 1e-5, bf16 inputs with fp32 gradient buffers
+// within 2e-3 (the targets) once the GEMMs sum over enough rows for the independent
+// bf16 roundings (the gradient tile, the scaled X rows of dW) to average out; over a handful
+// of rows a single element's two roundings can reach 2^-8. bf16 gradient buffers within the
+// table's bf16 bound.
+PrefTol gpu_vs_oracle(DType input, DType grad, std::int64_t rows) {
+  if (input == DType::kF32 && grad == DType::kF32) return {1e-5, 1e-5, 1e-5};
+  const double bf16_inputs = rows >= 64 ? 2e-3 : 3.9e-3;
+  return {2e-4, 2e-4, grad == DType::kF32 ? bf16_inputs : tolerance(DType::kBF16).grad};
+}
+
+// Checks runs on both paths against each other and the oracle; returns the GPU run.
+template <typename Options>
+PrefRun compare(const PrefSpec& s, const Options& o, DType grad_dtype) {
+  const PrefData d(s);
+  PrefGradRequest g;
+  g.dtype = grad_dtype;
+  const PrefConfig cfg = PrefConfig::from(o);
+  INFO(describe(s), " grads=", dtype_name(grad_dtype), " regime=", regime_name(o.engine.regime),
+       " budget=", o.engine.memory_budget_bytes);
+  const PrefRun cpu = run_library(d, make_loss(o), g);
+  const PrefRun gpu_run = run_gpu(d, make_loss(o), g);
+  INFO("gpu plan: ", gpu_run.plan.str());
+  if (o.engine.regime != Regime::kAuto) CHECK(gpu_run.plan.regime == o.engine.regime);
+  {
+    INFO("gpu vs the oracle");
+    check_against_oracle(gpu_run, reference::preference(d.problem(), cfg),
+                         gpu_vs_oracle(s.dtype, grad_dtype, s.s * s.t), cfg.paired());
+  }
+  {
+    INFO("gpu vs cpu");
+    const PrefTol t = gpu_vs_cpu(s.dtype, grad_dtype);
+    check_runs_close(gpu_run, cpu, std::max(t.loss, t.grad));
+    check_scalar("loss vs cpu", gpu_run.result.loss, cpu.result.loss, t.loss);
+    CHECK(gpu_run.result.tokens == cpu.result.tokens);
+  }
+  return gpu_run;
+}
+
+template <typename Options>
+void compare_matrix(const PrefSpec& base, Options o) {
+  for (auto [dtype, grad_dtype] :
+       {std::pair{DType::kF32, DType::kF32}, std::pair{DType::kBF16, DType::kF32},
+        std::pair{DType::kBF16, DType::kBF16}}) {
+    for (Regime r : kRegimes) {
+      PrefSpec s = base;
+      s.dtype = dtype;
+      o.engine.regime = r;
+      compare(s, o, grad_dtype);
+    }
+  }
+}
+
+PrefSpec gpu_spec() {
+  PrefSpec s;
+  s.s = 6;
+  s.t = 45;
+  s.h = 96;
+  s.v = 1031;
+  s.bias = true;
+  s.ref = RefMode::kHead;
+  s.seed = 3;
+  return s;
+}
+
+TEST_CASE("gpu: every DPO loss type matches the CPU path and the oracle") {
+  if (!have_gpu()) return;
+  for (DpoLoss t : kDpoLosses) {
+    CAPTURE(dpo_loss_name(t));
+    DpoOptions o;
+    o.loss_type = t;
+    if (t == DpoLoss::kExoPair) o.label_smoothing = 0.1f;
+    if (t == DpoLoss::kSigmoid) {
+      o.label_smoothing = 0.1f;
+      o.nll = true;
+    }
+    compare_matrix(gpu_spec(), o);
+  }
+  DpoOptions avg;
+  avg.average_log_prob = true;
+  PrefSpec s = gpu_spec();
+  s.ref = RefMode::kLogps;
+  compare_matrix(s, avg);
+  s.ref = RefMode::kNone;
+  compare_matrix(s, DpoOptions{});
+}
+
+TEST_CASE("gpu: ORPO, SimPO, CPO and KTO match the CPU path and the oracle") {
+  if (!have_gpu()) return;
+  PrefSpec s = gpu_spec();
+  s.ref = RefMode::kNone;
+  compare_matrix(s, OrpoOptions{});
+  SimpoOptions simpo;
+  simpo.nll_alpha = 0.3f;
+  compare_matrix(s, simpo);
+  CpoOptions cpo;
+  cpo.label_smoothing = 0.1f;
+  compare_matrix(s, cpo);
+  PrefSpec k = gpu_spec();
+  k.s = 7;
+  k.labels = true;
+  k.kl = 0.25;
+  KtoOptions ko;
+  ko.desirable_weight = 1.33f;
+  compare_matrix(k, ko);
+  k.kl.reset();
+  k.kl_batch = true;
+  k.ref_noise = 0.3f;
+  compare_matrix(k, KtoOptions{});
+  k.kl_ref = RefMode::kLogps;
+  k.ref = RefMode::kLogps;
+  compare_matrix(k, KtoOptions{});
+}
+
+TEST_CASE("gpu: P = 1, odd shapes, variable lengths") {
+  if (!have_gpu()) return;
+  struct Shape {
+    std::int64_t s, t, h, v;
+  };
+  for (Shape sh :
+       {Shape{2, 1, 16, 33}, Shape{2, 9, 123, 507}, Shape{4, 17, 5, 3}, Shape{6, 31, 64, 2048}}) {
+    PrefSpec s = gpu_spec();
+    s.s = sh.s;
+    s.t = sh.t;
+    s.h = sh.h;
+    s.v = sh.v;
+    s.max_prompt_frac = 0.6;
+    compare_matrix(s, DpoOptions{});
+  }
+  PrefSpec s = gpu_spec();
+  s.ignore_index = -1;
+  DpoOptions o;
+  o.engine.ignore_index = -1;
+  o.nll = true;
+  compare_matrix(s, o);
+}
+
+TEST_CASE("gpu: budgets and regimes agree on a larger problem, with several groups and chunks") {
+  if (!have_gpu()) return;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    PrefSpec s = gpu_spec();
+    s.s = 4;
+    s.t = 513;
+    s.h = 256;
+    s.v = 8191;
+    s.dtype = dtype;
+    const PrefData d(s);
+    PrefGradRequest g;
+    g.dtype = dtype;
+    DpoOptions base;
+    base.nll = true;
+    const PrefRun cpu = run_library(d, Dpo(base), g);
+    const PrefRun ref = run_gpu(d, Dpo(base), g);
+    const PrefTol t = gpu_vs_cpu(dtype, dtype);
+    check_runs_close(ref, cpu, std::max(t.loss, t.grad));
+    const std::size_t mib = std::size_t{1} << 20;
+    struct Budget {
+      Regime regime;
+      std::size_t bytes;
+    };
+    int several = 0;
+    for (Budget b : {Budget{Regime::kResident, 0}, Budget{Regime::kResident, 48 * mib},
+                     Budget{Regime::kRecompute, 0}, Budget{Regime::kRecompute, 16 * mib},
+                     Budget{Regime::kRecompute, 8 * mib}, Budget{Regime::kAuto, 24 * mib}}) {
+      DpoOptions o = base;
+      o.engine.regime = b.regime;
+      o.engine.memory_budget_bytes = b.bytes;
+      CAPTURE(regime_name(b.regime));
+      CAPTURE(b.bytes);
+      const PrefRun run = run_gpu(d, Dpo(o), g);
+      INFO("gpu plan: ", run.plan.str());
+      if (b.regime != Regime::kAuto) CHECK(run.plan.regime == b.regime);
+      if (b.bytes) CHECK(run.plan.workspace_bytes() <= b.bytes);
+      several += run.plan.num_groups > 1 || run.plan.num_chunks > 1;
+      check_runs_close(run, ref, dtype == DType::kF32 ? 1e-5 : 1e-2);
+    }
+    CHECK(several >= 2);
+  }
+}
+
+TEST_CASE("gpu: bitwise run-to-run equality in both regimes") {
+  if (!have_gpu()) return;
+  PrefSpec s = gpu_spec();
+  s.s = 8;
+  s.t = 129;
+  s.h = 256;
+  s.v = 4099;
+  s.dtype = DType::kBF16;
+  const PrefData d(s);
+  PrefGradRequest g;
+  g.dtype = DType::kBF16;
+  for (Regime r : kRegimes) {
+    CAPTURE(regime_name(r));
+    DpoOptions o;
+    o.engine.regime = r;
+    o.engine.memory_budget_bytes = std::size_t{24} << 20;
+    const PrefRun a = run_gpu(d, Dpo(o), g), b = run_gpu(d, Dpo(o), g);
+    CHECK(runs_bitwise_equal(a, b));
+    KtoOptions k;
+    k.engine = o.engine;
+    PrefSpec ks = s;
+    ks.labels = true;
+    ks.kl_batch = true;
+    const PrefData kd(ks);
+    CHECK(runs_bitwise_equal(run_gpu(kd, Kto(k), g), run_gpu(kd, Kto(k), g)));
+  }
+}
+
+TEST_CASE("gpu: accumulate, forward only, and per-sequence vectors on the host") {
+  if (!have_gpu()) return;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (Regime r : kRegimes) {
+      PrefSpec s = gpu_spec();
+      s.dtype = dtype;
+      const PrefData d(s);
+      PrefGradRequest g;
+      g.dtype = dtype;
+      DpoOptions o;
+      o.engine.regime = r;
+      CAPTURE(dtype_name(dtype));
+      CAPTURE(regime_name(r));
+      const auto ref = reference::preference(d.problem(), PrefConfig::from(o));
+      PrefGradBuffers start(d, g);
+      start.fill_random(5, 1e-3);
+      const PrefRun acc = run_gpu(d, Dpo(o), start, true);
+      auto plus = [](std::vector<double> a, const std::vector<double>& b) {
+        for (std::size_t i = 0; i < a.size(); ++i) a[i] += b[i];
+        return a;
+      };
+      const double tol = gpu_vs_oracle(dtype, dtype, s.s * s.t).grad;
+      check_close("accumulated grad_hidden", acc.grads.hidden(),
+                  plus(start.hidden(), ref.grad_hidden), tol);
+      check_close("accumulated grad_weight", acc.grads.weight(),
+                  plus(start.weight(), ref.grad_weight), tol);
+      check_close("accumulated grad_bias", acc.grads.bias(), plus(start.bias(), ref.grad_bias),
+                  tol);
+      const PrefRun fwd = run_gpu(d, Dpo(o), PrefGradRequest::none());
+      const PrefRun fb = run_gpu(d, Dpo(o), g);
+      check_runs_close(fwd, fb, dtype == DType::kF32 ? 1e-6 : 1e-4);
+      PrefSpec ks = s;
+      ks.labels = true;
+      ks.ref = RefMode::kLogps;
+      const PrefData kd(ks);
+      KtoOptions k;
+      k.engine.regime = r;
+      const PrefRun dev_vectors = run_gpu(kd, Kto(k), PrefGradBuffers(kd, g), false, false);
+      const PrefRun host_vectors = run_gpu(kd, Kto(k), PrefGradBuffers(kd, g), false, true);
+      CHECK(runs_bitwise_equal(dev_vectors, host_vectors));
+    }
+  }
+}
+
+TEST_CASE("gpu: SequenceLogProbs matches the CPU path and the oracle") {
+  if (!have_gpu()) return;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    PrefSpec s = gpu_spec();
+    s.dtype = dtype;
+    PrefData d(s);
+    for (std::int64_t j = 0; j < s.t; ++j) d.set_target(2 * s.t + j, s.ignore_index);
+    const auto want = reference::sequence_stats(d.problem().policy, d.targets64, s.s, s.t, s.h, s.v,
+                                                s.ignore_index);
+    for (std::size_t budget : {std::size_t{0}, std::size_t{1} << 20}) {
+      SequenceOptions o;
+      o.memory_budget_bytes = budget;
+      const SequenceLogProbs lp(o);
+      DeviceCopies mem;
+      const Head head = mem.put(d.policy_head());
+      const TensorView y = mem.put(d.targets_view());
+      const std::size_t bytes = lp.workspace_bytes(head, y);
+      gpu::DeviceBuffer ws(std::max<std::size_t>(bytes, 256));
+      gpu::Context ctx(0);
+      const auto r = lp.compute(ctx, head, y, Workspace(ws.data(), bytes, Device::kCuda));
+      AlignedBuffer hws(lp.workspace_bytes(d.policy_head(), d.targets_view()));
+      CpuContext cctx;
+      const auto c = lp.compute(cctx, d.policy_head(), d.targets_view(), hws.workspace());
+      CAPTURE(dtype_name(dtype));
+      CAPTURE(budget);
+      check_close("logps vs oracle", r.logps, want.logps, dtype == DType::kF32 ? 1e-6 : 1e-5);
+      check_close("logps vs cpu", r.logps, c.logps, dtype == DType::kF32 ? 1e-6 : 1e-5);
+      CHECK(r.tokens == want.tokens);
+      CHECK(r.logps[2] == 0.0);
+    }
+  }
+}
+
+TEST_CASE("gpu: bad targets and empty sequences raise chunkloss::Error and write nothing") {
+  if (!have_gpu()) return;
+  PrefSpec s = gpu_spec();
+  for (int kind : {0, 1}) {
+    CAPTURE(kind);
+    PrefData d(s);
+    if (kind == 0) d.set_target(d.rows() - 1, s.v);
+    if (kind == 1)
+      for (std::int64_t j = 0; j < s.t; ++j) d.set_target(4 * s.t + j, s.ignore_index);
+    for (Regime r : kRegimes) {
+      DpoOptions o;
+      o.engine.regime = r;
+      const PrefGradBuffers pristine(d, {}, 3.25f);
+      for (bool accumulate : {false, true}) {
+        std::string what;
+        const PrefRun run = run_gpu(d, Dpo(o), pristine, accumulate, false, &what);
+        CHECK_MESSAGE(what.find("targets") != std::string::npos,
+                      "expected chunkloss::Error naming targets, got: " << what);
+        CHECK_MESSAGE(run.grads.bitwise_equal(pristine), "a failed call wrote into the gradients");
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace chunkloss::test

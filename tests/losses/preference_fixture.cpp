@@ -1,0 +1,412 @@
+// Preference-loss test fixture: data generation, buffers, one library call, oracle comparison.
+#include "preference_fixture.h"
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "support/bf16.h"
+#include "support/compare.h"
+#include "support/random.h"
+#include "support/tolerance.h"
+#include "support/workspace.h"
+
+namespace chunkloss::test {
+namespace {
+
+std::size_t sz(std::int64_t x) { return static_cast<std::size_t>(x); }
+
+// Targets [s, t]: per sequence a prompt, a completion of at least one valid token, padding.
+std::vector<std::int64_t> sequence_targets(std::int64_t s, std::int64_t t, std::int64_t v,
+                                           bool full, double max_prompt_frac,
+                                           std::int64_t ignore_index, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<std::int64_t> tok(0, v - 1);
+  std::vector<std::int64_t> y(sz(s * t), ignore_index);
+  const auto max_prompt = static_cast<std::int64_t>(max_prompt_frac * static_cast<double>(t));
+  for (std::int64_t i = 0; i < s; ++i) {
+    std::int64_t prompt = 0, len = t;
+    if (!full) {
+      prompt = std::uniform_int_distribution<std::int64_t>(0, std::min(max_prompt, t - 1))(rng);
+      len = std::uniform_int_distribution<std::int64_t>(1, t - prompt)(rng);
+    }
+    for (std::int64_t j = prompt; j < prompt + len; ++j) {
+      std::int64_t x = tok(rng);
+      if (x == ignore_index) x = (x + 1) % v;  // an ignore_index inside the vocabulary
+      y[sz(i * t + j)] = x;
+    }
+  }
+  return y;
+}
+
+std::vector<float> plus_noise(const std::vector<float>& x, float stddev, std::uint64_t seed) {
+  std::vector<float> n = normal_floats(x.size(), stddev, seed);
+  for (std::size_t i = 0; i < x.size(); ++i) n[i] += x[i];
+  return n;
+}
+
+std::vector<double> widen(const std::vector<float>& v) { return to_double(v); }
+
+double norm(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x * x;
+  return std::sqrt(s);
+}
+
+reference::PrefHead ref_head_of(const std::vector<float>& x, const std::vector<float>& w,
+                                const std::vector<float>& b) {
+  return {widen(x), widen(w), widen(b)};
+}
+
+std::vector<float> rounded_sums(const std::vector<double>& x) {
+  return std::vector<float>(x.begin(), x.end());
+}
+
+}  // namespace
+
+PrefData::PrefData(const PrefSpec& s) : spec(s) {
+  const std::uint64_t seed = s.seed * 1000 + 17;
+  const float wscale = s.logit_scale / std::sqrt(static_cast<float>(s.h));
+  hidden = normal_floats(sz(s.s * s.t * s.h), 1.0f, seed + 1);
+  weight = normal_floats(sz(s.v * s.h), wscale, seed + 2);
+  if (s.bias) bias = normal_floats(sz(s.v), 0.5f * s.logit_scale, seed + 3);
+  if (s.ref != RefMode::kNone || (s.kl_batch && s.kl_ref != RefMode::kNone)) {
+    ref_hidden = plus_noise(hidden, s.ref_noise, seed + 4);
+    ref_weight = plus_noise(weight, s.ref_noise * wscale, seed + 5);
+    if (s.bias) ref_bias = plus_noise(bias, s.ref_noise, seed + 6);
+  }
+  targets64 = sequence_targets(s.s, s.t, s.v, s.full, s.max_prompt_frac, s.ignore_index, seed + 7);
+  targets32.assign(targets64.begin(), targets64.end());
+  if (s.labels) {
+    labels.resize(sz(s.s));
+    for (std::int64_t i = 0; i < s.s; ++i) labels[sz(i)] = i % 2 == 0 ? 1 : 0;
+    std::mt19937_64 rng(seed + 8);
+    std::shuffle(labels.begin(), labels.end(), rng);
+  }
+  if (s.kl_batch) {
+    kl_hidden = normal_floats(sz(s.kl_s * s.kl_t * s.h), 1.0f, seed + 9);
+    kl_ref_hidden = plus_noise(kl_hidden, s.ref_noise, seed + 10);
+    kl_targets64 =
+        sequence_targets(s.kl_s, s.kl_t, s.v, false, s.max_prompt_frac, s.ignore_index, seed + 11);
+    // The mismatched completions are the policy's greedy tokens, so the policy rates them
+    // above the (noisier) reference and the KL estimate is positive.
+    for (std::int64_t row = 0; row < s.kl_s * s.kl_t; ++row) {
+      if (kl_targets64[sz(row)] == s.ignore_index) continue;
+      std::int64_t arg = 0;
+      double best = -1e300;
+      for (std::int64_t k = 0; k < s.v; ++k) {
+        double z = bias.empty() ? 0.0 : bias[sz(k)];
+        for (std::int64_t i = 0; i < s.h; ++i)
+          z += static_cast<double>(kl_hidden[sz(row * s.h + i)]) * weight[sz(k * s.h + i)];
+        if (z > best && k != s.ignore_index) {
+          best = z;
+          arg = k;
+        }
+      }
+      kl_targets64[sz(row)] = arg;
+    }
+    kl_targets32.assign(kl_targets64.begin(), kl_targets64.end());
+  }
+  sync();
+}
+
+void PrefData::set_target(std::int64_t row, std::int64_t y) {
+  targets64[sz(row)] = y;
+  targets32[sz(row)] = static_cast<std::int32_t>(y);
+}
+
+void PrefData::sync() {
+  if (spec.dtype == DType::kBF16) {
+    for (auto* v :
+         {&hidden, &weight, &bias, &ref_hidden, &ref_weight, &ref_bias, &kl_hidden, &kl_ref_hidden})
+      round_to_bf16_inplace(*v);
+    hidden_bf = to_bf16(hidden);
+    weight_bf = to_bf16(weight);
+    bias_bf = to_bf16(bias);
+    ref_hidden_bf = to_bf16(ref_hidden);
+    ref_weight_bf = to_bf16(ref_weight);
+    ref_bias_bf = to_bf16(ref_bias);
+    kl_hidden_bf = to_bf16(kl_hidden);
+    kl_ref_hidden_bf = to_bf16(kl_ref_hidden);
+  }
+  // Precomputed reference sums: the reference head's, in double, rounded to f32 (where every
+  // target is valid for the oracle; a test may break targets afterwards).
+  if (!ref_hidden.empty()) {
+    bool ok = true;
+    for (std::int64_t y : targets64) ok = ok && (y == spec.ignore_index || (y >= 0 && y < spec.v));
+    if (ok)
+      ref_logps = rounded_sums(
+          reference::sequence_stats(ref_head_of(ref_hidden, ref_weight, ref_bias), targets64,
+                                    spec.s, spec.t, spec.h, spec.v, spec.ignore_index)
+              .logps);
+    if (spec.kl_batch)
+      kl_ref_logps = rounded_sums(
+          reference::sequence_stats(ref_head_of(kl_ref_hidden, ref_weight, ref_bias), kl_targets64,
+                                    spec.kl_s, spec.kl_t, spec.h, spec.v, spec.ignore_index)
+              .logps);
+  }
+}
+
+Head PrefData::policy_head() const {
+  const std::int64_t n = rows(), h = spec.h, v = spec.v;
+  Head head;
+  if (spec.dtype == DType::kBF16) {
+    head.hidden = TensorView::of(hidden_bf.data(), {n, h});
+    head.weight = TensorView::of(weight_bf.data(), {v, h});
+    if (spec.bias) head.bias = TensorView::of(bias_bf.data(), {v});
+  } else {
+    head.hidden = TensorView::of(hidden.data(), {n, h});
+    head.weight = TensorView::of(weight.data(), {v, h});
+    if (spec.bias) head.bias = TensorView::of(bias.data(), {v});
+  }
+  return head;
+}
+
+TensorView PrefData::targets_view() const {
+  return spec.targets_i64 ? TensorView::of(targets64.data(), {spec.s, spec.t})
+                          : TensorView::of(targets32.data(), {spec.s, spec.t});
+}
+
+PreferenceInputs PrefData::inputs() const {
+  const std::int64_t n = rows(), h = spec.h, v = spec.v;
+  const bool bf = spec.dtype == DType::kBF16;
+  auto head = [&](const std::vector<float>& x, const std::vector<BFloat16>& xb, std::int64_t rows_,
+                  const std::vector<float>& w, const std::vector<BFloat16>& wb,
+                  const std::vector<float>& b, const std::vector<BFloat16>& bb) {
+    Head hd;
+    hd.hidden = bf ? TensorView::of(xb.data(), {rows_, h}) : TensorView::of(x.data(), {rows_, h});
+    hd.weight = bf ? TensorView::of(wb.data(), {v, h}) : TensorView::of(w.data(), {v, h});
+    if (spec.bias) hd.bias = bf ? TensorView::of(bb.data(), {v}) : TensorView::of(b.data(), {v});
+    return hd;
+  };
+  PreferenceInputs in;
+  in.policy = policy_head();
+  in.targets = targets_view();
+  if (spec.ref == RefMode::kHead)
+    in.reference =
+        head(ref_hidden, ref_hidden_bf, n, ref_weight, ref_weight_bf, ref_bias, ref_bias_bf);
+  if (spec.ref == RefMode::kLogps) in.reference_logps = TensorView::of(ref_logps.data(), {spec.s});
+  if (spec.labels) in.labels = TensorView::of(labels.data(), {spec.s});
+  in.kl = spec.kl;
+  if (spec.kl_batch) {
+    const std::int64_t kn = spec.kl_s * spec.kl_t;
+    in.kl_batch.policy = head(kl_hidden, kl_hidden_bf, kn, weight, weight_bf, bias, bias_bf);
+    in.kl_batch.targets = spec.targets_i64
+                              ? TensorView::of(kl_targets64.data(), {spec.kl_s, spec.kl_t})
+                              : TensorView::of(kl_targets32.data(), {spec.kl_s, spec.kl_t});
+    if (spec.kl_ref == RefMode::kHead)
+      in.kl_batch.reference = head(kl_ref_hidden, kl_ref_hidden_bf, kn, ref_weight, ref_weight_bf,
+                                   ref_bias, ref_bias_bf);
+    if (spec.kl_ref == RefMode::kLogps)
+      in.kl_batch.reference_logps = TensorView::of(kl_ref_logps.data(), {spec.kl_s});
+  }
+  return in;
+}
+
+reference::PrefProblem PrefData::problem() const {
+  reference::PrefProblem p;
+  p.s = spec.s;
+  p.t = spec.t;
+  p.h = spec.h;
+  p.v = spec.v;
+  p.policy = {widen(hidden), widen(weight), widen(bias)};
+  p.targets = targets64;
+  if (spec.ref == RefMode::kHead) p.reference = ref_head_of(ref_hidden, ref_weight, ref_bias);
+  if (spec.ref == RefMode::kLogps) p.ref_logps = widen(ref_logps);
+  p.labels.assign(labels.begin(), labels.end());
+  p.kl = spec.kl;
+  if (spec.kl_batch) {
+    reference::PrefKlBatch k;
+    k.s = spec.kl_s;
+    k.t = spec.kl_t;
+    k.policy = {widen(kl_hidden), widen(weight), widen(bias)};
+    k.targets = kl_targets64;
+    if (spec.kl_ref == RefMode::kHead)
+      k.reference = ref_head_of(kl_ref_hidden, ref_weight, ref_bias);
+    if (spec.kl_ref == RefMode::kLogps) k.ref_logps = widen(kl_ref_logps);
+    p.kl_batch = k;
+  }
+  return p;
+}
+
+PrefGradBuffers::PrefGradBuffers(const PrefData& d, const PrefGradRequest& r, float fill)
+    : dtype_(r.dtype),
+      has_h_(r.hidden),
+      has_w_(r.weight),
+      has_b_(r.bias && d.spec.bias),
+      n_(d.rows()),
+      h_(d.spec.h),
+      v_(d.spec.v) {
+  if (dtype_ == DType::kBF16) {
+    if (has_h_) dh_bf_.assign(sz(n_ * h_), BFloat16(fill));
+    if (has_w_) dw_bf_.assign(sz(v_ * h_), BFloat16(fill));
+    if (has_b_) db_bf_.assign(sz(v_), BFloat16(fill));
+  } else {
+    if (has_h_) dh_.assign(sz(n_ * h_), fill);
+    if (has_w_) dw_.assign(sz(v_ * h_), fill);
+    if (has_b_) db_.assign(sz(v_), fill);
+  }
+}
+
+void PrefGradBuffers::fill_random(std::uint64_t seed, double scale) {
+  auto fill = [&](std::vector<float>& f, std::vector<BFloat16>& b, std::uint64_t s) {
+    const std::size_t n = dtype_ == DType::kBF16 ? b.size() : f.size();
+    std::vector<float> r = normal_floats(n, static_cast<float>(scale), s);
+    round_to_bf16_inplace(r);
+    if (dtype_ == DType::kBF16)
+      b = to_bf16(r);
+    else
+      f = r;
+  };
+  fill(dh_, dh_bf_, seed + 1);
+  fill(dw_, dw_bf_, seed + 2);
+  fill(db_, db_bf_, seed + 3);
+}
+
+PreferenceGrads PrefGradBuffers::views(bool accumulate) {
+  PreferenceGrads g;
+  g.accumulate = accumulate;
+  auto view = [&](std::vector<float>& f, std::vector<BFloat16>& b,
+                  std::initializer_list<std::int64_t> shape) {
+    return dtype_ == DType::kBF16 ? TensorView::of(b.data(), shape)
+                                  : TensorView::of(f.data(), shape);
+  };
+  if (has_h_) g.hidden = view(dh_, dh_bf_, {n_, h_});
+  if (has_w_) g.weight = view(dw_, dw_bf_, {v_, h_});
+  if (has_b_) g.bias = view(db_, db_bf_, {v_});
+  return g;
+}
+
+std::vector<double> PrefGradBuffers::hidden() const {
+  return dtype_ == DType::kBF16 ? to_double(dh_bf_) : to_double(dh_);
+}
+std::vector<double> PrefGradBuffers::weight() const {
+  return dtype_ == DType::kBF16 ? to_double(dw_bf_) : to_double(dw_);
+}
+std::vector<double> PrefGradBuffers::bias() const {
+  return dtype_ == DType::kBF16 ? to_double(db_bf_) : to_double(db_);
+}
+
+bool PrefGradBuffers::bitwise_equal(const PrefGradBuffers& o) const {
+  using test::bitwise_equal;
+  return bitwise_equal(dh_, o.dh_) && bitwise_equal(dw_, o.dw_) && bitwise_equal(db_, o.db_) &&
+         bitwise_equal(dh_bf_, o.dh_bf_) && bitwise_equal(dw_bf_, o.dw_bf_) &&
+         bitwise_equal(db_bf_, o.db_bf_);
+}
+
+PrefRun run_library(const PrefData& d, const SequenceLoss& loss, const PrefGradRequest& g,
+                    int threads) {
+  CpuContext ctx(threads);
+  PrefRun run{{}, {}, PrefGradBuffers(d, g)};
+  const PreferenceInputs in = d.inputs();
+  const PreferenceGrads grads = run.grads.views();
+  run.plan = loss.plan(in, grads);
+  const std::size_t bytes = loss.workspace_bytes(in, grads);
+  CHECK(bytes == run.plan.workspace_bytes());
+  // The block is followed by a guard region the library must not touch.
+  constexpr std::size_t kGuard = 4096;
+  AlignedBuffer block(bytes + kGuard);
+  const Workspace ws(block.data(), bytes);
+  run.result = grads.any() ? loss.forward_backward(ctx, in, grads, ws) : loss.forward(ctx, in, ws);
+  const auto* guard = static_cast<const unsigned char*>(block.data()) + bytes;
+  std::size_t touched = 0;
+  for (std::size_t i = 0; i < kGuard; ++i) touched += guard[i] != 0xff;
+  CHECK_MESSAGE(touched == 0, touched << " bytes written past the workspace's " << bytes
+                                      << " bytes; plan: " << run.plan.str());
+  return run;
+}
+
+PrefTol PrefTol::of(DType input, DType grad) {
+  return {tolerance(input).loss, tolerance(input).rows, tolerance(grad).grad};
+}
+
+void check_against_oracle(const PrefRun& run, const reference::PrefResult& ref, const PrefTol& tol,
+                          bool paired) {
+  const PreferenceResult& r = run.result;
+  check_scalar("loss", r.loss, ref.loss, tol.loss);
+  // Metric names: exactly the oracle's (TRL's), each once.
+  std::set<std::string> got_names, want_names;
+  for (const auto& [name, value] : r.metrics) {
+    CHECK_MESSAGE(got_names.insert(name).second, "metric " << name << " reported twice");
+    (void)value;
+  }
+  for (const auto& [name, value] : ref.metrics) want_names.insert(name);
+  if (got_names != want_names) {
+    std::ostringstream os;
+    os << "metric names differ: got {";
+    for (const auto& n : got_names) os << " " << n;
+    os << " }, want {";
+    for (const auto& n : want_names) os << " " << n;
+    os << " }";
+    FAIL_CHECK(os.str());
+  }
+  for (const auto& [name, want] : ref.metrics) {
+    if (!got_names.count(name)) continue;
+    check_scalar("metric " + name, r.metric(name), want, tol.loss);
+  }
+  check_close("logps", r.logps, ref.logps, tol.vec);
+  check_close("ref_logps", r.ref_logps, ref.ref_logps, tol.vec);
+  CHECK(r.tokens == ref.tokens);
+  // Rewards are beta (m - m0): rounding is relative to beta m, not to the (small) difference.
+  check_close_scaled("rewards", r.rewards, ref.rewards,
+                     std::max(norm(ref.policy_rewards), norm(ref.rewards)), tol.vec);
+  check_close("unit_losses", r.unit_losses, ref.unit_losses, tol.vec);
+  CHECK(r.unit_losses.size() == (paired ? ref.logps.size() / 2 : ref.logps.size()));
+  check_scalar("kl", r.kl, ref.kl, tol.loss);
+  if (run.grads.has_hidden())
+    check_close("grad_hidden", run.grads.hidden(), ref.grad_hidden, tol.grad);
+  if (run.grads.has_weight())
+    check_close("grad_weight", run.grads.weight(), ref.grad_weight, tol.grad);
+  if (run.grads.has_bias()) check_close("grad_bias", run.grads.bias(), ref.grad_bias, tol.grad);
+}
+
+void check_runs_close(const PrefRun& a, const PrefRun& b, double tol) {
+  check_scalar("loss (two plans)", a.result.loss, b.result.loss, tol);
+  check_close("logps (two plans)", a.result.logps, b.result.logps, tol);
+  check_close("rewards (two plans)", a.result.rewards, b.result.rewards, tol);
+  check_close("unit_losses (two plans)", a.result.unit_losses, b.result.unit_losses, tol);
+  CHECK(a.result.metrics.size() == b.result.metrics.size());
+  for (std::size_t i = 0; i < std::min(a.result.metrics.size(), b.result.metrics.size()); ++i) {
+    CHECK(a.result.metrics[i].first == b.result.metrics[i].first);
+    check_scalar("metric " + a.result.metrics[i].first + " (two plans)", a.result.metrics[i].second,
+                 b.result.metrics[i].second, tol);
+  }
+  if (a.grads.has_hidden())
+    check_close("grad_hidden (two plans)", a.grads.hidden(), b.grads.hidden(), tol);
+  if (a.grads.has_weight())
+    check_close("grad_weight (two plans)", a.grads.weight(), b.grads.weight(), tol);
+  if (a.grads.has_bias()) check_close("grad_bias (two plans)", a.grads.bias(), b.grads.bias(), tol);
+}
+
+bool runs_bitwise_equal(const PrefRun& a, const PrefRun& b) {
+  const PreferenceResult &x = a.result, &y = b.result;
+  bool same = std::memcmp(&x.loss, &y.loss, sizeof(double)) == 0 &&
+              std::memcmp(&x.kl, &y.kl, sizeof(double)) == 0 && bitwise_equal(x.logps, y.logps) &&
+              bitwise_equal(x.ref_logps, y.ref_logps) && x.tokens == y.tokens &&
+              bitwise_equal(x.rewards, y.rewards) && bitwise_equal(x.unit_losses, y.unit_losses) &&
+              x.metrics.size() == y.metrics.size();
+  for (std::size_t i = 0; same && i < x.metrics.size(); ++i)
+    same = x.metrics[i].first == y.metrics[i].first &&
+           std::memcmp(&x.metrics[i].second, &y.metrics[i].second, sizeof(double)) == 0;
+  return same && a.grads.bitwise_equal(b.grads);
+}
+
+std::string describe(const PrefSpec& s) {
+  static const char* const kRef[] = {"none", "head", "logps"};
+  std::ostringstream os;
+  os << "S=" << s.s << " T=" << s.t << " H=" << s.h << " V=" << s.v
+     << " dtype=" << dtype_name(s.dtype) << (s.bias ? " bias" : "")
+     << " ref=" << kRef[static_cast<int>(s.ref)] << (s.labels ? " labels" : "")
+     << (s.kl ? " kl=" + std::to_string(*s.kl) : "")
+     << (s.kl_batch ? " kl_batch(ref=" + std::string(kRef[static_cast<int>(s.kl_ref)]) + ")" : "")
+     << (s.targets_i64 ? " i64" : " i32") << " ignore_index=" << s.ignore_index
+     << (s.full ? " full" : "") << " seed=" << s.seed;
+  return os.str();
+}
+
+}  // namespace chunkloss::test

@@ -1,0 +1,141 @@
+// Test fixture for the preference losses: seeded [S, T] problems (prompt, completion and
+// padding per sequence through ignore_index) in fp32 or bf16 with an optional reference head or
+// precomputed reference sums, KTO labels and KL batch; gradient buffers in either dtype; one
+// library call with a fresh NaN-filled workspace; and the comparison against the float64 oracle.
+#pragma once
+
+#include <chunkloss/core/context.h>
+#include <chunkloss/core/error.h>
+#include <chunkloss/losses/preference.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "reference/preference_ref.h"
+
+namespace chunkloss::test {
+
+enum class RefMode { kNone, kHead, kLogps };
+
+/// Shape and contents of a generated problem.
+struct PrefSpec {
+  std::int64_t s = 6, t = 13, h = 37, v = 101;  ///< S sequences (2P for pairs) of T tokens
+  DType dtype = DType::kF32;                    ///< policy and reference heads
+  bool bias = false;                            ///< both heads get a bias
+  RefMode ref = RefMode::kNone;
+  bool labels = false;  ///< KTO labels (alternating with a seeded shuffle, both present)
+  std::optional<double> kl;
+  /// KTO: a mismatched batch of kl_s sequences of kl_t tokens (the policy's greedy tokens), with
+  /// a reference of kind kl_ref (the batch's heads share the weights and biases).
+  bool kl_batch = false;
+  std::int64_t kl_s = 5, kl_t = 9;
+  RefMode kl_ref = RefMode::kHead;
+  bool targets_i64 = false;
+  std::int64_t ignore_index = -100;
+  /// Per sequence: a prompt of up to max_prompt_frac * T ignored tokens, then 1..rest valid
+  /// completion tokens, then ignored padding. full: every token valid.
+  bool full = false;
+  double max_prompt_frac = 0.4;
+  /// Logits are about N(0, logit_scale^2); the reference head is the policy head plus noise
+  /// of ref_noise relative size, so policy-minus-reference log-probs are O(1).
+  float logit_scale = 1.5f;
+  float ref_noise = 0.3f;
+  std::uint64_t seed = 1;
+};
+
+/// A generated problem. The float vectors hold the values the library sees (bf16-exact when the
+/// dtype is bf16), so the oracle runs on exactly the same numbers.
+struct PrefData {
+  explicit PrefData(const PrefSpec& s);
+
+  PrefSpec spec;
+  std::vector<float> hidden, weight, bias;              // policy
+  std::vector<float> ref_hidden, ref_weight, ref_bias;  // reference head (modes head/logps)
+  std::vector<BFloat16> hidden_bf, weight_bf, bias_bf, ref_hidden_bf, ref_weight_bf, ref_bias_bf;
+  std::vector<std::int64_t> targets64;
+  std::vector<std::int32_t> targets32;
+  std::vector<float> ref_logps;  ///< [S] the reference head's sums, rounded to f32
+  std::vector<std::int32_t> labels;
+  // KL batch.
+  std::vector<float> kl_hidden, kl_ref_hidden, kl_ref_logps;
+  std::vector<BFloat16> kl_hidden_bf, kl_ref_hidden_bf;
+  std::vector<std::int64_t> kl_targets64;
+  std::vector<std::int32_t> kl_targets32;
+
+  std::int64_t rows() const { return spec.s * spec.t; }
+  void set_target(std::int64_t row, std::int64_t y);
+  /// Rounds to bf16 (when bf16), refreshes the bf16 copies and the derived reference sums.
+  void sync();
+  PreferenceInputs inputs() const;
+  reference::PrefProblem problem() const;
+  Head policy_head() const;
+  TensorView targets_view() const;
+};
+
+/// Which gradients a call asks for, in which dtype.
+struct PrefGradRequest {
+  bool hidden = true;
+  bool weight = true;
+  bool bias = true;  ///< only when the problem has a bias
+  DType dtype = DType::kF32;
+  static PrefGradRequest none() { return {false, false, false, DType::kF32}; }
+};
+
+/// Caller-owned gradient buffers of one dtype.
+class PrefGradBuffers {
+ public:
+  PrefGradBuffers(const PrefData& d, const PrefGradRequest& r, float fill = 0.0f);
+  /// bf16-exact N(0, scale^2) contents, for accumulate tests.
+  void fill_random(std::uint64_t seed, double scale);
+  PreferenceGrads views(bool accumulate = false);
+  std::vector<double> hidden() const;
+  std::vector<double> weight() const;
+  std::vector<double> bias() const;
+  bool has_hidden() const { return has_h_; }
+  bool has_weight() const { return has_w_; }
+  bool has_bias() const { return has_b_; }
+  bool bitwise_equal(const PrefGradBuffers& o) const;
+
+ private:
+  DType dtype_;
+  bool has_h_, has_w_, has_b_;
+  std::int64_t n_, h_, v_;
+  std::vector<float> dh_, dw_, db_;
+  std::vector<BFloat16> dh_bf_, dw_bf_, db_bf_;
+};
+
+/// One library call and everything it produced.
+struct PrefRun {
+  PreferenceResult result;
+  Plan plan;
+  PrefGradBuffers grads;
+};
+
+/// Runs forward_backward (forward() when no gradient is requested) with a fresh NaN-filled
+/// workspace of exactly workspace_bytes(), followed by a guard region that must stay untouched.
+/// One thread by default: the problems are tiny, and CI runs two suites on two cores.
+PrefRun run_library(const PrefData& d, const SequenceLoss& loss, const PrefGradRequest& g,
+                    int threads = 1);
+
+/// Tolerances of one comparison: values by the input dtype, gradients by the gradient dtype.
+struct PrefTol {
+  double loss, vec, grad;
+  static PrefTol of(DType input, DType grad);
+};
+
+/// Checks a run against the oracle: loss, every metric (and that the metric names are the
+/// oracle's), the per-sequence vectors, the KL point and every requested gradient.
+void check_against_oracle(const PrefRun& run, const reference::PrefResult& ref, const PrefTol& tol,
+                          bool paired);
+
+/// Two runs of one problem agree to `tol` (relative): loss, per-sequence vectors, gradients.
+void check_runs_close(const PrefRun& a, const PrefRun& b, double tol);
+
+/// Two runs are bitwise identical: loss, metrics, vectors and gradient bytes.
+bool runs_bitwise_equal(const PrefRun& a, const PrefRun& b);
+
+std::string describe(const PrefSpec& s);
+
+}  // namespace chunkloss::test
