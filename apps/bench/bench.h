@@ -17,11 +17,15 @@
 
 namespace chunkloss::bench {
 
+/// Whether `loss` is one of the preference losses (sequence objectives): dpo, orpo, simpo, cpo,
+/// kto.
+bool is_preference_loss(std::string_view loss);
+
 /// One benchmark case.
 struct CaseConfig {
-  std::string loss = "ce";
+  std::string loss = "ce";  ///< ce, or a preference loss: dpo, orpo, simpo, cpo, kto
   std::string device = "cpu";
-  std::int64_t rows = 4096;    ///< N
+  std::int64_t rows = 4096;    ///< N (preference losses: 2 * pairs * seq_len)
   std::int64_t hidden = 1024;  ///< H
   std::int64_t vocab = 32768;  ///< V
   DType dtype = DType::kF32;   ///< hidden, weight and the gradient buffers
@@ -34,7 +38,20 @@ struct CaseConfig {
   bool naive = true;           ///< time and check against the materialised computation
   bool chunked_floor = false;  ///< also time the floor GEMMs at the plan's chunk rows
   bool fp32_weight_grad_accumulator = false;  ///< the CrossEntropyOptions field of that name
+  DType logits_dtype = DType::kF32;  ///< the options' logits_dtype (bf16: opt-in, CUDA only)
   bool exact = false;  ///< also compare with a float64 computation (where the runner has one)
+
+  // Preference losses: S = 2P sequences of T rows (chosen [0, P), rejected [P, 2P); KTO: the
+  // same S sequences, labels alternating desirable/undesirable).
+  std::int64_t pairs = 0;     ///< P
+  std::int64_t seq_len = 0;   ///< T
+  double prompt_frac = 0.25;  ///< the first floor(prompt_frac * T) targets of each sequence ignored
+  std::string dpo_loss = "sigmoid";  ///< DPO's loss_type (TRL name)
+  double label_smoothing = 0;        ///< DPO (sigmoid, robust, exo_pair), SimPO, CPO
+  std::string reference = "none";    ///< head | logps | none (resolved per loss)
+  Regime regime = Regime::kAuto;     ///< SequenceOptions::regime
+
+  bool preference() const { return is_preference_loss(loss); }
 };
 
 /// What one case measured. Times are medians in ms over `repeats` timed runs after a warm-up.
@@ -48,6 +65,7 @@ struct CaseResult {
 
   std::size_t extra_bytes = 0;  ///< the loss's workspace: plan.workspace_bytes()
   PeakMemory extra_measured;    ///< measured growth of the loss's first call (workspace incl.)
+  std::optional<PeakMemory> floor_measured;  ///< measured growth of the floor GEMMs alone
 
   std::optional<double> naive_ms;
   std::optional<PeakMemory> naive_extra;  ///< measured growth of the naive's first run
@@ -55,7 +73,14 @@ struct CaseResult {
   std::optional<double> max_rel_err_vs_naive, err_loss, err_grad_hidden, err_grad_weight;
   std::optional<double> f64_err_grad_hidden, f64_err_grad_weight;  ///< vs float64 (exact)
   std::optional<double> bf16_storage_err;  ///< error of storing the naive's gradients in bf16
+  std::optional<double> f64_err_loss;      ///< |loss - float64 loss| / |float64 loss| (exact)
   std::string reference;                   ///< how the naive computation was done, in words
+
+  // What the inputs were, in words (JSON keys inputs, ignored_rows, reduction).
+  std::string inputs, ignored_rows, reduction;
+  std::int64_t valid_rows = 0;  ///< rows whose target is not ignore_index
+  /// Preference losses: the loss's metrics (TRL names) from the first call.
+  std::vector<std::pair<std::string, double>> metrics;
 
   double loss_value = 0;
   std::optional<double> naive_loss_value;
@@ -82,5 +107,12 @@ CaseResult run_ce_cpu(const CaseConfig& config, BenchDevice& dev);
 /// Cross-entropy on CUDA device 0 (cuda_ce.cu; builds with CUDA only). Times with CUDA events,
 /// measures memory with cudaMemGetInfo; the BenchDevice argument is not used.
 CaseResult run_ce_cuda(const CaseConfig& config, BenchDevice& dev);
+/// The preference losses (config.loss) on the CPU (preference_cpu.cpp): the loss against 4 bare
+/// Eigen GEMMs with a reference head (policy logits, reference logits, dX, dW), 3 otherwise, and
+/// a naive materialised fp32 computation (float64 too with config.exact).
+CaseResult run_preference_cpu(const CaseConfig& config, BenchDevice& dev);
+/// The preference losses on CUDA device 0 (cuda_preference.cu; builds with CUDA only): cuBLAS
+/// floor GEMMs, a materialised fp32-logits computation, and float64 with config.exact.
+CaseResult run_preference_cuda(const CaseConfig& config, BenchDevice& dev);
 
 }  // namespace chunkloss::bench

@@ -1,10 +1,6 @@
 // CUDA cross-entropy benchmark case: CUDA events after warm-up, medians; the floor is the three
 // bf16/fp32 cuBLAS GEMMs at full size (logits, dX, dW) timed in the same process; memory is read
 // with cudaMemGetInfo around allocations; the naive path materialises the [N, V] fp32 logits.
-#include <cublas_v2.h>
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-
 #include <chunkloss/core/error.h>
 #include <chunkloss/gpu/context.h>
 #include <chunkloss/losses/cross_entropy.h>
@@ -13,209 +9,12 @@
 #include <vector>
 
 #include "bench.h"
+#include "cuda_util.cuh"
 
 namespace chunkloss::bench {
 namespace {
 
-#define BENCH_CHECK(stmt)                                                     \
-  do {                                                                        \
-    const auto s_ = (stmt);                                                   \
-    CHUNKLOSS_CHECK(static_cast<int>(s_) == 0, #stmt, " failed with status ", \
-                    static_cast<int>(s_));                                    \
-  } while (0)
-
 constexpr int kIgnoreEvery = 7;  // one row in 7 ignored
-
-// Deterministic pseudo-random normal-ish values (sum of uniforms), scaled.
-template <typename T>
-__global__ void fill_random(T* p, std::size_t n, float scale, unsigned seed) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    float acc = 0;
-    for (unsigned k = 0; k < 4; ++k) {
-      unsigned h = static_cast<unsigned>(i * 4 + k) * 2654435761u ^ seed;
-      h ^= h >> 13;
-      h *= 0x5bd1e995u;
-      h ^= h >> 15;
-      acc += static_cast<float>(h & 0xffffff) / 16777216.0f - 0.5f;
-    }
-    const float v = acc * 1.7320508f * scale;  // var of the sum of 4 U(-.5,.5) is 1/3
-    if constexpr (sizeof(T) == 4)
-      p[i] = v;
-    else
-      p[i] = __float2bfloat16_rn(v);
-  }
-}
-
-template <typename T>
-__device__ double as_double(T v) {
-  if constexpr (sizeof(T) == 4)
-    return static_cast<double>(v);
-  else
-    return static_cast<double>(__bfloat162float(v));
-}
-
-template <typename T>
-__global__ void widen(const T* src, double* dst, std::size_t n) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
-    dst[i] = as_double(src[i]);
-}
-
-__global__ void narrow(const float* src, __nv_bfloat16* dst, std::size_t n) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
-    dst[i] = __float2bfloat16_rn(src[i]);
-}
-
-// Naive/exact softmax gradient over a materialised row: one block per row, in place,
-// mean over valid rows; writes the row loss.
-template <typename T>
-__global__ void dense_ce_grad(T* z, const int* y, std::int64_t v, double inv_valid,
-                              double* row_loss) {
-  __shared__ double red[256];
-  T* row = z + blockIdx.x * v;
-  const int t = y[blockIdx.x];
-  double m = -1e300;
-  for (std::int64_t j = threadIdx.x; j < v; j += blockDim.x)
-    m = fmax(m, static_cast<double>(row[j]));
-  red[threadIdx.x] = m;
-  __syncthreads();
-  for (int s = 128; s > 0; s >>= 1) {
-    if (threadIdx.x < s) red[threadIdx.x] = fmax(red[threadIdx.x], red[threadIdx.x + s]);
-    __syncthreads();
-  }
-  m = red[0];
-  __syncthreads();
-  double se = 0;
-  for (std::int64_t j = threadIdx.x; j < v; j += blockDim.x)
-    se += exp(static_cast<double>(row[j]) - m);
-  red[threadIdx.x] = se;
-  __syncthreads();
-  for (int s = 128; s > 0; s >>= 1) {
-    if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
-    __syncthreads();
-  }
-  const double lse = m + log(red[0]);
-  if (threadIdx.x == 0)
-    row_loss[blockIdx.x] = t < 0 ? 0.0 : (lse - static_cast<double>(row[t])) * inv_valid;
-  __syncthreads();
-  for (std::int64_t j = threadIdx.x; j < v; j += blockDim.x) {
-    const double g =
-        t < 0 ? 0.0 : (exp(static_cast<double>(row[j]) - lse) - (j == t ? 1.0 : 0.0)) * inv_valid;
-    row[j] = static_cast<T>(g);
-  }
-}
-
-// Per-block partial sums of (a - b)^2 and b^2; `a` in storage type A, `b` double or float.
-template <typename A, typename B>
-__global__ void err_partials(const A* a, const B* b, std::size_t n, double* out) {
-  __shared__ double s1[256], s2[256];
-  double e = 0, r = 0;
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const double x = as_double(a[i]), y = static_cast<double>(b[i]);
-    e += (x - y) * (x - y);
-    r += y * y;
-  }
-  s1[threadIdx.x] = e;
-  s2[threadIdx.x] = r;
-  __syncthreads();
-  for (int s = 128; s > 0; s >>= 1) {
-    if (threadIdx.x < s) {
-      s1[threadIdx.x] += s1[threadIdx.x + s];
-      s2[threadIdx.x] += s2[threadIdx.x + s];
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    out[2 * blockIdx.x] = s1[0];
-    out[2 * blockIdx.x + 1] = s2[0];
-  }
-}
-
-template <typename A, typename B>
-double rel_err(const A* a, const B* b, std::size_t n) {
-  constexpr int kBlocks = 1024;
-  gpu::DeviceBuffer part(kBlocks * 2 * sizeof(double));
-  err_partials<<<kBlocks, 256>>>(a, b, n, part.as<double>());
-  BENCH_CHECK(cudaGetLastError());
-  std::vector<double> h(kBlocks * 2);
-  gpu::copy_to_host(h.data(), part.data(), h.size() * sizeof(double));
-  double e = 0, r = 0;
-  for (int i = 0; i < kBlocks; ++i) {
-    e += h[2 * i];
-    r += h[2 * i + 1];
-  }
-  return r > 0 ? std::sqrt(e / r) : std::sqrt(e);
-}
-
-std::size_t free_bytes() {
-  std::size_t f = 0, t = 0;
-  BENCH_CHECK(cudaDeviceSynchronize());
-  gpu::memory_info(&f, &t);
-  return f;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Median time in ms of `fn` on `stream` with CUDA events after one warm-up call.
-template <typename Fn>
-double time_ms(cudaStream_t s, int repeats, Fn&& fn) {
-  cudaEvent_t e0, e1;
-  BENCH_CHECK(cudaEventCreate(&e0));
-  BENCH_CHECK(cudaEventCreate(&e1));
-  fn();
-  std::vector<double> t;
-  for (int r = 0; r < repeats; ++r) {
-    BENCH_CHECK(cudaEventRecord(e0, s));
-    fn();
-    BENCH_CHECK(cudaEventRecord(e1, s));
-    BENCH_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    BENCH_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(ms);
-  }
-  BENCH_CHECK(cudaEventDestroy(e0));
-  BENCH_CHECK(cudaEventDestroy(e1));
-  return median(t);
-}
-
-struct Gemms {
-  cublasHandle_t h;
-  cudaDataType_t in, out;
-  // Row-major helpers: Z[N,V] = X W^T; dX[N,H] = G W; dW[V,H] = G^T X (see lib/gpu/src/gemm.cpp).
-  void logits(const void* x, const void* w, void* z, int n, int hd, int v, cudaDataType_t zt,
-              cublasComputeType_t ct) {
-    const double one = 1, zero = 0;
-    const float onef = 1, zerof = 0;
-    const void* a = ct == CUBLAS_COMPUTE_64F ? static_cast<const void*>(&one) : &onef;
-    const void* b = ct == CUBLAS_COMPUTE_64F ? static_cast<const void*>(&zero) : &zerof;
-    BENCH_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, v, n, hd, a, w, in, hd, x, in, hd, b, z,
-                             zt, v, ct, CUBLAS_GEMM_DEFAULT));
-  }
-  void dx(const void* g, const void* w, void* dxp, int n, int hd, int v, cudaDataType_t gt,
-          cudaDataType_t wt, cudaDataType_t ot, cublasComputeType_t ct) {
-    const double one = 1, zero = 0;
-    const float onef = 1, zerof = 0;
-    const void* a = ct == CUBLAS_COMPUTE_64F ? static_cast<const void*>(&one) : &onef;
-    const void* b = ct == CUBLAS_COMPUTE_64F ? static_cast<const void*>(&zero) : &zerof;
-    BENCH_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, hd, n, v, a, w, wt, hd, g, gt, v, b, dxp,
-                             ot, hd, ct, CUBLAS_GEMM_DEFAULT));
-  }
-  void dw(const void* g, const void* x, void* dwp, int n, int hd, int v, cudaDataType_t gt,
-          cudaDataType_t xt, cudaDataType_t ot, cublasComputeType_t ct) {
-    const double one = 1, zero = 0;
-    const float onef = 1, zerof = 0;
-    const void* a = ct == CUBLAS_COMPUTE_64F ? static_cast<const void*>(&one) : &onef;
-    const void* b = ct == CUBLAS_COMPUTE_64F ? static_cast<const void*>(&zero) : &zerof;
-    BENCH_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, hd, v, n, a, x, xt, hd, g, gt, v, b, dwp,
-                             ot, hd, ct, CUBLAS_GEMM_DEFAULT));
-  }
-};
 
 }  // namespace
 
@@ -241,13 +40,12 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
   const float wscale = 2.0f / std::sqrt(static_cast<float>(h));
   const auto seed = static_cast<unsigned>(c.seed * 2654435761u);
   if (bf16) {
-    fill_random<<<1024, 256, 0, s>>>(x.as<__nv_bfloat16>(), n * h, 1.0f, seed);
-    fill_random<<<1024, 256, 0, s>>>(w.as<__nv_bfloat16>(), v * h, wscale, seed + 1);
+    fill_random(x.as<__nv_bfloat16>(), n * h, 1.0f, seed, s);
+    fill_random(w.as<__nv_bfloat16>(), v * h, wscale, seed + 1, s);
   } else {
-    fill_random<<<1024, 256, 0, s>>>(x.as<float>(), n * h, 1.0f, seed);
-    fill_random<<<1024, 256, 0, s>>>(w.as<float>(), v * h, wscale, seed + 1);
+    fill_random(x.as<float>(), n * h, 1.0f, seed, s);
+    fill_random(w.as<float>(), v * h, wscale, seed + 1, s);
   }
-  BENCH_CHECK(cudaGetLastError());
   std::vector<int> hy(static_cast<std::size_t>(n));
   std::uint64_t state = c.seed;
   std::int64_t valid = 0;
@@ -259,6 +57,12 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
     valid += hy[static_cast<std::size_t>(i)] >= 0;
   }
   gpu::copy_to_device(y.data(), hy.data(), hy.size() * 4);
+  res.inputs =
+      "hidden ~ N(0, 1), weight ~ N(0, 4/H) (hashed sums of 4 uniforms, about normal), targets "
+      "uniform in [0, V)";
+  res.ignored_rows = "1 in 7 (rows t with t % 7 == 3)";
+  res.reduction = "mean";
+  res.valid_rows = valid;
 
   // The floor: the three GEMMs at full size, gradient operand of the input dtype.
   Gemms gm{static_cast<cublasHandle_t>(ctx.cublas()), ct, ct};
@@ -287,6 +91,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
   CrossEntropyOptions o;
   o.memory_budget_bytes = c.budget_bytes;
   o.fp32_weight_grad_accumulator = c.fp32_weight_grad_accumulator;
+  o.logits_dtype = c.logits_dtype;
   o.loop_order = c.order;
   const LinearCrossEntropy ce(o);
   CrossEntropyInputs in;
@@ -311,18 +116,35 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
                         "cudaMemGetInfo: free before allocating the workspace minus free after the "
                         "first call"};
   const double first_loss = res.loss_value;
-  res.time_ms = time_ms(s, c.repeats, [&] {
-    res.loss_value = ce.forward_backward(ctx, in, gr, {}, wsv).loss;
-    res.loss_repeatable = res.loss_repeatable && res.loss_value == first_loss;
-  });
+  res.time_ms = time_ms(
+      s, c.repeats,
+      [&] {
+        res.loss_value = ce.forward_backward(ctx, in, gr, {}, wsv).loss;
+        res.loss_repeatable = res.loss_repeatable && res.loss_value == first_loss;
+      },
+      &res.times_ms);
   res.ratio = res.time_ms / res.floor_ms;
 
   const auto ni = int(n), hi = int(h), vi = int(v);
+  // The naive rows' coefficients (1/valid on valid rows) and the mean loss from their stats.
+  std::vector<double> hcoef(static_cast<std::size_t>(n));
+  for (std::size_t i = 0; i < hcoef.size(); ++i) hcoef[i] = hy[i] < 0 ? 0.0 : 1.0 / valid;
+  gpu::DeviceBuffer coef(n * 8);
+  gpu::copy_to_device(coef.data(), hcoef.data(), hcoef.size() * 8);
+  const auto mean_loss = [&](const gpu::DeviceBuffer& lse, const gpu::DeviceBuffer& zy) {
+    BENCH_CHECK(cudaStreamSynchronize(s));
+    std::vector<double> hl(static_cast<std::size_t>(n)), hz(static_cast<std::size_t>(n));
+    gpu::copy_to_host(hl.data(), lse.data(), hl.size() * 8);
+    gpu::copy_to_host(hz.data(), zy.data(), hz.size() * 8);
+    double loss = 0;
+    for (std::size_t i = 0; i < hl.size(); ++i) loss += (hl[i] - hz[i]) / valid;
+    return loss;
+  };
   if (c.naive) {
     // Materialised: fp32 logits [N, V] from the input-dtype GEMM, fp32 softmax gradient, the
     // gradient rounded to the input dtype [N, V], then the two gradient GEMMs into fp32 outputs.
     const std::size_t before_naive = free_bytes();
-    gpu::DeviceBuffer z(n * v * 4), zg(bf16 ? n * v * 2 : 0), rl(n * 8), ndx(n * h * 4),
+    gpu::DeviceBuffer z(n * v * 4), zg(bf16 ? n * v * 2 : 0), lse(n * 8), zy(n * 8), ndx(n * h * 4),
         ndw(v * h * 4);
     res.naive_extra = PeakMemory{before_naive - free_bytes() - (n * h * 4 + v * h * 4),
                                  "cudaMemGetInfo around its buffers, less its fp32 gradients"};
@@ -333,20 +155,14 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
     const void* g = bf16 ? zg.data() : z.data();
     auto naive = [&] {
       gm.logits(x.data(), w.data(), z.data(), ni, hi, vi, CUDA_R_32F, CUBLAS_COMPUTE_32F);
-      dense_ce_grad<float><<<static_cast<unsigned>(n), 256, 0, s>>>(z.as<float>(), y.as<int>(), v,
-                                                                    1.0 / valid, rl.as<double>());
-      if (bf16)
-        narrow<<<4096, 256, 0, s>>>(z.as<float>(), zg.as<__nv_bfloat16>(),
-                                    static_cast<std::size_t>(n * v));
+      dense_rows(z.as<float>(), y.as<int>(), n, v, nullptr, coef.as<double>(), lse.as<double>(),
+                 zy.as<double>(), s);
+      if (bf16) narrow(z.as<float>(), zg.as<__nv_bfloat16>(), static_cast<std::size_t>(n * v), s);
       gm.dx(g, w.data(), ndx.data(), ni, hi, vi, ct, ct, CUDA_R_32F, CUBLAS_COMPUTE_32F);
       gm.dw(g, x.data(), ndw.data(), ni, hi, vi, ct, ct, CUDA_R_32F, CUBLAS_COMPUTE_32F);
     };
-    res.naive_ms = time_ms(s, c.repeats, naive);
-    BENCH_CHECK(cudaStreamSynchronize(s));
-    std::vector<double> hl(static_cast<std::size_t>(n));
-    gpu::copy_to_host(hl.data(), rl.data(), hl.size() * 8);
-    double naive_loss = 0;
-    for (double l : hl) naive_loss += l;
+    res.naive_ms = time_ms(s, c.repeats, naive, &res.naive_times_ms);
+    const double naive_loss = mean_loss(lse, zy);
     res.naive_loss_value = naive_loss;
     const double e_loss = std::abs(res.loss_value - naive_loss) / std::abs(naive_loss);
     const double e_dx = bf16 ? rel_err(dx.as<__nv_bfloat16>(), ndx.as<float>(), n * h)
@@ -360,26 +176,25 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
   }
   if (c.exact) {
     // float64 on the same input values: widened operands, fp64 GEMMs, fp64 softmax gradient.
-    gpu::DeviceBuffer xd(n * h * 8), wd(v * h * 8), zd(n * v * 8), rl(n * 8), dxd(n * h * 8),
-        dwd(v * h * 8);
+    gpu::DeviceBuffer xd(n * h * 8), wd(v * h * 8), zd(n * v * 8), lse(n * 8), zy(n * 8),
+        dxd(n * h * 8), dwd(v * h * 8);
     if (bf16) {
-      widen<<<4096, 256, 0, s>>>(x.as<__nv_bfloat16>(), xd.as<double>(),
-                                 static_cast<std::size_t>(n * h));
-      widen<<<4096, 256, 0, s>>>(w.as<__nv_bfloat16>(), wd.as<double>(),
-                                 static_cast<std::size_t>(v * h));
+      widen(x.as<__nv_bfloat16>(), xd.as<double>(), static_cast<std::size_t>(n * h), s);
+      widen(w.as<__nv_bfloat16>(), wd.as<double>(), static_cast<std::size_t>(v * h), s);
     } else {
-      widen<<<4096, 256, 0, s>>>(x.as<float>(), xd.as<double>(), static_cast<std::size_t>(n * h));
-      widen<<<4096, 256, 0, s>>>(w.as<float>(), wd.as<double>(), static_cast<std::size_t>(v * h));
+      widen(x.as<float>(), xd.as<double>(), static_cast<std::size_t>(n * h), s);
+      widen(w.as<float>(), wd.as<double>(), static_cast<std::size_t>(v * h), s);
     }
     Gemms g64{gm.h, CUDA_R_64F, CUDA_R_64F};
     g64.logits(xd.data(), wd.data(), zd.data(), ni, hi, vi, CUDA_R_64F, CUBLAS_COMPUTE_64F);
-    dense_ce_grad<double><<<static_cast<unsigned>(n), 256, 0, s>>>(zd.as<double>(), y.as<int>(), v,
-                                                                   1.0 / valid, rl.as<double>());
+    dense_rows(zd.as<double>(), y.as<int>(), n, v, nullptr, coef.as<double>(), lse.as<double>(),
+               zy.as<double>(), s);
     g64.dx(zd.data(), wd.data(), dxd.data(), ni, hi, vi, CUDA_R_64F, CUDA_R_64F, CUDA_R_64F,
            CUBLAS_COMPUTE_64F);
     g64.dw(zd.data(), xd.data(), dwd.data(), ni, hi, vi, CUDA_R_64F, CUDA_R_64F, CUDA_R_64F,
            CUBLAS_COMPUTE_64F);
-    BENCH_CHECK(cudaGetLastError());
+    const double f64_loss = mean_loss(lse, zy);
+    res.f64_err_loss = std::abs(res.loss_value - f64_loss) / std::abs(f64_loss);
     res.f64_err_grad_hidden = bf16 ? rel_err(dx.as<__nv_bfloat16>(), dxd.as<double>(), n * h)
                                    : rel_err(dx.as<float>(), dxd.as<double>(), n * h);
     res.f64_err_grad_weight = bf16 ? rel_err(dw.as<__nv_bfloat16>(), dwd.as<double>(), v * h)

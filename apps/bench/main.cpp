@@ -3,6 +3,7 @@
 // and prints a table, the plan and the command that reproduces each case (DESIGN.md section 5).
 #include <chunkloss/apps/cli.h>
 #include <chunkloss/core/error.h>
+#include <chunkloss/losses/preference.h>
 
 #include <boost/program_options.hpp>
 #include <cstdio>
@@ -34,16 +35,22 @@ std::string join(const std::vector<std::string>& v) {
   return s;
 }
 
-DType parse_dtype(const std::string& s) {
+DType parse_dtype(const std::string& s, const char* option = "--dtype") {
   if (s == "f32") return DType::kF32;
   if (s == "bf16") return DType::kBF16;
-  throw apps::UsageError("--dtype: '" + s + "' is not f32 or bf16");
+  throw apps::UsageError(std::string(option) + ": '" + s + "' is not f32 or bf16");
 }
 
 LoopOrder parse_order(const std::string& s) {
   for (LoopOrder o : {LoopOrder::kAuto, LoopOrder::kTokenChunk, LoopOrder::kVocabBlock})
     if (s == loop_order_name(o)) return o;
   throw apps::UsageError("--order: '" + s + "' is not auto, token_chunk or vocab_block");
+}
+
+Regime parse_regime(const std::string& s) {
+  for (Regime r : {Regime::kAuto, Regime::kResident, Regime::kRecompute})
+    if (s == regime_name(r)) return r;
+  throw apps::UsageError("--regime: '" + s + "' is not auto, resident or recompute");
 }
 
 std::string fmt_g(double v) {
@@ -54,29 +61,22 @@ std::string fmt_g(double v) {
 
 // Every option explicit, so the line reproduces this case alone on any machine.
 std::string case_command(const std::string& prog, const CaseConfig& c) {
-  std::vector<std::string> w = {prog,
-                                "--loss",
-                                c.loss,
-                                "--device",
-                                c.device,
-                                "--rows",
-                                std::to_string(c.rows),
-                                "--hidden",
-                                std::to_string(c.hidden),
-                                "--vocab",
-                                std::to_string(c.vocab),
-                                "--dtype",
-                                std::string(dtype_name(c.dtype)),
-                                "--budget-mib",
-                                fmt_g(c.budget_mib),
-                                "--order",
-                                std::string(loop_order_name(c.order)),
-                                "--repeats",
-                                std::to_string(c.repeats),
-                                "--threads",
-                                std::to_string(c.threads),
-                                "--seed",
-                                std::to_string(c.seed)};
+  std::vector<std::string> w = {prog, "--loss", c.loss, "--device", c.device};
+  if (c.preference()) {
+    w.insert(w.end(), {"--pairs", std::to_string(c.pairs), "--seq-len", std::to_string(c.seq_len),
+                       "--prompt-frac", fmt_g(c.prompt_frac), "--reference", c.reference,
+                       "--regime", std::string(regime_name(c.regime))});
+    if (c.loss == "dpo") w.insert(w.end(), {"--dpo-loss", c.dpo_loss});
+    if (c.label_smoothing != 0) w.insert(w.end(), {"--label-smoothing", fmt_g(c.label_smoothing)});
+  } else {
+    w.insert(w.end(), {"--rows", std::to_string(c.rows)});
+  }
+  w.insert(w.end(),
+           {"--hidden", std::to_string(c.hidden), "--vocab", std::to_string(c.vocab), "--dtype",
+            std::string(dtype_name(c.dtype)), "--logits-dtype",
+            std::string(dtype_name(c.logits_dtype)), "--budget-mib", fmt_g(c.budget_mib), "--order",
+            std::string(loop_order_name(c.order)), "--repeats", std::to_string(c.repeats),
+            "--threads", std::to_string(c.threads), "--seed", std::to_string(c.seed)});
   if (!c.naive) w.emplace_back("--no-naive");
   if (c.chunked_floor) w.emplace_back("--chunked-floor");
   if (c.fp32_weight_grad_accumulator) w.emplace_back("--fp32-dw-accum");
@@ -96,7 +96,14 @@ Cli parse(int argc, char** argv) {
     ("help,h", "print this help and exit")
     ("loss", po::value<std::string>()->default_value("ce"), ("loss to time: " + join(known_losses())).c_str())
     ("device", po::value<std::string>()->default_value("cpu"), ("device: " + join(known_devices())).c_str())
-    ("rows", po::value<std::string>()->default_value("4096"), "N, rows (tokens); list")
+    ("rows", po::value<std::string>()->default_value("4096"), "ce: N, rows (tokens); list")
+    ("pairs", po::value<std::string>()->default_value("2"), "preference losses: P pairs, S = 2P sequences (kto: 2P sequences, labels alternating); list")
+    ("seq-len", po::value<std::string>()->default_value("256"), "preference losses: T rows per sequence (N = 2 P T); list")
+    ("prompt-frac", po::value<double>()->default_value(0.25), "preference losses: the first floor(f T) targets of each sequence are ignore_index (prompt)")
+    ("reference", po::value<std::string>()->default_value("", "head for dpo and kto, none otherwise"), "dpo, kto: head (a reference head with its own hidden and weight, run through pass 1 without gradients) | logps (its per-sequence log-probs precomputed, untimed) | none")
+    ("dpo-loss", po::value<std::string>()->default_value("sigmoid"), "dpo: loss type (TRL names: sigmoid, hinge, ipo, robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop)")
+    ("label-smoothing", po::value<double>()->default_value(0.0), "dpo (sigmoid, robust, exo_pair), simpo, cpo: label smoothing eps")
+    ("regime", po::value<std::string>()->default_value("auto"), "preference losses: auto|resident|recompute; list")
     ("hidden", po::value<std::string>()->default_value("1024"), "H, hidden size; list")
     ("vocab", po::value<std::string>()->default_value("32768"), "V, vocabulary size; list")
     ("dtype", po::value<std::string>()->default_value("f32"), "f32|bf16: the loss's hidden, weight and gradient buffers (the floor and the naive run in fp32 on the same values); list")
@@ -108,8 +115,9 @@ Cli parse(int argc, char** argv) {
     ("json", po::value<std::string>()->default_value("", "none"), "write the cases as a JSON array to FILE (atomically: FILE.tmp, then rename)")
     ("no-naive", po::bool_switch()->default_value(false, "off"), "skip the naive materialised run (and the error check)")
     ("chunked-floor", po::bool_switch()->default_value(false, "off"), "also time the floor GEMMs at the plan's chunk rows (token_chunk order)")
+    ("logits-dtype", po::value<std::string>()->default_value("f32"), "f32|bf16: the loss's logits chunk (bf16: the opt-in speed/memory mode, cuda only)")
     ("fp32-dw-accum", po::bool_switch()->default_value(false, "off"), "accumulate dW in an fp32 workspace buffer (V*H*4 bytes on top of the budget; matters for bf16)")
-    ("exact", po::bool_switch()->default_value(false, "off"), "cuda: also compare the gradients with a float64 computation on the same input values");
+    ("exact", po::bool_switch()->default_value(false, "off"), "also compare the loss and gradients with a float64 computation on the same input values (ce: cuda; preference losses: cpu and cuda)");
   // clang-format on
   po::variables_map vm;
   po::store(po::command_line_parser(argc, argv).options(desc).positional({}).run(), vm);
@@ -132,6 +140,41 @@ Cli parse(int argc, char** argv) {
                            join(devices) + ")");
   if (!find_runner(base.loss, base.device))
     throw apps::UsageError("--loss " + base.loss + " has no runner for --device " + base.device);
+  const bool pref = is_preference_loss(base.loss);
+  const auto given = [&](const char* o) { return vm.count(o) && !vm[o].defaulted(); };
+  for (const char* o :
+       {"pairs", "seq-len", "prompt-frac", "reference", "regime", "dpo-loss", "label-smoothing"})
+    if (!pref && given(o))
+      throw apps::UsageError("--" + std::string(o) + " is for the preference losses, not --loss " +
+                             base.loss);
+  if (pref && given("rows"))
+    throw apps::UsageError("--rows: --loss " + base.loss +
+                           " takes --pairs and --seq-len (N = 2 * pairs * seq-len)");
+  if (pref && vm["chunked-floor"].as<bool>())
+    throw apps::UsageError("--chunked-floor is for --loss ce");
+  if (base.loss != "dpo" && given("dpo-loss"))
+    throw apps::UsageError("--dpo-loss is for --loss dpo");
+  base.prompt_frac = vm["prompt-frac"].as<double>();
+  if (!(base.prompt_frac >= 0 && base.prompt_frac < 1))
+    throw apps::UsageError("--prompt-frac: " + fmt_g(base.prompt_frac) + " is not in [0, 1)");
+  base.label_smoothing = vm["label-smoothing"].as<double>();
+  if (!(base.label_smoothing >= 0 && base.label_smoothing < 1))
+    throw apps::UsageError("--label-smoothing: " + fmt_g(base.label_smoothing) +
+                           " is not in [0, 1)");
+  base.dpo_loss = vm["dpo-loss"].as<std::string>();
+  try {
+    parse_dpo_loss(base.dpo_loss);
+  } catch (const Error& e) {
+    throw apps::UsageError(std::string("--dpo-loss: ") + e.what());
+  }
+  base.reference = vm["reference"].as<std::string>();
+  if (base.reference.empty())
+    base.reference = base.loss == "dpo" || base.loss == "kto" ? "head" : "none";
+  if (base.reference != "head" && base.reference != "logps" && base.reference != "none")
+    throw apps::UsageError("--reference: '" + base.reference + "' is not head, logps or none");
+  if (pref && base.loss != "dpo" && base.loss != "kto" && base.reference != "none")
+    throw apps::UsageError("--reference " + base.reference + ": --loss " + base.loss +
+                           " is reference-free");
   base.order = parse_order(vm["order"].as<std::string>());
   base.repeats = vm["repeats"].as<int>();
   if (base.repeats < 1 || base.repeats > 1000)
@@ -144,6 +187,7 @@ Cli parse(int argc, char** argv) {
   base.naive = !vm["no-naive"].as<bool>();
   base.chunked_floor = vm["chunked-floor"].as<bool>();
   base.fp32_weight_grad_accumulator = vm["fp32-dw-accum"].as<bool>();
+  base.logits_dtype = parse_dtype(vm["logits-dtype"].as<std::string>(), "--logits-dtype");
   base.exact = vm["exact"].as<bool>();
   cli.json = vm["json"].as<std::string>();
 
@@ -156,13 +200,40 @@ Cli parse(int argc, char** argv) {
     dtypes.push_back(parse_dtype(s));
   const auto budgets =
       apps::parse_number_list("budget-mib", vm["budget-mib"].as<std::string>(), 1e-3, 1e9);
-  for (auto n : rows)
+  // One shape per (rows) for ce, per (pairs, seq-len) for the preference losses.
+  std::vector<CaseConfig> shapes;
+  if (pref) {
+    const auto pairs = apps::parse_int_list("pairs", vm["pairs"].as<std::string>(), 1, kMaxDim);
+    const auto lens = apps::parse_int_list("seq-len", vm["seq-len"].as<std::string>(), 1, kMaxDim);
+    std::vector<Regime> regimes;
+    for (const std::string& r : apps::split_list("regime", vm["regime"].as<std::string>()))
+      regimes.push_back(parse_regime(r));
+    for (auto p : pairs)
+      for (auto t : lens)
+        for (Regime r : regimes) {
+          if (2 * p * t > kMaxDim)
+            throw apps::UsageError("--pairs " + std::to_string(p) + " --seq-len " +
+                                   std::to_string(t) + ": N = 2 P T exceeds 2^31");
+          CaseConfig c = base;
+          c.pairs = p;
+          c.seq_len = t;
+          c.rows = 2 * p * t;
+          c.regime = r;
+          shapes.push_back(c);
+        }
+  } else {
+    for (auto n : rows) {
+      CaseConfig c = base;
+      c.rows = n;
+      shapes.push_back(c);
+    }
+  }
+  for (const CaseConfig& shape : shapes)
     for (auto h : hidden)
       for (auto v : vocab)
         for (DType d : dtypes)
           for (double b : budgets) {
-            CaseConfig c = base;
-            c.rows = n;
+            CaseConfig c = shape;
             c.hidden = h;
             c.vocab = v;
             c.dtype = d;
@@ -201,11 +272,15 @@ int main(int argc, char** argv) {
     std::cout << kProg << " " << apps::utc_now_iso() << "\n";
     for (std::size_t i = 0; i < cli.cases.size(); ++i) {
       const CaseConfig& c = cli.cases[i];
-      std::fprintf(stderr, "%s: case %zu/%zu: %s %s N=%lld H=%lld V=%lld %s budget %g MiB\n", kProg,
-                   i + 1, cli.cases.size(), c.loss.c_str(), c.device.c_str(),
-                   static_cast<long long>(c.rows), static_cast<long long>(c.hidden),
-                   static_cast<long long>(c.vocab), std::string(dtype_name(c.dtype)).c_str(),
-                   c.budget_mib);
+      const std::string shape =
+          c.preference() ? std::to_string(c.pairs) + " pairs x T=" + std::to_string(c.seq_len) +
+                               " (N=" + std::to_string(c.rows) + "), reference " + c.reference +
+                               ", regime " + std::string(regime_name(c.regime))
+                         : "N=" + std::to_string(c.rows);
+      std::fprintf(stderr, "%s: case %zu/%zu: %s %s %s H=%lld V=%lld %s budget %g MiB\n", kProg,
+                   i + 1, cli.cases.size(), c.loss.c_str(), c.device.c_str(), shape.c_str(),
+                   static_cast<long long>(c.hidden), static_cast<long long>(c.vocab),
+                   std::string(dtype_name(c.dtype)).c_str(), c.budget_mib);
       std::unique_ptr<BenchDevice> dev = make_cpu_device(c.threads);
       CaseRecord rec{c, find_runner(c.loss, c.device)(c, *dev), case_command(argv[0], c),
                      apps::utc_now_iso()};

@@ -13,12 +13,29 @@ struct Entry {
 
 constexpr Entry kRunners[] = {
     {"ce", "cpu", &run_ce_cpu},
+    {"dpo", "cpu", &run_preference_cpu},
+    {"orpo", "cpu", &run_preference_cpu},
+    {"simpo", "cpu", &run_preference_cpu},
+    {"cpo", "cpu", &run_preference_cpu},
+    {"kto", "cpu", &run_preference_cpu},
 #if CHUNKLOSS_BENCH_CUDA
     {"ce", "cuda", &run_ce_cuda},
+    {"dpo", "cuda", &run_preference_cuda},
+    {"orpo", "cuda", &run_preference_cuda},
+    {"simpo", "cuda", &run_preference_cuda},
+    {"cpo", "cuda", &run_preference_cuda},
+    {"kto", "cuda", &run_preference_cuda},
 #endif
 };
 
+constexpr std::string_view kPreferenceLosses[] = {"dpo", "orpo", "simpo", "cpo", "kto"};
+
 }  // namespace
+
+bool is_preference_loss(std::string_view loss) {
+  return std::find(std::begin(kPreferenceLosses), std::end(kPreferenceLosses), loss) !=
+         std::end(kPreferenceLosses);
+}
 
 CaseRunner find_runner(std::string_view loss, std::string_view device) {
   for (const Entry& e : kRunners)

@@ -32,6 +32,18 @@ std::string case_details(const CaseRecord& rec) {
   os << "case: " << rec.command << "\n";
   os << "  date: " << rec.date << "\n";
   os << "  plan: " << r.plan.str() << "\n";
+  if (c.preference()) {
+    os << "  batch: " << c.pairs << " pairs x T=" << c.seq_len << " (N=" << c.rows << ", "
+       << r.valid_rows << " valid rows), reference " << c.reference;
+    if (c.loss == "dpo") os << ", loss type " << c.dpo_loss;
+    os << "; regime requested " << regime_name(c.regime) << ", chosen "
+       << regime_name(r.plan.regime);
+    if (r.plan.regime == Regime::kResident)
+      os << " (" << r.plan.num_groups << " groups of " << r.plan.group_units << " units)";
+    os << "\n  metrics:";
+    for (const auto& [name, value] : r.metrics) os << " " << name << "=" << fmt("%.6g", value);
+    os << "\n";
+  }
   os << "  loss fwd+bwd: " << fmt("%.2f", r.time_ms) << " ms (median of " << c.repeats << ":";
   for (double t : r.times_ms) os << " " << fmt("%.2f", t);
   os << "), loss " << fmt("%.9g", r.loss_value)
@@ -45,7 +57,11 @@ std::string case_details(const CaseRecord& rec) {
        << "-row chunks: " << fmt("%.2f", *r.chunked_floor_ms) << " ms (ratio "
        << fmt("%.3f", r.time_ms / *r.chunked_floor_ms) << " of the loss over it)\n";
   os << "  extra memory: workspace " << mib(r.extra_bytes) << " MiB; measured over the first call "
-     << mib(r.extra_measured.bytes) << " MiB (" << r.extra_measured.method << ")\n";
+     << mib(r.extra_measured.bytes) << " MiB (" << r.extra_measured.method << ")";
+  if (r.floor_measured)
+    os << "; the floor GEMMs' own temporaries, measured alike: " << mib(r.floor_measured->bytes)
+       << " MiB";
+  os << "\n";
   if (r.naive_ms) {
     os << "  naive: " << fmt("%.2f", *r.naive_ms) << " ms, [N, V] logits "
        << mib(*r.naive_logits_bytes) << " MiB, measured " << mib(r.naive_extra->bytes) << " MiB ("
@@ -57,23 +73,43 @@ std::string case_details(const CaseRecord& rec) {
          << ")";
     os << "\n  reference: " << r.reference << "\n";
   }
+  if (r.f64_err_grad_hidden) {
+    os << "  error vs float64 (relative norm):";
+    if (r.f64_err_loss) os << " loss " << fmt("%.3g", *r.f64_err_loss) << ",";
+    os << " dX " << fmt("%.3g", *r.f64_err_grad_hidden) << ", dW "
+       << fmt("%.3g", *r.f64_err_grad_weight) << "\n";
+  }
   os << "  device: " << r.device_desc << "\n";
   os << "  loadavg before: " << r.load_before << ", after: " << r.load_after << "\n";
   return os.str();
 }
 
 std::string table_markdown(const std::vector<CaseRecord>& records) {
+  // Preference cases add their batch shape and the plan's regime after N.
+  bool pref = false;
+  for (const CaseRecord& rec : records) pref = pref || rec.config.preference();
   std::ostringstream os;
-  os << "| loss | device | N | H | V | dtype | budget MiB | time ms | floor ms | ratio | extra MiB "
+  os << "| loss | device | N | " << (pref ? "P x T | regime | " : "")
+     << "H | V | dtype | budget MiB | time ms | floor ms | ratio | extra MiB "
         "| naive ms | naive extra MiB | naive/extra | max rel err |\n";
-  os << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  os << "|---|---|---|" << (pref ? "---|---|" : "")
+     << "---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const CaseRecord& rec : records) {
     const CaseConfig& c = rec.config;
     const CaseResult& r = rec.result;
-    os << "| " << c.loss << " | " << c.device << " | " << c.rows << " | " << c.hidden << " | "
-       << c.vocab << " | " << dtype_name(c.dtype) << " | " << fmt("%g", c.budget_mib) << " | "
-       << fmt("%.1f", r.time_ms) << " | " << fmt("%.1f", r.floor_ms) << " | "
-       << fmt("%.3f", r.ratio) << " | " << mib(r.extra_bytes) << " | ";
+    os << "| " << c.loss << " | " << c.device << " | " << c.rows << " | ";
+    if (pref && c.preference()) {
+      os << c.pairs << " x " << c.seq_len << " | " << regime_name(r.plan.regime);
+      if (r.plan.regime == Regime::kResident)
+        os << " " << r.plan.num_groups << "x" << r.plan.group_units;
+      os << " | ";
+    } else if (pref) {
+      os << "- | - | ";
+    }
+    os << c.hidden << " | " << c.vocab << " | " << dtype_name(c.dtype) << " | "
+       << fmt("%g", c.budget_mib) << " | " << fmt("%.1f", r.time_ms) << " | "
+       << fmt("%.1f", r.floor_ms) << " | " << fmt("%.3f", r.ratio) << " | " << mib(r.extra_bytes)
+       << " | ";
     if (r.naive_ms)
       os << fmt("%.1f", *r.naive_ms) << " | " << mib(r.naive_extra->bytes) << " | "
          << fmt("%.1fx",
@@ -111,10 +147,27 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   j["repeats"] = c.repeats;
   j["threads"] = c.threads;
   j["seed"] = c.seed;
-  j["reduction"] = "mean";
+  j["reduction"] = r.reduction;
   j["ignore_index"] = -100;
-  j["ignored_rows"] = "1 in 7 (rows t with t % 7 == 3)";
-  j["inputs"] = "hidden ~ N(0, 1), weight ~ N(0, 1/H), targets uniform in [0, V)";
+  j["ignored_rows"] = r.ignored_rows;
+  j["valid_rows"] = r.valid_rows;
+  j["inputs"] = r.inputs;
+  if (c.preference()) {
+    j["pairs"] = c.pairs;
+    j["seq_len"] = c.seq_len;
+    j["sequences"] = 2 * c.pairs;
+    j["prompt_frac"] = c.prompt_frac;
+    j["reference_input"] = c.reference;
+    if (c.loss == "dpo") j["dpo_loss"] = c.dpo_loss;
+    j["label_smoothing"] = c.label_smoothing;
+    j["regime"] = std::string(regime_name(p.regime));
+    j["requested_regime"] = std::string(regime_name(c.regime));
+    j["groups"] = p.num_groups;
+    j["group_units"] = p.group_units;
+    nlohmann::json m = nlohmann::json::object();
+    for (const auto& [name, value] : r.metrics) m[name] = value;
+    j["metrics"] = m;
+  }
   j["times_ms"] = r.times_ms;
   j["floor"] = r.floor_what;
   j["floor_times_ms"] = r.floor_times_ms;
@@ -122,6 +175,7 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   j["chunked_floor_ms"] = opt(r.chunked_floor_ms);
   j["extra_measured_bytes"] = r.extra_measured.bytes;
   j["extra_measured_method"] = r.extra_measured.method;
+  j["floor_measured_bytes"] = r.floor_measured ? nlohmann::json(r.floor_measured->bytes) : nullptr;
   j["naive_times_ms"] = r.naive_times_ms;
   j["naive_extra_method"] = r.naive_extra ? nlohmann::json(r.naive_extra->method) : nullptr;
   j["naive_logits_bytes"] = opt(r.naive_logits_bytes);
@@ -133,6 +187,7 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   j["err_grad_hidden"] = opt(r.err_grad_hidden);
   j["err_grad_weight"] = opt(r.err_grad_weight);
   j["bf16_storage_err"] = opt(r.bf16_storage_err);
+  j["f64_err_loss"] = opt(r.f64_err_loss);
   j["f64_err_grad_hidden"] = opt(r.f64_err_grad_hidden);
   j["f64_err_grad_weight"] = opt(r.f64_err_grad_weight);
   j["reference"] = r.reference;
@@ -149,6 +204,7 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   j["plan_reason"] = p.reason;
   j["plan_over_budget"] = p.over_budget;
   j["fp32_weight_grad_accumulator"] = c.fp32_weight_grad_accumulator;
+  j["logits_dtype"] = std::string(dtype_name(p.logits_dtype));
   j["workspace_bytes"] = p.workspace_bytes();
   j["device_desc"] = r.device_desc;
   j["loadavg_before"] = r.load_before;

@@ -1,0 +1,117 @@
+// CUDA helpers shared by the CUDA cases of chunkloss-bench: a status check, seeded device inputs,
+// dtype conversions, a naive row kernel over materialised logits (statistics, and the softmax
+// gradient with a per-row coefficient), relative-norm errors, free memory, CUDA-event timing and
+// row-major cuBLAS GEMM helpers for the floor and the naive/float64 computations.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <chunkloss/core/error.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "device.h"
+
+namespace chunkloss::bench {
+
+#define BENCH_CHECK(stmt)                                                     \
+  do {                                                                        \
+    const auto s_ = (stmt);                                                   \
+    CHUNKLOSS_CHECK(static_cast<int>(s_) == 0, #stmt, " failed with status ", \
+                    static_cast<int>(s_));                                    \
+  } while (0)
+
+/// p[i] = base[i] (0 without base) + scale * a deterministic pseudo-random value of unit variance
+/// (a hashed sum of 4 uniforms, so about N(0, 1)), on stream s.
+void fill_random(float* p, std::size_t n, float scale, unsigned seed, cudaStream_t s,
+                 const float* base = nullptr);
+void fill_random(__nv_bfloat16* p, std::size_t n, float scale, unsigned seed, cudaStream_t s,
+                 const __nv_bfloat16* base = nullptr);
+
+/// dst[i] = double(src[i]) / bf16(src[i]), on stream s.
+void widen(const float* src, double* dst, std::size_t n, cudaStream_t s);
+void widen(const __nv_bfloat16* src, double* dst, std::size_t n, cudaStream_t s);
+void narrow(const float* src, __nv_bfloat16* dst, std::size_t n, cudaStream_t s);
+
+/// Naive rows of materialised logits z [N, V] (one block per row, double accumulation): for
+/// rows with y >= 0, lse = log sum exp(z_t) (or lse_in[t] when given) into lse_out and z_t[y_t]
+/// into zy_out (0 for ignored rows; either output may be null). With `coef`, the row is then
+/// overwritten in place by coef[t] * (softmax(z_t) - onehot(y_t)) (0 for ignored rows).
+void dense_rows(float* z, const int* y, std::int64_t n, std::int64_t v, const double* lse_in,
+                const double* coef, double* lse_out, double* zy_out, cudaStream_t s);
+void dense_rows(double* z, const int* y, std::int64_t n, std::int64_t v, const double* lse_in,
+                const double* coef, double* lse_out, double* zy_out, cudaStream_t s);
+
+/// ||a - b|| / ||b|| over n device values (||a - b|| when b is zero); synchronises the device
+/// first (a and b may come from any stream).
+double rel_err(const float* a, const float* b, std::size_t n);
+double rel_err(const __nv_bfloat16* a, const float* b, std::size_t n);
+double rel_err(const float* a, const double* b, std::size_t n);
+double rel_err(const __nv_bfloat16* a, const double* b, std::size_t n);
+
+/// Free device memory after synchronising the device (cudaMemGetInfo).
+std::size_t free_bytes();
+
+/// Median time in ms of `fn` on stream `s` with CUDA events after one warm-up call; the
+/// samples go to `samples` when given.
+template <typename Fn>
+double time_ms(cudaStream_t s, int repeats, Fn&& fn, std::vector<double>* samples = nullptr) {
+  cudaEvent_t e0, e1;
+  BENCH_CHECK(cudaEventCreate(&e0));
+  BENCH_CHECK(cudaEventCreate(&e1));
+  fn();
+  std::vector<double> t;
+  for (int r = 0; r < repeats; ++r) {
+    BENCH_CHECK(cudaEventRecord(e0, s));
+    fn();
+    BENCH_CHECK(cudaEventRecord(e1, s));
+    BENCH_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    BENCH_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    t.push_back(ms);
+  }
+  BENCH_CHECK(cudaEventDestroy(e0));
+  BENCH_CHECK(cudaEventDestroy(e1));
+  if (samples) *samples = t;
+  return median(t);
+}
+
+/// Row-major cuBLAS GEMMs: Z[N, V] = X W^T; dX[N, H] = G W; dW[V, H] = G^T X (see
+/// lib/gpu/src/gemm.cpp); `in` is the dtype of X and W for the logits GEMM.
+struct Gemms {
+  cublasHandle_t h;
+  cudaDataType_t in, out;
+  void logits(const void* x, const void* w, void* z, int n, int hd, int v, cudaDataType_t zt,
+              cublasComputeType_t ct) {
+    call(CUBLAS_OP_T, CUBLAS_OP_N, v, n, hd, w, in, x, in, z, zt, v, ct);
+  }
+  void dx(const void* g, const void* w, void* dxp, int n, int hd, int v, cudaDataType_t gt,
+          cudaDataType_t wt, cudaDataType_t ot, cublasComputeType_t ct) {
+    call(CUBLAS_OP_N, CUBLAS_OP_N, hd, n, v, w, wt, g, gt, dxp, ot, hd, ct);
+  }
+  void dw(const void* g, const void* x, void* dwp, int n, int hd, int v, cudaDataType_t gt,
+          cudaDataType_t xt, cudaDataType_t ot, cublasComputeType_t ct) {
+    call(CUBLAS_OP_N, CUBLAS_OP_T, hd, v, n, x, xt, g, gt, dwp, ot, hd, ct);
+  }
+
+ private:
+  // Column-major C[m, n] = op(A) op(B) with leading dimensions m-or-k as the shapes require;
+  // alpha = 1 and beta = 0 in the compute type.
+  void call(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void* a,
+            cudaDataType_t at, const void* b, cudaDataType_t bt, void* c, cudaDataType_t ctype,
+            int ldc, cublasComputeType_t ct) {
+    const double one = 1, zero = 0;
+    const float onef = 1, zerof = 0;
+    const bool f64 = ct == CUBLAS_COMPUTE_64F;
+    const int lda = ta == CUBLAS_OP_T ? k : m, ldb = tb == CUBLAS_OP_T ? n : k;
+    BENCH_CHECK(cublasGemmEx(h, ta, tb, m, n, k, f64 ? static_cast<const void*>(&one) : &onef, a,
+                             at, lda, b, bt, ldb, f64 ? static_cast<const void*>(&zero) : &zerof, c,
+                             ctype, ldc, ct, CUBLAS_GEMM_DEFAULT));
+  }
+};
+
+}  // namespace chunkloss::bench

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The preference-loss cases of issue 4 on one GPU (bf16, H=4096, V=128256, the first 1/4 of each
+# sequence's targets ignored as prompt), each as its own chunkloss-bench call writing OUT/NAME.json,
+# OUT/NAME.txt (details and table) and OUT/NAME.err; OUT/summary.md gathers the tables. A failing
+# case is reported and the rest still run. About 2-3 minutes of GPU time at REPEATS=5.
+#
+#   apps/bench/run_preference_gpu.sh OUT_DIR [path/to/chunkloss-bench]
+#   (env: REPEATS, default 5)
+set -u
+out=${1:?usage: $0 OUT_DIR [path/to/chunkloss-bench]}
+bench=${2:-./build-gpu/apps/bench/chunkloss-bench}
+repeats=${REPEATS:-5}
+mkdir -p "$out"
+[ -x "$bench" ] || { echo "$0: no executable bench at $bench" >&2; exit 1; }
+
+shape=(--device cuda --hidden 4096 --vocab 128256 --prompt-frac 0.25 --repeats "$repeats")
+bf16=("${shape[@]}" --dtype bf16)
+failed=0
+
+run() {
+  local name=$1
+  shift
+  echo "== $name: $bench $*"
+  if "$bench" "$@" --json "$out/$name.json" >"$out/$name.txt" 2>"$out/$name.err"; then
+    grep -E '^\| [a-z]+ \| cuda' "$out/$name.txt"
+  else
+    echo "FAILED (exit $?): $name; last lines of $out/$name.err:"
+    tail -n 5 "$out/$name.err"
+    failed=$((failed + 1))
+  fi
+}
+
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+  git rev-parse HEAD 2>/dev/null
+  git status --short 2>/dev/null | head -n 40
+} >"$out/machine.txt" 2>&1
+
+# A small smoke case first: fails fast if the binary or the device is unusable.
+run smoke --loss dpo --pairs 1 --seq-len 256 --device cuda --hidden 1024 --vocab 32768 \
+  --dtype bf16 --budget-mib 256 --repeats 1 --exact
+
+# The issue's table. 1.5 GiB = 1536 MiB, 3.9 GiB = 3993.6 MiB.
+run dpo-2x1024-1.5g --loss dpo --pairs 2 --seq-len 1024 --budget-mib 1536 "${bf16[@]}"
+run dpo-4x2048-3.9g --loss dpo --pairs 4 --seq-len 2048 --budget-mib 3993.6 "${bf16[@]}"
+run dpo-2x1024-1g --loss dpo --pairs 2 --seq-len 1024 --budget-mib 1024 "${bf16[@]}"
+run dpo-4x2048-1g --loss dpo --pairs 4 --seq-len 2048 --budget-mib 1024 "${bf16[@]}"
+run dpo-1x16384-1g --loss dpo --pairs 1 --seq-len 16384 --budget-mib 1024 "${bf16[@]}"
+run orpo-4x2048-3.9g --loss orpo --pairs 4 --seq-len 2048 --budget-mib 3993.6 "${bf16[@]}"
+run simpo-4x2048-3.9g --loss simpo --pairs 4 --seq-len 2048 --budget-mib 3993.6 "${bf16[@]}"
+run kto-4x2048-3.9g --loss kto --pairs 4 --seq-len 2048 --budget-mib 3993.6 "${bf16[@]}"
+run cpo-4x2048-3.9g --loss cpo --pairs 4 --seq-len 2048 --budget-mib 3993.6 "${bf16[@]}"
+
+# Why the regime: both regimes forced on the table's first two shapes (no naive run).
+run dpo-2x1024-1.5g-regimes --loss dpo --pairs 2 --seq-len 1024 --budget-mib 1536 \
+  --regime resident,recompute --no-naive "${bf16[@]}"
+run dpo-4x2048-3.9g-regimes --loss dpo --pairs 4 --seq-len 2048 --budget-mib 3993.6 \
+  --regime resident,recompute --no-naive "${bf16[@]}"
+# The 1 GiB rows with the opt-in bf16 logits chunk (one 4x2048 pair's bf16 logits fit 1 GiB, so
+# that case can stay resident; the naive check shows the error it costs).
+run dpo-4x2048-1g-bf16logits --loss dpo --pairs 4 --seq-len 2048 --budget-mib 1024 \
+  --logits-dtype bf16 "${bf16[@]}"
+run dpo-1x16384-1g-bf16logits --loss dpo --pairs 1 --seq-len 16384 --budget-mib 1024 \
+  --logits-dtype bf16 "${bf16[@]}"
+# DPO with precomputed reference log-probs (3-GEMM floor).
+run dpo-logps-4x2048-3.9g --loss dpo --reference logps --pairs 4 --seq-len 2048 \
+  --budget-mib 3993.6 --no-naive "${bf16[@]}"
+
+# Exactness against float64 on the same input values (targets: bf16 <= 2.0e-3, fp32 <= 1e-5),
+# in both regimes.
+run exact-dpo-bf16-2x1024 --loss dpo --pairs 2 --seq-len 1024 --budget-mib 1536 \
+  --regime resident,recompute --exact "${bf16[@]}"
+run exact-dpo-f32-2x1024 --loss dpo --pairs 2 --seq-len 1024 --budget-mib 1536 \
+  --regime resident,recompute --exact "${shape[@]}" --dtype f32
+run exact-kto-bf16-2x1024 --loss kto --pairs 2 --seq-len 1024 --budget-mib 1536 --exact \
+  "${bf16[@]}"
+run exact-orpo-bf16-2x1024 --loss orpo --pairs 2 --seq-len 1024 --budget-mib 1536 --exact \
+  "${bf16[@]}"
+
+{
+  echo "# chunkloss-bench preference cases, $(head -n 1 "$out/machine.txt")"
+  echo
+  first=1
+  for f in "$out"/*.txt; do
+    [ "$f" = "$out/machine.txt" ] && continue
+    if [ $first = 1 ]; then
+      grep -m 2 -E '^\| loss|^\|---' "$f"
+      first=0
+    fi
+    grep -E '^\| [a-z]+ \| cuda' "$f"
+  done
+  echo
+  echo "plans and float64 errors:"
+  grep -h -E '^case:|^  plan:|^  error vs' "$out"/*.txt
+} >"$out/summary.md" 2>/dev/null
+echo "wrote $out (summary.md); $failed case(s) failed"
+[ "$failed" = 0 ]
