@@ -277,6 +277,13 @@ TEST_CASE("checkpoint errors: offsets, dtypes and shapes inside the header") {
   REQUIRE(ok.tensors().size() == 2);
   CHECK(ok.tensors()[0].name == "a");
   CHECK(ok.metadata().at("k") == "v");
+  // An empty F32 tensor parses and copies out (found by fuzz_safetensors: no memcpy from null).
+  const SafetensorsFile empty = SafetensorsFile::parse(
+      raw_file(R"({"z":{"dtype":"F32","shape":[0,4],"data_offsets":[0,0]}})", 0), "empty");
+  REQUIRE(empty.tensors().size() == 1);
+  std::vector<float> none;
+  empty.copy_f32(empty.tensors()[0], none);
+  CHECK(empty.tensors()[0].shape == std::vector<std::int64_t>{0, 4});
 }
 
 TEST_CASE("checkpoint errors: missing, unexpected, wrong-shape and wrong-dtype tensors") {

@@ -197,7 +197,7 @@ void SafetensorsFile::copy_f32(const SafetensorsEntry& e, std::span<float> out) 
                   ", expected F32");
   CHUNKLOSS_CHECK((e.end - e.begin) == out.size() * sizeof(float), source_, ": tensor \"", e.name,
                   "\" holds ", (e.end - e.begin) / 4, " values, expected ", out.size());
-  std::memcpy(out.data(), data(e).data(), out.size() * sizeof(float));
+  if (!out.empty()) std::memcpy(out.data(), data(e).data(), out.size() * sizeof(float));
 }
 
 std::string serialize_safetensors(std::span<const NamedTensor> tensors,
