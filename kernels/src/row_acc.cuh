@@ -77,6 +77,7 @@ __device__ inline RowOut apply_row_rule(const TokenParams& p, std::int64_t t, st
   p.row.lse[t] = lse;
   p.row.entropy[t] = p.entropy ? lse - r.sez / r.s : 0.0f;
   p.row.argmax[t] = r.arg;
+  p.row.zsum[t] = p.logit_sums ? r.sz : 0.0f;
   float a = 0, b = 0, g = 0, loss = 0, zl = 0;
   if (is_valid(p, y)) {
     const float cw_y = p.class_weights ? p.class_weights[y] : 1.0f;

@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kStatsThreads)
   const bool vec = aligned16(logits) && (ld % V) == 0;
   const std::int64_t y = valid_target(p, t);
   const float cap = p.softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
-  const bool want_sum = p.rule.eps != 0.0f;
+  const bool want_sum = p.rule.eps != 0.0f || p.logit_sums;
 
   RowAcc acc = RowAcc::empty();
   for (std::int64_t j = static_cast<std::int64_t>(threadIdx.x) * V; j < n; j += kStatsThreads * V) {
@@ -92,6 +92,11 @@ __global__ void __launch_bounds__(kStatsThreads)
       }
 #pragma unroll
       for (int k = 0; k < V; ++k) acc.s += __expf(z[k] - acc.m);
+      if (p.logit_sums) {
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          if (j + k < n) acc.sz += z[k];
+      }
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         if (j + k == y) acc.zy = z[k];

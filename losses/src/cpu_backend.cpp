@@ -47,7 +47,7 @@ class CpuTokenBackend final : public TokenBackend {
   CpuTokenBackend(const CpuContext& ctx, const TokenCall& call, const Plan& plan,
                   const Workspace& ws)
       : c_(call), plan_(plan), threads_(ctx.threads()), h_(call.hidden), v_(call.vocab) {
-    tile_ = ws.at<float>(plan.logits);
+    tile_ = tile_base_ = ws.at<float>(plan.logits);
     rows_ = RowArrays::carve(ws.at<float>(plan.row_stats), call.rows);
     if (plan.dw_accum.bytes) dw_acc_ = ws.at<float>(plan.dw_accum);
     if (plan.dh_accum.bytes) dh_acc_ = ws.at<float>(plan.dh_accum);
@@ -119,6 +119,7 @@ class CpuTokenBackend final : public TokenBackend {
       const float lse = m + std::log(s);
       rows_.lse[t] = lse;
       rows_.entropy[t] = c_.entropy ? lse - ((z - m).exp() * z).sum() / s : 0.0f;
+      rows_.zsum[t] = c_.logit_sums ? z.sum() : 0.0f;
       const std::int64_t y = target(t);
       float a = 0, b = 0, g = 0, loss = 0, zl = 0;
       if (y != c_.ignore_index) {
@@ -225,6 +226,19 @@ class CpuTokenBackend final : public TokenBackend {
     }
   }
 
+  void select_tile(std::int64_t row_offset) override { tile_ = tile_base_ + row_offset * v_; }
+
+  void fetch_rows(std::int64_t r0, std::int64_t r1, float* loss, float* logit_sum) override {
+    std::copy(rows_.loss + r0, rows_.loss + r1, loss);
+    std::copy(rows_.zsum + r0, rows_.zsum + r1, logit_sum);
+  }
+
+  void set_coefficients(std::int64_t r0, std::int64_t r1, const float* c) override {
+    std::copy(c, c + (r1 - r0), rows_.a + r0);
+    std::copy(c, c + (r1 - r0), rows_.b + r0);
+    std::fill(rows_.g + r0, rows_.g + r1, 0.0f);
+  }
+
   TokenTotals finish() override {
     if (dw_acc_) store_f32(c_.grad_w, 0, v_ * h_, dw_acc_, c_.accumulate);
     if (dh_acc_) store_f32(c_.grad_x, 0, c_.rows * h_, dh_acc_, c_.accumulate);
@@ -296,7 +310,7 @@ class CpuTokenBackend final : public TokenBackend {
   const Plan& plan_;
   int threads_;
   std::int64_t h_, v_;
-  float* tile_ = nullptr;
+  float *tile_ = nullptr, *tile_base_ = nullptr;
   RowArrays rows_;
   float *dw_acc_ = nullptr, *dh_acc_ = nullptr, *db_acc_ = nullptr;
   float *w_tile_ = nullptr, *x32_ = nullptr, *dw_tile_ = nullptr, *dh32_ = nullptr;

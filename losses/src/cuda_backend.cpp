@@ -22,7 +22,7 @@ class CudaTokenBackend final : public TokenBackend {
   CudaTokenBackend(const gpu::Context& ctx, const TokenCall& call, const Plan& plan,
                    const Workspace& ws, bool check_finite)
       : ctx_(ctx), c_(call), plan_(plan), stream_(ctx.stream()), check_finite_(check_finite) {
-    tile_ = ws.at<void>(plan.logits);
+    tile_ = tile_base_ = ws.at<unsigned char>(plan.logits);
     if (plan.dw_accum.bytes) dw_acc_ = ws.at<float>(plan.dw_accum);
     if (plan.dh_accum.bytes) dh_acc_ = ws.at<float>(plan.dh_accum);
     if (plan.db_accum.bytes) db_acc_ = ws.at<float>(plan.db_accum);
@@ -46,7 +46,8 @@ class CudaTokenBackend final : public TokenBackend {
     p_.scale = call.scale == RowScale::kMean  ? kern::Scale::kMean
                : call.scale == RowScale::kSum ? kern::Scale::kSum
                                               : kern::Scale::kUpstream;
-    p_.row = {r.lse, r.a, r.b, r.g, r.loss, r.zloss, r.entropy, r.argmax};
+    p_.row = {r.lse, r.a, r.b, r.g, r.loss, r.zloss, r.entropy, r.zsum, r.argmax};
+    p_.logit_sums = call.logit_sums;
     p_.scalars = scalars_;
     ctx.activate();
   }
@@ -110,6 +111,28 @@ class CudaTokenBackend final : public TokenBackend {
     auto* dst =
         static_cast<unsigned char*>(c_.grad_w.data()) + v0 * h * dtype_size(c_.grad_w.dtype());
     grad_gemm(g, true, x_rows(r0, r1), dst, c_.grad_w.dtype(), first && !c_.accumulate);
+  }
+
+  void select_tile(std::int64_t row_offset) override {
+    tile_ = tile_base_ + row_offset * c_.vocab * dtype_size(plan_.logits_dtype);
+  }
+
+  void fetch_rows(std::int64_t r0, std::int64_t r1, float* loss, float* logit_sum) override {
+    const auto s = static_cast<cudaStream_t>(stream_);
+    const std::size_t bytes = static_cast<std::size_t>(r1 - r0) * sizeof(float);
+    CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(loss, p_.row.loss + r0, bytes, cudaMemcpyDeviceToHost, s));
+    CHUNKLOSS_GPU_CHECK(
+        cudaMemcpyAsync(logit_sum, p_.row.zsum + r0, bytes, cudaMemcpyDeviceToHost, s));
+    CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(s));
+  }
+
+  // Pageable host memory: each copy returns once `c` is staged, so `c` may be reused at once.
+  // The stats epilogue left g = 0 (no smoothing under the plain rule).
+  void set_coefficients(std::int64_t r0, std::int64_t r1, const float* c) override {
+    const auto s = static_cast<cudaStream_t>(stream_);
+    const std::size_t bytes = static_cast<std::size_t>(r1 - r0) * sizeof(float);
+    CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(p_.row.a + r0, c, bytes, cudaMemcpyHostToDevice, s));
+    CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(p_.row.b + r0, c, bytes, cudaMemcpyHostToDevice, s));
   }
 
   TokenTotals finish() override {
@@ -183,13 +206,23 @@ class CudaTokenBackend final : public TokenBackend {
   const Plan& plan_;
   void* stream_;
   bool check_finite_;
-  void* tile_ = nullptr;
+  unsigned char *tile_ = nullptr, *tile_base_ = nullptr;
   float *dw_acc_ = nullptr, *dh_acc_ = nullptr, *db_acc_ = nullptr;
   double* scalars_ = nullptr;
   kern::TokenParams p_;
 };
 
 }  // namespace
+
+void cuda_read_to_host(Context& ctx, const TensorView& t, void* dst) {
+  CHUNKLOSS_CHECK(ctx.device() == Device::kCuda, "read_to_host: ", t.str(),
+                  " is device memory but the context is on the CPU");
+  const auto& g = static_cast<const gpu::Context&>(ctx);
+  g.activate();
+  const auto s = static_cast<cudaStream_t>(g.stream());
+  CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(dst, t.data(), t.nbytes(), cudaMemcpyDeviceToHost, s));
+  CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(s));
+}
 
 std::unique_ptr<TokenBackend> make_cuda_token_backend(Context& ctx, const TokenCall& call,
                                                       const Plan& plan, const Workspace& ws) {

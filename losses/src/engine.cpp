@@ -3,6 +3,7 @@
 #include "engine.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "chunkloss/core/error.h"
 
@@ -15,6 +16,19 @@ std::unique_ptr<TokenBackend> make_token_backend(Context& ctx, const TokenCall& 
   return make_cuda_token_backend(ctx, call, plan, ws);
 #else
   CHUNKLOSS_FAIL("context: this build of chunkloss has no CUDA support (CHUNKLOSS_WITH_CUDA=OFF)");
+#endif
+}
+
+void read_to_host(Context& ctx, const TensorView& t, void* dst) {
+  if (t.device() == Device::kCpu) {
+    std::memcpy(dst, t.data(), t.nbytes());
+    return;
+  }
+#if CHUNKLOSS_HAVE_CUDA
+  cuda_read_to_host(ctx, t, dst);
+#else
+  (void)ctx;
+  CHUNKLOSS_FAIL("read_to_host: ", t.str(), " is device memory and this build has no CUDA support");
 #endif
 }
 

@@ -28,6 +28,7 @@ struct TokenCall {
   kern::RowRule rule;
   float softcap = 0.0f;  ///< 0: none
   bool entropy = false;
+  bool logit_sums = false;  ///< store each row's sum of logits (sequence objectives' metrics)
   RowScale scale = RowScale::kMean;
   bool check_finite = false;  ///< device backends check hidden/weight/bias on the device
 
@@ -61,6 +62,15 @@ class TokenBackend {
   /// dw[v0:v1] (+)= tile^T x[r0:r1]; db[v0:v1] (+)= colsum(tile).
   virtual void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
                       bool first) = 0;
+  /// Points the logits tile `row_offset` rows (of V columns) into the logits slice, so a
+  /// resident group keeps several chunks' logits between the passes.
+  virtual void select_tile(std::int64_t row_offset) = 0;
+  /// Copies rows [r0, r1) of the row loss (-log p(y_t) under the plain rule, 0 for ignored
+  /// rows) and of the logit sums to host memory; waits for them.
+  virtual void fetch_rows(std::int64_t r0, std::int64_t r1, float* loss, float* logit_sum) = 0;
+  /// Sets the gradient coefficients of rows [r0, r1) from host values: dL/dz_t = c_t (p_t -
+  /// onehot_t) under the plain rule.
+  virtual void set_coefficients(std::int64_t r0, std::int64_t r1, const float* c) = 0;
   /// Flushes accumulators into the caller's buffers and reduces the scalar totals (into
   /// out_scalars when given; to the host unless copy_results is false).
   virtual TokenTotals finish() = 0;
@@ -74,6 +84,13 @@ std::unique_ptr<TokenBackend> make_cpu_token_backend(Context& ctx, const TokenCa
 #if CHUNKLOSS_HAVE_CUDA
 std::unique_ptr<TokenBackend> make_cuda_token_backend(Context& ctx, const TokenCall& call,
                                                       const Plan& plan, const Workspace& ws);
+#endif
+
+/// Copies a view's elements to host memory `dst` (nbytes()); device views are read on the
+/// context's stream, which is synchronised.
+void read_to_host(Context& ctx, const TensorView& t, void* dst);
+#if CHUNKLOSS_HAVE_CUDA
+void cuda_read_to_host(Context& ctx, const TensorView& t, void* dst);
 #endif
 
 /// Runs the plan's loop order over the call.

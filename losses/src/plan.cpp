@@ -22,10 +22,24 @@ std::string_view loop_order_name(LoopOrder o) {
   return "?";
 }
 
+std::string_view regime_name(Regime r) {
+  switch (r) {
+    case Regime::kAuto:
+      return "auto";
+    case Regime::kResident:
+      return "resident";
+    case Regime::kRecompute:
+      return "recompute";
+    case Regime::kNone:
+      return "none";
+  }
+  return "?";
+}
+
 namespace {
 
 constexpr std::int64_t kRowGranule = 64;
-constexpr std::size_t kRowStatsFloats = 8;  // see RowStatsArrays in the backends
+constexpr std::size_t kRowStatsFloats = 9;  // see losses/src/row_arrays.h
 constexpr std::int64_t kCpuWeightTile = 256;
 constexpr std::size_t kDeviceScalarBytes = 16 * sizeof(double);  // >= kern::kNumScalars + 3 floats
 
@@ -87,6 +101,56 @@ double gemm_time(const DeviceModel& m, double flops, double rows) {
   return flops / (m.peak_flops * rows / (rows + m.m_half));
 }
 
+std::size_t db_accum_bytes(const PlanRequest& q) {
+  return q.grad_bias ? static_cast<std::size_t>(q.vocab) * 4 : 0;
+}
+
+// Workspace parts that do not depend on the chunking; alignment padding of up to 6 slices.
+std::size_t fixed_bytes(const PlanRequest& q) {
+  return row_stats_bytes(q) + db_accum_bytes(q) + cpu_staging_fixed(q) + 6 * kWorkspaceAlignment;
+}
+
+std::size_t budget_of(const PlanRequest& q) {
+  return q.budget_bytes ? q.budget_bytes : default_budget(q.device);
+}
+
+double nhv_flops(const PlanRequest& q) {
+  return 2.0 * static_cast<double>(q.rows) * static_cast<double>(q.hidden) *
+         static_cast<double>(q.vocab);
+}
+
+double gemm_count(const PlanRequest& q) {
+  return 1.0 + (q.grad_hidden ? 1.0 : 0.0) + (q.grad_weight ? 1.0 : 0.0);
+}
+
+// One pass of the epilogue over all [N, V] logits (read or write).
+double epilogue_pass_time(const PlanRequest& q, const DeviceModel& m) {
+  return static_cast<double>(q.rows) * static_cast<double>(q.vocab) *
+         static_cast<double>(dtype_size(q.logits_dtype)) / m.bandwidth;
+}
+
+double dw_bytes(const PlanRequest& q) {
+  return static_cast<double>(q.vocab) * static_cast<double>(q.hidden) *
+         static_cast<double>(q.fp32_weight_grad_accumulator ? 4 : dtype_size(q.grad_weight_dtype));
+}
+
+// Slices of the plan's workspace once the order and chunking are known: a logits buffer of
+// `logits_bytes`, the row statistics, the accumulators and the backend's staging for
+// `staging_rows` rows of the GEMMs' row range.
+void lay_out(Plan& p, const PlanRequest& q, std::size_t logits_bytes, std::size_t dh_acc,
+             std::int64_t staging_rows) {
+  const bool vocab_order = p.order == LoopOrder::kVocabBlock;
+  p.logits = p.layout.add(logits_bytes);
+  p.row_stats = p.layout.add(row_stats_bytes(q));
+  if (dw_accum_bytes(q)) p.dw_accum = p.layout.add(dw_accum_bytes(q));
+  if (vocab_order && dh_acc) p.dh_accum = p.layout.add(dh_acc);
+  if (db_accum_bytes(q)) p.db_accum = p.layout.add(db_accum_bytes(q));
+  const std::size_t staging = cpu_staging_fixed(q) + static_cast<std::size_t>(staging_rows) *
+                                                         cpu_staging_per_row(q, vocab_order);
+  if (staging) p.staging = p.layout.add(staging);
+  if (q.device == Device::kCuda) p.scalars = p.layout.add(kDeviceScalarBytes);
+}
+
 }  // namespace
 
 Plan plan_token_objective(const PlanRequest& q) {
@@ -95,7 +159,7 @@ Plan plan_token_objective(const PlanRequest& q) {
                   " V=", q.vocab);
   CHUNKLOSS_CHECK(q.device == Device::kCuda || q.logits_dtype == DType::kF32,
                   "plan: logits_dtype bf16 is only supported on CUDA");
-  const std::size_t budget = q.budget_bytes ? q.budget_bytes : default_budget(q.device);
+  const std::size_t budget = budget_of(q);
   const DeviceModel dm = device_model(q.device);
   const std::int64_t n = q.rows, h = q.hidden, v = q.vocab;
   const std::size_t lb = dtype_size(q.logits_dtype);
@@ -105,11 +169,8 @@ Plan plan_token_objective(const PlanRequest& q) {
   p.logits_dtype = q.logits_dtype;
 
   // Chunk rows: the largest multiple of 64 (or all rows) whose chunk buffers fit the budget.
-  // Alignment padding of up to 6 slices is counted in the fixed part.
-  const std::size_t db_bytes = q.grad_bias ? static_cast<std::size_t>(v) * 4 : 0;
   // The optional fp32 dW accumulator (V*H*4) is on top of the budget, as the option documents.
-  const std::size_t fixed =
-      row_stats_bytes(q) + db_bytes + cpu_staging_fixed(q) + 6 * kWorkspaceAlignment;
+  const std::size_t fixed = fixed_bytes(q);
   const std::size_t per_row = static_cast<std::size_t>(v) * lb + cpu_staging_per_row(q, false);
   std::int64_t c = 0;
   if (budget > fixed) c = static_cast<std::int64_t>((budget - fixed) / per_row);
@@ -127,16 +188,13 @@ Plan plan_token_objective(const PlanRequest& q) {
 
   // Cost of token-chunk order: GEMMs at the chunk's efficiency, plus dW re-read and re-written
   // once per chunk after the first, plus the epilogue's passes over the chunk.
-  const double nhv = 2.0 * static_cast<double>(n) * static_cast<double>(h) * static_cast<double>(v);
-  const double gemms = 1.0 + (q.grad_hidden ? 1.0 : 0.0) + (q.grad_weight ? 1.0 : 0.0);
-  const double dw_bytes =
-      static_cast<double>(v) * static_cast<double>(h) *
-      static_cast<double>(q.fp32_weight_grad_accumulator ? 4 : dtype_size(q.grad_weight_dtype));
-  const double epilogue = 3.0 * static_cast<double>(n) * static_cast<double>(v) *
-                          static_cast<double>(lb) / dm.bandwidth;
+  const double nhv = nhv_flops(q);
+  const double gemms = gemm_count(q);
+  const double epilogue = 3.0 * epilogue_pass_time(q, dm);
   p.predicted_token_cost_s =
       gemm_time(dm, gemms * nhv, static_cast<double>(c)) + epilogue +
-      (q.grad_weight ? 2.0 * dw_bytes * static_cast<double>(p.num_chunks - 1) / dm.bandwidth : 0.0);
+      (q.grad_weight ? 2.0 * dw_bytes(q) * static_cast<double>(p.num_chunks - 1) / dm.bandwidth
+                     : 0.0);
 
   // Vocab-block order: pass 2 holds [N, Vb] logits for all rows (plus an fp32 dH accumulator
   // when dH is not fp32, and on the CPU fp32 copies of bf16 X for all rows).
@@ -205,16 +263,119 @@ Plan plan_token_objective(const PlanRequest& q) {
   }
   std::size_t logits_bytes = static_cast<std::size_t>(c) * v * lb;
   if (vocab_order) logits_bytes = std::max(logits_bytes, static_cast<std::size_t>(n * vb) * lb);
-  p.logits = p.layout.add(logits_bytes);
-  p.row_stats = p.layout.add(row_stats_bytes(q));
-  if (dw_accum_bytes(q)) p.dw_accum = p.layout.add(dw_accum_bytes(q));
-  if (vocab_order && dh_acc) p.dh_accum = p.layout.add(dh_acc);
-  if (db_bytes) p.db_accum = p.layout.add(db_bytes);
-  const std::size_t staging = cpu_staging_fixed(q) + static_cast<std::size_t>(vocab_order ? n : c) *
-                                                         cpu_staging_per_row(q, vocab_order);
-  if (staging) p.staging = p.layout.add(staging);
-  if (q.device == Device::kCuda) p.scalars = p.layout.add(kDeviceScalarBytes);
+  lay_out(p, q, logits_bytes, dh_acc, vocab_order ? n : c);
   p.reason = why.str();
+  return p;
+}
+
+Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
+  CHUNKLOSS_CHECK(L.sequences > 0 && L.seq_len > 0 && L.sequences * L.seq_len == q.rows &&
+                      (L.unit_sequences == 1 || L.unit_sequences == 2) &&
+                      L.sequences % L.unit_sequences == 0,
+                  "plan: sequence layout S=", L.sequences, " T=", L.seq_len,
+                  " sequences per unit=", L.unit_sequences, " does not match N=", q.rows);
+  CHUNKLOSS_CHECK(L.regime != Regime::kNone, "plan: regime none is for token objectives");
+  const bool any_grad = q.grad_hidden || q.grad_weight || q.grad_bias;
+  const DeviceModel dm = device_model(q.device);
+  const std::size_t budget = budget_of(q);
+  const std::size_t lb = dtype_size(q.logits_dtype);
+  const std::int64_t t = L.seq_len, v = q.vocab, units = L.sequences / L.unit_sequences;
+
+  // Recompute: the token objective's chunking; pass 1 adds a logits GEMM and a stats pass in
+  // token-chunk order (vocab-block order has its own pass 1 already).
+  Plan rec = plan_token_objective(q);
+  rec.regime = Regime::kRecompute;
+  if (!any_grad) {
+    rec.reason = "forward only: pass 1 in token chunks";
+    return rec;
+  }
+  const double nhv = nhv_flops(q);
+  const double pass1 =
+      gemm_time(dm, nhv, static_cast<double>(rec.chunk_rows)) + epilogue_pass_time(q, dm);
+  const double rec_token = rec.predicted_token_cost_s + pass1;
+  const double rec_vocab = rec.predicted_vocab_cost_s;  // 0: not feasible
+  if (q.order == LoopOrder::kAuto && rec_vocab > 0) {
+    PlanRequest forced = q;
+    forced.order = rec_vocab < rec_token ? LoopOrder::kVocabBlock : LoopOrder::kTokenChunk;
+    rec = plan_token_objective(forced);
+    rec.regime = Regime::kRecompute;
+    std::ostringstream os;
+    os << "pass 2 in " << loop_order_name(forced.order) << ": token_chunk " << rec_token * 1e3
+       << " ms (pass 1 included), vocab_block " << rec_vocab * 1e3 << " ms";
+    rec.reason = os.str();
+  }
+  const double rec_cost = rec.order == LoopOrder::kVocabBlock ? rec_vocab : rec_token;
+
+  // Resident: the most whole units whose group's logits (and staging for one unit-range of
+  // rows) fit the budget.
+  const auto group_bytes = [&](std::int64_t g) {
+    const auto range_rows = static_cast<std::size_t>(g * t);
+    return fixed_bytes(q) + range_rows * L.unit_sequences * v * lb +
+           range_rows * cpu_staging_per_row(q, false);
+  };
+  std::int64_t g = 0;
+  for (std::int64_t lo = 1, hi = units; lo <= hi;) {  // group_bytes grows with g
+    const std::int64_t mid = (lo + hi) / 2;
+    if (group_bytes(mid) <= budget)
+      g = mid, lo = mid + 1;
+    else
+      hi = mid - 1;
+  }
+  double res_cost = 0;
+  std::int64_t groups = 0;
+  if (g > 0) {
+    groups = (units + g - 1) / g;
+    const double chunks = groups == 1 ? 1.0 : static_cast<double>(groups * L.unit_sequences);
+    constexpr double kCudaSyncS = 3e-5;  // two host round trips per group
+    res_cost = gemm_time(dm, gemm_count(q) * nhv, static_cast<double>(g * t)) +
+               3.0 * epilogue_pass_time(q, dm) +
+               (q.grad_weight ? 2.0 * dw_bytes(q) * (chunks - 1) / dm.bandwidth : 0.0) +
+               (q.device == Device::kCuda ? kCudaSyncS * static_cast<double>(groups) : 0.0);
+  }
+
+  std::ostringstream why;
+  bool resident = false;
+  if (L.regime == Regime::kResident) {
+    CHUNKLOSS_CHECK(g > 0, "plan: regime resident needs one unit's logits (", L.unit_sequences * t,
+                    " rows x V=", v, ") within the budget of ", budget, " bytes");
+    resident = true;
+    why << "resident requested";
+  } else if (L.regime == Regime::kRecompute) {
+    why << "recompute requested";
+  } else if (g > 0 && res_cost <= rec_cost) {
+    resident = true;
+    why << "cost model: resident " << res_cost * 1e3 << " ms <= recompute " << rec_cost * 1e3
+        << " ms";
+  } else {
+    why << "cost model: recompute " << rec_cost * 1e3 << " ms";
+    if (g > 0)
+      why << " < resident " << res_cost * 1e3 << " ms";
+    else
+      why << " (one unit's logits do not fit the budget)";
+  }
+  if (!resident) {
+    rec.reason = why.str() + "; " + rec.reason;
+    return rec;
+  }
+  Plan p;
+  p.regime = Regime::kResident;
+  p.order = LoopOrder::kTokenChunk;
+  p.logits_dtype = q.logits_dtype;
+  p.group_units = g;
+  p.num_groups = groups;
+  // Chunks are a group's unit-ranges; one group of every unit is a single range of all rows,
+  // one chunk when its staging fits too.
+  const bool one_chunk = groups == 1 && group_bytes(g) + static_cast<std::size_t>(q.rows - g * t) *
+                                                             cpu_staging_per_row(q, false) <=
+                                            budget;
+  p.chunk_rows = one_chunk ? q.rows : g * t;
+  p.num_chunks = one_chunk ? 1 : groups * L.unit_sequences;
+  p.vocab_block = v;
+  p.num_vocab_blocks = 1;
+  p.predicted_token_cost_s = res_cost;
+  why << " (" << g << " of " << units << " units per group)";
+  p.reason = why.str();
+  lay_out(p, q, static_cast<std::size_t>(g * t * L.unit_sequences * v) * lb, 0, p.chunk_rows);
   return p;
 }
 
@@ -223,6 +384,8 @@ std::string Plan::str() const {
   os << "order=" << loop_order_name(order) << " C=" << chunk_rows << " chunks=" << num_chunks;
   if (order == LoopOrder::kVocabBlock)
     os << " Vb=" << vocab_block << " blocks=" << num_vocab_blocks;
+  if (regime != Regime::kNone) os << " regime=" << regime_name(regime);
+  if (regime == Regime::kResident) os << " groups=" << num_groups << "x" << group_units;
   os << " logits=" << dtype_name(logits_dtype) << " workspace=" << mib(workspace_bytes()) << " ("
      << reason << ")";
   return os.str();

@@ -40,7 +40,7 @@ enum class Scale : std::uint8_t { kMean, kSum, kUpstream };
 
 /// Per-row arrays in device memory (see losses/src/row_arrays.h): N floats each, argmax ints.
 struct RowPtrs {
-  float *lse, *a, *b, *g, *loss, *zloss, *entropy;
+  float *lse, *a, *b, *g, *loss, *zloss, *entropy, *zsum;
   std::int32_t* argmax;
 };
 
@@ -59,6 +59,7 @@ struct TokenParams {
   RowRule rule;
   float softcap = 0.0f;  ///< 0: none
   bool entropy = false;
+  bool logit_sums = false;  ///< store each row's logit sum in row.zsum
   Scale scale = Scale::kMean;
   RowPtrs row;
   double* scalars = nullptr;  ///< kNumScalars doubles

@@ -23,6 +23,16 @@ enum class LoopOrder : std::uint8_t { kAuto, kTokenChunk, kVocabBlock };
 
 std::string_view loop_order_name(LoopOrder o);
 
+/// How a sequence objective keeps logits between its two passes (DESIGN.md section 2).
+/// - kResident: per group of whole units (pairs or sequences), pass 1 leaves the group's logits
+///   in the workspace and pass 2 turns them into the gradient: 3 GEMMs per token.
+/// - kRecompute: pass 1 keeps row statistics only; pass 2 recomputes each chunk's logits (4
+///   GEMMs per token), so memory does not depend on the sequence length.
+/// - kAuto: the cost model picks; kNone: token objectives.
+enum class Regime : std::uint8_t { kAuto, kResident, kRecompute, kNone };
+
+std::string_view regime_name(Regime r);
+
 /// What the scheduler needs to know about one call.
 struct PlanRequest {
   std::int64_t rows = 0;    ///< N
@@ -41,6 +51,15 @@ struct PlanRequest {
   LoopOrder order = LoopOrder::kAuto;
 };
 
+/// The layout of a sequence objective's rows, for the scheduler.
+struct SequenceLayout {
+  std::int64_t sequences = 0;       ///< S
+  std::int64_t seq_len = 0;         ///< T (rows = S * T)
+  std::int64_t unit_sequences = 1;  ///< 2 for pairs (i, i + S/2), 1 for single sequences
+  bool reference_head = false;      ///< a reference head is run through pass 1 first
+  Regime regime = Regime::kAuto;
+};
+
 /// The scheduler's decision. Slices are offsets into the caller's workspace block.
 struct Plan {
   LoopOrder order = LoopOrder::kTokenChunk;
@@ -53,6 +72,9 @@ struct Plan {
   double predicted_token_cost_s = 0;  ///< cost model, token-chunk order
   double predicted_vocab_cost_s = 0;  ///< cost model, vocab-block order (0: not feasible)
   bool over_budget = false;           ///< the smallest possible chunk did not fit the budget
+  Regime regime = Regime::kNone;      ///< sequence objectives: resident or recompute
+  std::int64_t group_units = 0;       ///< resident: units (pairs or sequences) per group
+  std::int64_t num_groups = 0;        ///< resident: ceil(units / group_units)
 
   WorkspaceLayout layout;    ///< total() == workspace bytes
   WorkspaceSlice logits;     ///< [C, V] (token) or max([C, V], [N, Vb]) (vocab) logits buffer
@@ -70,5 +92,10 @@ struct Plan {
 
 /// Computes the plan for a token objective. Throws chunkloss::Error on invalid requests.
 Plan plan_token_objective(const PlanRequest& req);
+
+/// Computes the plan for a sequence objective (req.rows == S * T): the regime and groups, then
+/// the chunking. Resident chunks are one unit-range of a group (group_units * T rows); recompute
+/// chunks follow plan_token_objective. Throws chunkloss::Error on invalid requests.
+Plan plan_sequence_objective(const PlanRequest& req, const SequenceLayout& layout);
 
 }  // namespace chunkloss

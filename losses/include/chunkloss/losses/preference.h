@@ -1,0 +1,103 @@
+// The preference losses of ../shared/LOSSES.md as sequence objectives on the shared engine:
+// DPO (every loss type), ORPO, SimPO, CPO and KTO. Each is a SequenceLoss built from its options.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include "chunkloss/losses/sequence.h"
+
+namespace chunkloss {
+
+/// DPO's loss types (TRL's names).
+enum class DpoLoss : std::uint8_t {
+  kSigmoid,
+  kHinge,
+  kIpo,
+  kRobust,
+  kExoPair,
+  kNcaPair,
+  kBcoPair,
+  kSppoHard,
+  kApoZero,
+  kApoDown,
+  kDiscoPop,
+};
+
+std::string_view dpo_loss_name(DpoLoss t);
+/// Parses a TRL name ("sigmoid", "exo_pair", ...); throws chunkloss::Error listing the names.
+DpoLoss parse_dpo_loss(std::string_view name);
+
+/// DPO (Rafailov et al. 2023) and its variants. d = beta ((c - c0) - (r - r0)).
+struct DpoOptions {
+  DpoLoss loss_type = DpoLoss::kSigmoid;
+  float beta = 0.1f;             ///< > 0
+  float label_smoothing = 0.0f;  ///< eps: sigmoid [0, 0.5], robust [0, 0.5), exo_pair (0, 1)
+  float discopop_tau = 0.05f;    ///< > 0
+  /// Length-averaged log-probs instead of sums (ipo always averages).
+  bool average_log_prob = false;
+  /// The RPO NLL term: nll_alpha * mean CE over chosen tokens, when nll is on.
+  bool nll = false;
+  float nll_alpha = 1.0f;
+  SequenceOptions engine;
+};
+
+/// ORPO (Hong et al. 2024): NLL(chosen) - beta * mean logsig(log odds ratio), on averages.
+/// Reference-free. Extra metrics: log_odds_ratio (mean logsig), log_odds_chosen (mean log odds).
+struct OrpoOptions {
+  float beta = 0.1f;
+  SequenceOptions engine;
+};
+
+/// SimPO (Meng et al. 2024): z = beta (avg(c) - avg(r)) - gamma, with gamma a margin in reward
+/// units (TRL's CPO-simpo uses gamma / beta inside the bracket; ours is the paper's form:
+/// z = beta * (c - r - gamma / beta)). Defaults are the paper's beta = 2, gamma = 0.5.
+/// Reference-free.
+struct SimpoOptions {
+  float beta = 2.0f;
+  float gamma = 0.5f;  ///< >= 0
+  float label_smoothing = 0.0f;
+  float nll_alpha = 0.0f;  ///< optional NLL term over chosen tokens (0: off)
+  SequenceOptions engine;
+};
+
+/// CPO (Xu et al. 2024): alpha NLL(chosen) + mean(-(1-eps) logsig(z) - eps logsig(-z)),
+/// z = beta (c - r) on sums. Reference-free.
+struct CpoOptions {
+  float beta = 0.1f;
+  float alpha = 1.0f;  ///< >= 0
+  float label_smoothing = 0.0f;
+  SequenceOptions engine;
+};
+
+/// KTO (Ethayarajh et al. 2024), unpaired: needs PreferenceInputs::labels; rho = logp - logp0;
+/// z0 = max(0, KL) from PreferenceInputs::kl, or from kl_batch, else 0.
+struct KtoOptions {
+  float beta = 0.1f;
+  float desirable_weight = 1.0f;
+  float undesirable_weight = 1.0f;
+  SequenceOptions engine;
+};
+
+class Dpo : public SequenceLoss {
+ public:
+  explicit Dpo(const DpoOptions& options = {});
+};
+class Orpo : public SequenceLoss {
+ public:
+  explicit Orpo(const OrpoOptions& options = {});
+};
+class Simpo : public SequenceLoss {
+ public:
+  explicit Simpo(const SimpoOptions& options = {});
+};
+class Cpo : public SequenceLoss {
+ public:
+  explicit Cpo(const CpoOptions& options = {});
+};
+class Kto : public SequenceLoss {
+ public:
+  explicit Kto(const KtoOptions& options = {});
+};
+
+}  // namespace chunkloss
