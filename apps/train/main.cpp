@@ -7,6 +7,7 @@
 #include <chunkloss/apps/progress.h>
 #include <chunkloss/core/error.h>
 #include <chunkloss/data/sampler.h>
+#include <chunkloss/losses/preference.h>
 #include <chunkloss/model/checkpoint.h>
 #include <chunkloss/model/optim.h>
 #include <omp.h>
@@ -200,6 +201,11 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.loss.beta = in_range<double>(vm, "beta", 0, 1e6);
   s.loss.label_smoothing = in_range<double>(vm, "label-smoothing", 0, 1);
   s.loss.dpo_loss_type = vm["dpo-loss-type"].as<std::string>();
+  try {
+    parse_dpo_loss(s.loss.dpo_loss_type);
+  } catch (const Error& e) {
+    throw apps::UsageError(std::string("--dpo-loss-type: ") + e.what());
+  }
   s.loss.rpo_alpha = in_range<double>(vm, "rpo-alpha", 0, 1e6);
   s.loss.gamma = in_range<double>(vm, "gamma", 0, 1e6);
   s.loss.cpo_alpha = in_range<double>(vm, "cpo-alpha", 0, 1e6);
@@ -221,10 +227,12 @@ std::optional<Settings> parse(int argc, char** argv) {
   return s;
 }
 
-std::unique_ptr<Trainer> make_trainer(const Settings& s, const model::LlamaModel* reference) {
-  (void)reference;
+std::unique_ptr<Trainer> make_trainer(const Settings& s,
+                                      std::optional<model::LlamaModel> reference) {
   if (s.loss.loss == "ce") return make_ce_trainer(s.data, s.loss, s.threads);
-  throw apps::UsageError("--loss " + s.loss.loss + " is not built into this chunkloss-train yet");
+  if (s.loss.loss == "kto")
+    return make_kto_trainer(s.data, s.loss, s.threads, std::move(*reference));
+  return make_pair_trainer(s.data, s.loss, s.threads, std::move(reference));
 }
 
 // The chart's curves from every line of the metrics file (the last record of each step wins,
@@ -290,7 +298,7 @@ int run(const Settings& s, const std::string& invocation) {
   }
 
   std::fprintf(stderr, "%s: %s\n", kProg, policy->summary().c_str());
-  std::unique_ptr<Trainer> trainer = make_trainer(s, reference ? &*reference : nullptr);
+  std::unique_ptr<Trainer> trainer = make_trainer(s, std::move(reference));
   const data::BatchSampler sampler(trainer->size(), static_cast<std::size_t>(s.batch_size), s.seed);
   const std::int64_t per_epoch = static_cast<std::int64_t>(sampler.batches_per_epoch());
   std::fprintf(
@@ -388,12 +396,6 @@ int run(const Settings& s, const std::string& invocation) {
   return 0;
 }
 
-std::string one_line(std::string s) {
-  for (char& ch : s)
-    if (ch == '\n' || ch == '\r') ch = ' ';
-  return s;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -401,20 +403,20 @@ int main(int argc, char** argv) {
   try {
     s = parse(argc, argv);
   } catch (const po::error& e) {
-    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, one_line(e.what()).c_str());
+    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, apps::one_line(e.what()).c_str());
     return apps::kExitUsage;
   } catch (const apps::UsageError& e) {
-    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, one_line(e.what()).c_str());
+    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, apps::one_line(e.what()).c_str());
     return apps::kExitUsage;
   }
   if (!s) return 0;
   try {
     return run(*s, apps::shell_join(std::vector<std::string>(argv, argv + argc)));
   } catch (const apps::UsageError& e) {
-    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, one_line(e.what()).c_str());
+    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, apps::one_line(e.what()).c_str());
     return apps::kExitUsage;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: error: %s\n", kProg, one_line(e.what()).c_str());
+    std::fprintf(stderr, "%s: error: %s\n", kProg, apps::one_line(e.what()).c_str());
     return apps::kExitFailure;
   }
 }

@@ -32,4 +32,20 @@ CrossEntropyResult batch_cross_entropy(Context& ctx, model::LlamaModel& model,
   return ce.forward(ctx, in, {}, workspace.get(ce.workspace_bytes(in)));
 }
 
+TensorView sequence_targets(const data::Batch& batch) {
+  return TensorView::of(batch.targets.data(), {batch.rows, batch.length});
+}
+
+SequenceLogProbResult sequence_logps(Context& ctx, model::LlamaModel& model,
+                                     const data::Batch& batch, std::size_t budget_bytes,
+                                     HostWorkspace& workspace) {
+  SequenceOptions o;
+  o.memory_budget_bytes = budget_bytes;
+  const SequenceLogProbs utility(o);
+  const Head head{model.forward(batch.tokens_view()), model.lm_head_weight(), {}};
+  const TensorView targets = sequence_targets(batch);
+  return utility.compute(ctx, head, targets,
+                         workspace.get(utility.workspace_bytes(head, targets)));
+}
+
 }  // namespace chunkloss::apps

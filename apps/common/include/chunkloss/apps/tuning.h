@@ -1,11 +1,13 @@
 // Glue shared by chunkloss-train and chunkloss-eval: a reusable aligned host workspace, the
-// bundled data files, and the model + loss passes both apps run (token cross-entropy of a batch).
+// bundled data files, and the model + loss passes both apps run (token cross-entropy of a batch,
+// per-sequence log-probs).
 #pragma once
 
 #include <chunkloss/core/context.h>
 #include <chunkloss/core/workspace.h>
 #include <chunkloss/data/batch.h>
 #include <chunkloss/losses/cross_entropy.h>
+#include <chunkloss/losses/sequence.h>
 #include <chunkloss/model/model.h>
 
 #include <cstddef>
@@ -32,5 +34,14 @@ std::string bundled_data(const std::string& name);
 CrossEntropyResult batch_cross_entropy(Context& ctx, model::LlamaModel& model,
                                        const data::Batch& batch, std::size_t budget_bytes,
                                        HostWorkspace& workspace);
+
+/// The [S, T] target view of a batch, as the sequence losses take it.
+TensorView sequence_targets(const data::Batch& batch);
+
+/// Per-sequence sums of the token log-probs of `model` on the batch's trained targets (forward
+/// only), from the library's SequenceLogProbs on the final hidden states and the lm_head.
+SequenceLogProbResult sequence_logps(Context& ctx, model::LlamaModel& model,
+                                     const data::Batch& batch, std::size_t budget_bytes,
+                                     HostWorkspace& workspace);
 
 }  // namespace chunkloss::apps
