@@ -121,7 +121,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   po::options_description output("Output");
   output.add_options()
     ("save", po::value<std::string>()->default_value("", "none"), "save the checkpoint (HF layout + optimizer state) into this directory at the end")
-    ("save-every", po::value<std::int64_t>()->default_value(0, "0 = only at the end"), "also save every this many steps")
+    ("save-every", po::value<std::int64_t>()->default_value(0, "0 = only at the end"), "also save every this many steps, into SAVE/checkpoint-STEP")
     ("metrics", po::value<std::string>()->default_value("", "SAVE/metrics.jsonl"), "append one JSON object per step to this file")
     ("chart", po::value<std::string>()->default_value("", "SAVE/training.svg"), "write the SVG chart of loss and accuracy here at the end")
     ("log-every", po::value<std::int64_t>()->default_value(25), "plain progress line every this many steps when stderr is not a terminal");
@@ -323,9 +323,9 @@ int run(const Settings& s, const std::string& invocation) {
                    {"steps", std::to_string(s.steps)},
                    {"command", invocation}};
   if (!init.empty()) state.strings["init"] = init;
-  const auto save = [&](std::int64_t step) {
+  const auto save = [&](std::int64_t step, const std::string& dir) {
     state.global_step = step;
-    model::save_checkpoint(s.save, *policy, opt_ptr, &state);
+    model::save_checkpoint(dir, *policy, opt_ptr, &state);
   };
 
   const auto [acc_key, acc_label] = trainer->accuracy_metric();
@@ -374,12 +374,14 @@ int run(const Settings& s, const std::string& invocation) {
     const auto acc = metric_sum.find(acc_key);
     progress.update({step + 1, last_loss, acc == metric_sum.end() ? NAN : acc->second * inv,
                      acc_label, sum.tokens});
-    if (s.save_every > 0 && (step + 1) % s.save_every == 0 && step + 1 < s.steps) save(step + 1);
+    if (s.save_every > 0 && (step + 1) % s.save_every == 0 && step + 1 < s.steps)
+      save(step + 1,
+           (std::filesystem::path(s.save) / ("checkpoint-" + std::to_string(step + 1))).string());
   }
   progress.finish();
   state.scalars["last_loss"] = std::isfinite(last_loss) ? last_loss : 0.0;
   if (!s.save.empty()) {
-    save(s.steps);
+    save(s.steps, s.save);
     std::fprintf(stderr, "%s: saved %s\n", kProg, s.save.c_str());
   }
   if (metrics.is_open()) {
