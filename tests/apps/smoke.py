@@ -64,9 +64,9 @@ def main():
              "--batch-size", "16"]
     if case == "sft":
         shutil.rmtree(sft, ignore_errors=True)
-        run([train, "--loss", "ce", "--steps", "40", "--warmup-steps", "4", "--lr", "1e-2",
+        run([train, "--loss", "ce", "--steps", "200", "--warmup-steps", "4", "--lr", "1e-2",
              "--save", sft] + small)
-        check_went_down(os.path.join(sft, "metrics.jsonl"), 40)
+        check_went_down(os.path.join(sft, "metrics.jsonl"), 200)
         with open(os.path.join(sft, "training.svg")) as f:
             if "<polyline" not in f.read():
                 fail("training.svg has no curve")
@@ -77,9 +77,11 @@ def main():
     elif case in ("dpo", "orpo", "simpo", "cpo", "kto"):
         out = os.path.join(work, case)
         shutil.rmtree(out, ignore_errors=True)
-        run([train, "--loss", case, "--init", sft, "--steps", "16", "--warmup-steps", "0",
-             "--lr", "3e-3", "--batch-size", "16", "--save", out])
-        check_went_down(os.path.join(out, "metrics.jsonl"), 16)
+        # KTO's per-batch loss starts at 0.5 and moves slowly on this tiny model: more steps.
+        steps, lr = ("80", "1e-3") if case == "kto" else ("16", "3e-3")
+        run([train, "--loss", case, "--init", sft, "--steps", steps, "--warmup-steps", "0",
+             "--lr", lr, "--batch-size", "16", "--save", out])
+        check_went_down(os.path.join(out, "metrics.jsonl"), int(steps))
     elif case == "resume":
         a, b = os.path.join(work, "straight"), os.path.join(work, "resumed")
         for d in (a, b):
