@@ -44,8 +44,7 @@ SequenceLogProbResult sequence_logps(Context& ctx, model::LlamaModel& model,
   const SequenceLogProbs utility(o);
   const Head head{model.forward(batch.tokens_view()), model.lm_head_weight(), {}};
   const TensorView targets = sequence_targets(batch);
-  return utility.compute(ctx, head, targets,
-                         workspace.get(utility.workspace_bytes(head, targets)));
+  return utility.compute(ctx, head, targets, workspace.get(utility.workspace_bytes(head, targets)));
 }
 
 }  // namespace chunkloss::apps
