@@ -4,6 +4,7 @@ set_property(CACHE CHUNKLOSS_WITH_CUDA PROPERTY STRINGS AUTO ON OFF)
 option(CHUNKLOSS_BUILD_TESTS "Build the doctest suites" ON)
 option(CHUNKLOSS_BUILD_APPS "Build the apps (bench, train, eval)" ON)
 option(CHUNKLOSS_SANITIZE "Build with AddressSanitizer + UndefinedBehaviorSanitizer" OFF)
+option(CHUNKLOSS_BUILD_FUZZERS "Build the libFuzzer targets (clang only; instruments every target with ASan + UBSan)" OFF)
 option(CHUNKLOSS_NATIVE "Tune host code for this CPU (-march=native); never for binaries that travel" OFF)
 
 if(NOT CMAKE_BUILD_TYPE AND NOT CMAKE_CONFIGURATION_TYPES)
@@ -24,5 +25,14 @@ endif()
 if(CHUNKLOSS_SANITIZE)
   target_compile_options(chunkloss_build_flags INTERFACE
     $<$<COMPILE_LANGUAGE:CXX>:-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined>)
+  target_link_options(chunkloss_build_flags INTERFACE -fsanitize=address,undefined)
+endif()
+if(CHUNKLOSS_BUILD_FUZZERS)
+  if(NOT CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+    message(FATAL_ERROR "CHUNKLOSS_BUILD_FUZZERS=ON needs clang (libFuzzer): configure with "
+                        "-DCMAKE_CXX_COMPILER=clang++")
+  endif()
+  target_compile_options(chunkloss_build_flags INTERFACE
+    $<$<COMPILE_LANGUAGE:CXX>:-fsanitize=fuzzer-no-link,address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined>)
   target_link_options(chunkloss_build_flags INTERFACE -fsanitize=address,undefined)
 endif()

@@ -12,6 +12,12 @@
 
 namespace chunkloss::apps {
 
+std::string one_line(std::string text) {
+  for (char& ch : text)
+    if (ch == '\n' || ch == '\r') ch = ' ';
+  return text;
+}
+
 std::vector<std::string> split_list(std::string_view option, std::string_view text) {
   std::vector<std::string> out;
   std::size_t start = 0;

@@ -21,6 +21,9 @@ class UsageError : public std::runtime_error {
   explicit UsageError(const std::string& what) : std::runtime_error(what) {}
 };
 
+/// `text` with every line break replaced by a space (error messages print on one line).
+std::string one_line(std::string text);
+
 /// Splits "a,b,c" on commas. Throws UsageError naming `option` on an empty item.
 std::vector<std::string> split_list(std::string_view option, std::string_view text);
 

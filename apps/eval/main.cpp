@@ -1,0 +1,292 @@
+// chunkloss-eval: held-out metrics of one or more checkpoints on the bundled task: token loss and
+// perplexity, preference accuracy (the model's own log-probs, and implicit rewards against a
+// reference), and greedy exact-match accuracy. Prints a table (one row per model); --json FILE
+// writes the same numbers for machines.
+#include <chunkloss/apps/cli.h>
+#include <chunkloss/apps/tuning.h>
+#include <chunkloss/core/error.h>
+#include <chunkloss/data/jsonl.h>
+#include <chunkloss/model/checkpoint.h>
+#include <chunkloss/model/generate.h>
+#include <omp.h>
+
+#include <boost/program_options.hpp>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+namespace po = boost::program_options;
+namespace apps = chunkloss::apps;
+using namespace chunkloss;
+
+namespace {
+
+constexpr const char* kProg = "chunkloss-eval";
+
+struct Settings {
+  std::vector<std::string> models, names;
+  std::string reference, sft_file, pref_file, json;
+  double beta = 0.1;
+  std::int64_t batch_size = 64, max_new_tokens = 8, limit = 0;
+  int threads = 1;
+  std::size_t budget_bytes = 0;
+};
+
+std::optional<Settings> parse(int argc, char** argv) {
+  po::options_description desc(std::string("Usage: ") + kProg +
+                               " --model DIR [--model DIR ...] [options]\nEvaluates checkpoints "
+                               "on held-out data and prints one table row per model.\nOptions");
+  // clang-format off
+  desc.add_options()
+    ("help,h", "print this help and exit")
+    ("config", po::value<std::string>()->default_value("", "none"), "read options from this INI file (key = value, keys are the long option names; the command line wins)")
+    ("model", po::value<std::vector<std::string>>()->default_value({}, "none, required"), "checkpoint directory to evaluate; repeat for several rows")
+    ("name", po::value<std::vector<std::string>>()->default_value({}, "the directory names"), "row label for each --model, in order")
+    ("reference", po::value<std::string>()->default_value("", "none"), "reference checkpoint for the implicit rewards beta * (logp - logp_ref) (e.g. the SFT model)")
+    ("beta", po::value<double>()->default_value(0.1), "beta of the implicit rewards")
+    ("sft-file", po::value<std::string>()->default_value(apps::bundled_data("sft_eval.jsonl")), "held-out {prompt, completion} JSONL: loss, perplexity, exact match")
+    ("pref-file", po::value<std::string>()->default_value(apps::bundled_data("pref_eval.jsonl")), "held-out {prompt, chosen, rejected} JSONL: preference accuracy and margins")
+    ("max-new-tokens", po::value<std::int64_t>()->default_value(8), "greedy decoding length limit (stops at EOS)")
+    ("limit", po::value<std::int64_t>()->default_value(0, "0 = all"), "evaluate only the first this many examples of each file")
+    ("batch-size", po::value<std::int64_t>()->default_value(64), "sequences per forward pass")
+    ("threads", po::value<int>()->default_value(1), "CPU threads (0: all cores)")
+    ("budget-mib", po::value<double>()->default_value(0, "0 = the library's default, 256"), "the losses' workspace budget in MiB")
+    ("json", po::value<std::string>()->default_value("", "none"), "also write the results as a JSON array to this file (atomically)");
+  // clang-format on
+  po::variables_map vm;
+  po::store(po::command_line_parser(argc, argv).options(desc).positional({}).run(), vm);
+  if (vm.count("help")) {
+    std::cout << desc << "\n";
+    return std::nullopt;
+  }
+  if (const std::string cfg = vm["config"].as<std::string>(); !cfg.empty()) {
+    std::ifstream in(cfg);
+    if (!in) throw apps::UsageError("--config: cannot open " + cfg);
+    po::store(po::parse_config_file(in, desc), vm);
+  }
+  po::notify(vm);
+  Settings s;
+  s.models = vm["model"].as<std::vector<std::string>>();
+  if (s.models.empty()) throw apps::UsageError("--model DIR is required");
+  s.names = vm["name"].as<std::vector<std::string>>();
+  if (!s.names.empty() && s.names.size() != s.models.size())
+    throw apps::UsageError("--name: " + std::to_string(s.names.size()) + " names for " +
+                           std::to_string(s.models.size()) + " models");
+  for (std::size_t i = s.names.size(); i < s.models.size(); ++i)
+    s.names.push_back(std::filesystem::path(s.models[i]).filename().string());
+  s.reference = vm["reference"].as<std::string>();
+  s.beta = vm["beta"].as<double>();
+  if (!(s.beta > 0 && s.beta < 1e6)) throw apps::UsageError("--beta: must be in (0, 1e6)");
+  s.sft_file = vm["sft-file"].as<std::string>();
+  s.pref_file = vm["pref-file"].as<std::string>();
+  s.max_new_tokens = vm["max-new-tokens"].as<std::int64_t>();
+  if (s.max_new_tokens < 1 || s.max_new_tokens > 4096)
+    throw apps::UsageError("--max-new-tokens: must be in [1, 4096]");
+  s.limit = vm["limit"].as<std::int64_t>();
+  if (s.limit < 0) throw apps::UsageError("--limit: must be >= 0");
+  s.batch_size = vm["batch-size"].as<std::int64_t>();
+  if (s.batch_size < 1 || s.batch_size > (1 << 20))
+    throw apps::UsageError("--batch-size: must be in [1, 1048576]");
+  s.threads = vm["threads"].as<int>();
+  if (s.threads < 0 || s.threads > 4096) throw apps::UsageError("--threads: must be in [0, 4096]");
+  const double mib = vm["budget-mib"].as<double>();
+  if (!(mib >= 0 && mib <= (1 << 20))) throw apps::UsageError("--budget-mib: must be in [0, 2^20]");
+  s.budget_bytes = static_cast<std::size_t>(mib * 1048576.0);
+  s.json = vm["json"].as<std::string>();
+  return s;
+}
+
+template <typename T>
+std::vector<T> first(std::vector<T> v, std::int64_t limit) {
+  if (limit > 0 && static_cast<std::size_t>(limit) < v.size())
+    v.resize(static_cast<std::size_t>(limit));
+  return v;
+}
+
+// Index ranges [begin, end) of consecutive batches.
+std::vector<std::vector<std::size_t>> batches(std::size_t n, std::int64_t size) {
+  std::vector<std::vector<std::size_t>> out;
+  for (std::size_t b = 0; b < n; b += static_cast<std::size_t>(size)) {
+    out.emplace_back();
+    for (std::size_t i = b; i < std::min(n, b + static_cast<std::size_t>(size)); ++i)
+      out.back().push_back(i);
+  }
+  return out;
+}
+
+struct Data {
+  std::vector<data::SftExample> sft;
+  std::vector<data::Sequence> sft_seqs;
+  std::vector<data::PreferenceSequences> pairs;
+};
+
+// Per-sequence log-probs of every pair: [pair] -> (chosen, rejected).
+std::vector<std::pair<double, double>> pair_logps(CpuContext& ctx, model::LlamaModel& m,
+                                                  const Data& d, const Settings& s,
+                                                  apps::HostWorkspace& ws) {
+  std::vector<std::pair<double, double>> out;
+  for (const auto& idx : batches(d.pairs.size(), s.batch_size)) {
+    const data::Batch b = data::collate_preference(d.pairs, idx);
+    const SequenceLogProbResult r = apps::sequence_logps(ctx, m, b, s.budget_bytes, ws);
+    for (std::size_t i = 0; i < idx.size(); ++i)
+      out.emplace_back(r.logps[i], r.logps[i + idx.size()]);
+  }
+  return out;
+}
+
+nlohmann::json evaluate(CpuContext& ctx, model::LlamaModel& m, const Data& d, const Settings& s,
+                        const std::vector<std::pair<double, double>>* ref,
+                        apps::HostWorkspace& ws) {
+  nlohmann::json r;
+  double loss_sum = 0, acc_sum = 0, rows = 0;
+  for (const auto& idx : batches(d.sft_seqs.size(), s.batch_size)) {
+    const CrossEntropyResult ce =
+        apps::batch_cross_entropy(ctx, m, data::collate_sft(d.sft_seqs, idx), s.budget_bytes, ws);
+    const auto n = static_cast<double>(ce.valid_rows);
+    loss_sum += ce.loss * n;
+    acc_sum += ce.accuracy * n;
+    rows += n;
+  }
+  r["eval_loss"] = loss_sum / rows;
+  r["perplexity"] = std::exp(loss_sum / rows);
+  r["token_accuracy"] = acc_sum / rows;
+
+  const auto lp = pair_logps(ctx, m, d, s, ws);
+  double logp_acc = 0, logp_margin = 0;
+  for (const auto& [c, rj] : lp) {
+    logp_acc += c > rj ? 1 : 0;
+    logp_margin += c - rj;
+  }
+  const auto np = static_cast<double>(lp.size());
+  r["logps/accuracy"] = logp_acc / np;
+  r["logps/margin"] = logp_margin / np;
+  if (ref) {
+    double acc = 0, margin = 0, chosen = 0, rejected = 0;
+    for (std::size_t i = 0; i < lp.size(); ++i) {
+      const double rc = s.beta * (lp[i].first - (*ref)[i].first);
+      const double rr = s.beta * (lp[i].second - (*ref)[i].second);
+      acc += rc > rr ? 1 : 0;
+      margin += rc - rr;
+      chosen += rc;
+      rejected += rr;
+    }
+    r["rewards/accuracies"] = acc / np;
+    r["rewards/margins"] = margin / np;
+    r["rewards/chosen"] = chosen / np;
+    r["rewards/rejected"] = rejected / np;
+  }
+
+  const data::ByteTokenizer tok;
+  model::GenerateOptions g;
+  g.max_new_tokens = s.max_new_tokens;
+  g.eos_id = tok.eos_id();
+  double exact = 0;
+  for (const data::SftExample& ex : d.sft) {
+    std::vector<std::int32_t> prompt = {tok.bos_id()};
+    for (std::int32_t id : tok.encode(ex.prompt)) prompt.push_back(id);
+    const model::GenerateResult out = model::generate(m, prompt, g);
+    exact += out.stopped_at_eos && tok.decode(out.tokens) == ex.completion ? 1 : 0;
+  }
+  r["exact_match"] = exact / static_cast<double>(d.sft.size());
+  return r;
+}
+
+std::string cell(const nlohmann::json& r, const char* key, const char* fmt) {
+  if (!r.contains(key)) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, fmt, r[key].get<double>());
+  return buf;
+}
+
+void print_table(const std::vector<nlohmann::json>& rows, const Settings& s) {
+  const std::vector<std::pair<const char*, const char*>> cols = {
+      {"eval_loss", "%.4f"},      {"perplexity", "%.3f"},     {"token_accuracy", "%.3f"},
+      {"exact_match", "%.3f"},    {"logps/accuracy", "%.3f"}, {"rewards/accuracies", "%.3f"},
+      {"rewards/margins", "%.3f"}};
+  const std::vector<std::string> heads = {"model",       "loss",     "ppl",        "token acc",
+                                          "exact match", "pref acc", "reward acc", "margin"};
+  std::vector<std::vector<std::string>> table = {heads};
+  for (const nlohmann::json& r : rows) {
+    std::vector<std::string> line = {r["name"].get<std::string>()};
+    for (const auto& [k, f] : cols) line.push_back(cell(r, k, f));
+    table.push_back(line);
+  }
+  std::vector<std::size_t> w(heads.size(), 0);
+  for (const auto& line : table)
+    for (std::size_t c = 0; c < line.size(); ++c) w[c] = std::max(w[c], line[c].size());
+  for (std::size_t i = 0; i < table.size(); ++i) {
+    std::string out = "|";
+    for (std::size_t c = 0; c < table[i].size(); ++c) {
+      const std::string& v = table[i][c];
+      const std::string pad(w[c] - v.size(), ' ');
+      out.append(" ").append(c == 0 ? v : pad).append(c == 0 ? pad : v).append(" |");
+    }
+    std::printf("%s\n", out.c_str());
+    if (i == 0) {
+      std::string sep = "|";
+      for (std::size_t c = 0; c < w.size(); ++c) sep += std::string(w[c] + 2, '-') + "|";
+      std::printf("%s\n", sep.c_str());
+    }
+  }
+  std::printf(
+      "\nloss/ppl/token acc: %s (completion tokens); exact match: greedy decoding of its prompts; "
+      "pref acc: logp(chosen) > logp(rejected) on %s; reward acc, margin: beta=%g implicit "
+      "rewards against %s\n",
+      s.sft_file.c_str(), s.pref_file.c_str(), s.beta,
+      s.reference.empty() ? "(no --reference)" : s.reference.c_str());
+}
+
+int run(const Settings& s) {
+  if (s.threads > 0) omp_set_num_threads(s.threads);
+  CpuContext ctx(s.threads);
+  apps::HostWorkspace ws;
+  const data::ByteTokenizer tok;
+  Data d;
+  d.sft = first(data::read_sft_jsonl(s.sft_file), s.limit);
+  d.sft_seqs = data::encode_sft(tok, d.sft);
+  d.pairs = data::encode_preference(tok, first(data::read_preference_jsonl(s.pref_file), s.limit));
+
+  std::optional<std::vector<std::pair<double, double>>> ref;
+  if (!s.reference.empty()) {
+    model::LlamaModel r = model::load_model(s.reference);
+    ref = pair_logps(ctx, r, d, s, ws);
+  }
+  std::vector<nlohmann::json> rows;
+  for (std::size_t i = 0; i < s.models.size(); ++i) {
+    model::LlamaModel m = model::load_model(s.models[i]);
+    nlohmann::json r = evaluate(ctx, m, d, s, ref ? &*ref : nullptr, ws);
+    r["name"] = s.names[i];
+    r["model"] = s.models[i];
+    if (!s.reference.empty()) r["reference"] = s.reference;
+    rows.push_back(r);
+  }
+  print_table(rows, s);
+  if (!s.json.empty()) apps::write_file_atomic(s.json, nlohmann::json(rows).dump(2) + "\n");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::optional<Settings> s;
+  try {
+    s = parse(argc, argv);
+  } catch (const po::error& e) {
+    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, apps::one_line(e.what()).c_str());
+    return apps::kExitUsage;
+  } catch (const apps::UsageError& e) {
+    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, apps::one_line(e.what()).c_str());
+    return apps::kExitUsage;
+  }
+  if (!s) return 0;
+  try {
+    return run(*s);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", kProg, apps::one_line(e.what()).c_str());
+    return apps::kExitFailure;
+  }
+}

@@ -1,0 +1,424 @@
+// chunkloss-train: trains the shared-model layer's Llama-style decoder on the CPU with one of the
+// library's losses: SFT with cross-entropy, or preference tuning (DPO, ORPO, SimPO, CPO, KTO)
+// from an SFT checkpoint. Options from the command line and/or an INI file; progress on stderr;
+// metrics appended to a JSONL file; an SVG chart of the curves at the end; exact resume.
+#include <chunkloss/apps/chart.h>
+#include <chunkloss/apps/cli.h>
+#include <chunkloss/apps/progress.h>
+#include <chunkloss/core/error.h>
+#include <chunkloss/data/sampler.h>
+#include <chunkloss/losses/preference.h>
+#include <chunkloss/model/checkpoint.h>
+#include <chunkloss/model/optim.h>
+#include <omp.h>
+
+#include <boost/program_options.hpp>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "trainers.h"
+
+namespace po = boost::program_options;
+namespace apps = chunkloss::apps;
+using namespace chunkloss;
+using namespace chunkloss::train;
+
+namespace {
+
+constexpr const char* kProg = "chunkloss-train";
+const std::vector<std::string> kLosses = {"ce", "dpo", "orpo", "simpo", "cpo", "kto"};
+const std::vector<std::string> kArchitecture = {
+    "hidden-size", "intermediate-size", "layers",        "heads",
+    "kv-heads",    "max-positions",     "tie-embeddings"};
+
+struct Settings {
+  DataSettings data;
+  LossSettings loss;
+  model::LlamaConfig config;
+  std::uint64_t seed = 0;
+  int threads = 1;
+  std::string init, resume, save, metrics, chart;
+  std::int64_t steps = 0, batch_size = 0, grad_accum = 1, log_every = 0, save_every = 0;
+  model::LrSchedule schedule;
+  model::AdamWOptions adam;
+  double max_grad_norm = 1.0;
+};
+
+std::string default_train_file(const std::string& loss) {
+  if (loss == "ce") return apps::bundled_data("sft_train.jsonl");
+  if (loss == "kto") return apps::bundled_data("kto_train.jsonl");
+  return apps::bundled_data("pref_train.jsonl");
+}
+
+template <typename T>
+T in_range(const po::variables_map& vm, const char* name, T lo, T hi) {
+  const T v = vm[name].as<T>();
+  if (!(v >= lo && v <= hi)) {
+    std::ostringstream os;
+    os << "--" << name << ": " << v << " is not in [" << lo << ", " << hi << "]";
+    throw apps::UsageError(os.str());
+  }
+  return v;
+}
+
+// Parses the command line (and --config FILE); nullopt after --help.
+std::optional<Settings> parse(int argc, char** argv) {
+  po::options_description general("General");
+  // clang-format off
+  general.add_options()
+    ("help,h", "print this help and exit")
+    ("config", po::value<std::string>()->default_value("", "none"), "read options from this INI file (key = value, keys are the long option names; the command line wins)")
+    ("loss", po::value<std::string>()->default_value("ce"), "ce (SFT) | dpo | orpo | simpo | cpo | kto")
+    ("device", po::value<std::string>()->default_value("cpu"), "cpu | cuda (the model layer runs on the CPU only)")
+    ("threads", po::value<int>()->default_value(1), "CPU threads for the model and the loss (0: all cores; the bundled model is too small to gain from more than 1)")
+    ("seed", po::value<std::uint64_t>()->default_value(0), "seed of the model init and the data order");
+  po::options_description data_opts("Data");
+  data_opts.add_options()
+    ("train-file", po::value<std::string>()->default_value("", "the bundled file for --loss"), "training JSONL: {prompt, completion} (ce), {prompt, chosen, rejected} (dpo, orpo, simpo, cpo), {prompt, completion, label} (kto)")
+    ("max-length", po::value<std::int64_t>()->default_value(64), "truncate sequences to this many positions (0: no limit)")
+    ("max-prompt-length", po::value<std::int64_t>()->default_value(0, "0 = no limit"), "keep the last this many prompt bytes")
+    ("batch-size", po::value<std::int64_t>()->default_value(32), "examples per micro-batch (pairs for the paired losses)");
+  po::options_description model_opts("Model (a new model; with --init or --resume the checkpoint's config.json decides)");
+  model_opts.add_options()
+    ("hidden-size", po::value<std::int64_t>()->default_value(64), "hidden size H")
+    ("intermediate-size", po::value<std::int64_t>()->default_value(176), "SwiGLU intermediate size")
+    ("layers", po::value<std::int64_t>()->default_value(2), "decoder layers")
+    ("heads", po::value<std::int64_t>()->default_value(4), "attention heads")
+    ("kv-heads", po::value<std::int64_t>()->default_value(4), "key/value heads (< heads: grouped-query attention)")
+    ("max-positions", po::value<std::int64_t>()->default_value(64), "max_position_embeddings")
+    ("tie-embeddings", po::value<bool>()->default_value(false), "tie lm_head to the token embedding")
+    ("init", po::value<std::string>()->default_value("", "none"), "start from this checkpoint directory (the SFT model): the policy, and for dpo/kto also the frozen reference")
+    ("resume", po::value<std::string>()->default_value("", "none"), "continue the run saved in this directory (model, optimizer, step) exactly");
+  po::options_description optim("Optimiser");
+  optim.add_options()
+    ("steps", po::value<std::int64_t>()->default_value(300), "optimizer steps in total")
+    ("lr", po::value<double>()->default_value(3e-3), "peak learning rate")
+    ("warmup-steps", po::value<std::int64_t>()->default_value(20), "linear warmup steps")
+    ("min-lr-ratio", po::value<double>()->default_value(0.1), "cosine decay floor as a fraction of --lr")
+    ("weight-decay", po::value<double>()->default_value(0.0), "AdamW decoupled weight decay (not on RMSNorm weights)")
+    ("beta1", po::value<double>()->default_value(0.9), "AdamW beta1")
+    ("beta2", po::value<double>()->default_value(0.999), "AdamW beta2")
+    ("adam-eps", po::value<double>()->default_value(1e-8), "AdamW epsilon")
+    ("max-grad-norm", po::value<double>()->default_value(1.0), "clip the global gradient norm (0: off)")
+    ("grad-accum", po::value<std::int64_t>()->default_value(1), "micro-batches per optimizer step");
+  po::options_description loss_opts("Loss (../shared/LOSSES.md)");
+  loss_opts.add_options()
+    ("beta", po::value<double>()->default_value(0, "0 = the loss's default: 0.1, simpo 2.0"), "beta of dpo, orpo, simpo, cpo, kto")
+    ("label-smoothing", po::value<double>()->default_value(0), "ce: label smoothing; dpo, simpo, cpo: the conservative eps")
+    ("dpo-loss-type", po::value<std::string>()->default_value("sigmoid"), "dpo: sigmoid, hinge, ipo, robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop")
+    ("rpo-alpha", po::value<double>()->default_value(0, "0 = off"), "dpo: weight of the NLL term on chosen tokens (RPO)")
+    ("gamma", po::value<double>()->default_value(0.5), "simpo: target margin in reward units")
+    ("cpo-alpha", po::value<double>()->default_value(1.0), "cpo: weight of the NLL term")
+    ("desirable-weight", po::value<double>()->default_value(1.0), "kto: weight of desirable examples")
+    ("undesirable-weight", po::value<double>()->default_value(1.0), "kto: weight of undesirable examples")
+    ("budget-mib", po::value<double>()->default_value(0, "0 = the library's default, 256"), "the loss's workspace budget in MiB");
+  po::options_description output("Output");
+  output.add_options()
+    ("save", po::value<std::string>()->default_value("", "none"), "save the checkpoint (HF layout + optimizer state) into this directory at the end")
+    ("save-every", po::value<std::int64_t>()->default_value(0, "0 = only at the end"), "also save every this many steps, into SAVE/checkpoint-STEP")
+    ("metrics", po::value<std::string>()->default_value("", "SAVE/metrics.jsonl"), "append one JSON object per step to this file")
+    ("chart", po::value<std::string>()->default_value("", "SAVE/training.svg"), "write the SVG chart of loss and accuracy here at the end")
+    ("log-every", po::value<std::int64_t>()->default_value(25), "plain progress line every this many steps when stderr is not a terminal");
+  // clang-format on
+  po::options_description all(std::string("Usage: ") + kProg +
+                              " [options]\nTrains a small Llama-style model with a chunkloss loss "
+                              "on the CPU.\nOptions");
+  all.add(general).add(data_opts).add(model_opts).add(optim).add(loss_opts).add(output);
+
+  po::variables_map vm;
+  po::store(po::command_line_parser(argc, argv).options(all).positional({}).run(), vm);
+  if (vm.count("help")) {
+    std::cout << all << "\n";
+    return std::nullopt;
+  }
+  if (const std::string cfg = vm["config"].as<std::string>(); !cfg.empty()) {
+    std::ifstream in(cfg);
+    if (!in) throw apps::UsageError("--config: cannot open " + cfg);
+    po::store(po::parse_config_file(in, all), vm);
+  }
+  po::notify(vm);
+
+  Settings s;
+  s.loss.loss = vm["loss"].as<std::string>();
+  if (std::find(kLosses.begin(), kLosses.end(), s.loss.loss) == kLosses.end())
+    throw apps::UsageError("--loss: '" + s.loss.loss + "' is not ce, dpo, orpo, simpo, cpo or kto");
+  const std::string device = vm["device"].as<std::string>();
+  if (device == "cuda")
+    throw apps::UsageError(
+        "--device cuda: the model layer runs on the CPU only (the CUDA backend serves the loss "
+        "library); use --device cpu");
+  if (device != "cpu") throw apps::UsageError("--device: '" + device + "' is not cpu or cuda");
+  s.threads = in_range<int>(vm, "threads", 0, 4096);
+  s.seed = vm["seed"].as<std::uint64_t>();
+
+  s.data.file = vm["train-file"].as<std::string>();
+  if (s.data.file.empty()) s.data.file = default_train_file(s.loss.loss);
+  s.data.encode.max_length = in_range<std::int64_t>(vm, "max-length", 0, 1 << 20);
+  s.data.encode.max_prompt_length = in_range<std::int64_t>(vm, "max-prompt-length", 0, 1 << 20);
+  s.batch_size = in_range<std::int64_t>(vm, "batch-size", 1, 1 << 20);
+
+  s.init = vm["init"].as<std::string>();
+  s.resume = vm["resume"].as<std::string>();
+  if (!s.init.empty() || !s.resume.empty()) {
+    for (const std::string& name : kArchitecture)
+      if (!vm[name].defaulted())
+        throw apps::UsageError("--" + name + ": the architecture comes from the checkpoint of " +
+                               (s.resume.empty() ? "--init" : "--resume"));
+  }
+  s.config.hidden_size = in_range<std::int64_t>(vm, "hidden-size", 2, 1 << 16);
+  s.config.intermediate_size = in_range<std::int64_t>(vm, "intermediate-size", 1, 1 << 18);
+  s.config.num_hidden_layers = in_range<std::int64_t>(vm, "layers", 1, 256);
+  s.config.num_attention_heads = in_range<std::int64_t>(vm, "heads", 1, 1024);
+  s.config.num_key_value_heads = in_range<std::int64_t>(vm, "kv-heads", 1, 1024);
+  s.config.max_position_embeddings = in_range<std::int64_t>(vm, "max-positions", 2, 1 << 20);
+  s.config.tie_word_embeddings = vm["tie-embeddings"].as<bool>();
+  if (s.init.empty() && s.resume.empty()) {
+    try {
+      model::validate(s.config);
+    } catch (const Error& e) {
+      throw apps::UsageError(std::string("model options: ") + e.what());
+    }
+  }
+
+  s.steps = in_range<std::int64_t>(vm, "steps", 1, std::int64_t{1} << 40);
+  s.schedule.lr = in_range<double>(vm, "lr", 0, 10);
+  s.schedule.warmup_steps = in_range<std::int64_t>(vm, "warmup-steps", 0, s.steps);
+  s.schedule.min_lr_ratio = in_range<double>(vm, "min-lr-ratio", 0, 1);
+  s.schedule.total_steps = s.steps;
+  s.adam.weight_decay = in_range<double>(vm, "weight-decay", 0, 10);
+  s.adam.beta1 = in_range<double>(vm, "beta1", 0, 0.999999);
+  s.adam.beta2 = in_range<double>(vm, "beta2", 0, 0.999999999);
+  s.adam.eps = in_range<double>(vm, "adam-eps", 1e-30, 1);
+  s.max_grad_norm = in_range<double>(vm, "max-grad-norm", 0, 1e9);
+  s.grad_accum = in_range<std::int64_t>(vm, "grad-accum", 1, 1 << 20);
+
+  s.loss.beta = in_range<double>(vm, "beta", 0, 1e6);
+  s.loss.label_smoothing = in_range<double>(vm, "label-smoothing", 0, 1);
+  s.loss.dpo_loss_type = vm["dpo-loss-type"].as<std::string>();
+  try {
+    parse_dpo_loss(s.loss.dpo_loss_type);
+  } catch (const Error& e) {
+    throw apps::UsageError(std::string("--dpo-loss-type: ") + e.what());
+  }
+  s.loss.rpo_alpha = in_range<double>(vm, "rpo-alpha", 0, 1e6);
+  s.loss.gamma = in_range<double>(vm, "gamma", 0, 1e6);
+  s.loss.cpo_alpha = in_range<double>(vm, "cpo-alpha", 0, 1e6);
+  s.loss.desirable_weight = in_range<double>(vm, "desirable-weight", 0, 1e6);
+  s.loss.undesirable_weight = in_range<double>(vm, "undesirable-weight", 0, 1e6);
+  s.loss.budget_bytes =
+      static_cast<std::size_t>(in_range<double>(vm, "budget-mib", 0, 1 << 20) * 1048576.0);
+
+  s.save = vm["save"].as<std::string>();
+  s.save_every = in_range<std::int64_t>(vm, "save-every", 0, std::int64_t{1} << 40);
+  if (s.save_every > 0 && s.save.empty()) throw apps::UsageError("--save-every needs --save DIR");
+  s.metrics = vm["metrics"].as<std::string>();
+  s.chart = vm["chart"].as<std::string>();
+  if (!s.save.empty()) {
+    if (s.metrics.empty()) s.metrics = (std::filesystem::path(s.save) / "metrics.jsonl").string();
+    if (s.chart.empty()) s.chart = (std::filesystem::path(s.save) / "training.svg").string();
+  }
+  s.log_every = in_range<std::int64_t>(vm, "log-every", 1, std::int64_t{1} << 40);
+  return s;
+}
+
+std::unique_ptr<Trainer> make_trainer(const Settings& s,
+                                      std::optional<model::LlamaModel> reference) {
+  if (s.loss.loss == "ce") return make_ce_trainer(s.data, s.loss, s.threads);
+  if (s.loss.loss == "kto")
+    return make_kto_trainer(s.data, s.loss, s.threads, std::move(*reference));
+  return make_pair_trainer(s.data, s.loss, s.threads, std::move(reference));
+}
+
+// The chart's curves from every line of the metrics file (the last record of each step wins,
+// so a resumed run's file gives one curve).
+void write_chart(const std::string& metrics, const std::string& chart, const std::string& title,
+                 const std::string& accuracy_key, const std::string& accuracy_label) {
+  std::ifstream in(metrics);
+  std::map<double, std::pair<double, double>> by_step;
+  std::string line;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_object() || !j.contains("step") || !j.contains("loss")) continue;
+    const auto get = [&](const std::string& k) {
+      return j.contains(k) && j[k].is_number() ? j[k].get<double>() : NAN;
+    };
+    by_step[get("step")] = {get("loss"), get(accuracy_key)};
+  }
+  apps::ChartPanel loss{"loss", {}}, acc{accuracy_label, {}};
+  for (const auto& [step, v] : by_step) {
+    loss.points.emplace_back(step, v.first);
+    acc.points.emplace_back(step, v.second);
+  }
+  apps::write_file_atomic(chart, apps::svg_chart(title, "optimizer step", {loss, acc}));
+}
+
+int run(const Settings& s, const std::string& invocation) {
+  if (s.threads > 0) omp_set_num_threads(s.threads);
+  // The policy: resumed, initialised from a checkpoint, or new.
+  std::optional<model::LlamaModel> policy;
+  std::string init = s.init;
+  model::AdamW* opt_ptr = nullptr;
+  std::optional<model::AdamW> opt;
+  std::int64_t start = 0;
+  if (!s.resume.empty()) {
+    policy.emplace(model::load_model(s.resume));
+    opt.emplace(policy->params().size(), s.adam);
+    const model::TrainerState st = model::load_training_state(s.resume, *policy, *opt);
+    const auto expect = [&](const char* key, const std::string& now) {
+      const auto it = st.strings.find(key);
+      CHUNKLOSS_CHECK(it != st.strings.end() && it->second == now, "--resume ", s.resume,
+                      ": the run was saved with ", key, " = ",
+                      it == st.strings.end() ? std::string("(none)") : it->second,
+                      ", this one has ", now, " (exact resume needs the same)");
+    };
+    expect("loss", s.loss.loss);
+    expect("train_file", s.data.file);
+    expect("seed", std::to_string(s.seed));
+    expect("batch_size", std::to_string(s.batch_size));
+    expect("grad_accum", std::to_string(s.grad_accum));
+    expect("steps", std::to_string(s.steps));
+    if (init.empty() && st.strings.count("init")) init = st.strings.at("init");
+    start = st.global_step;
+  } else if (!init.empty()) {
+    policy.emplace(model::load_model(init));
+  } else {
+    policy.emplace(s.config, s.seed);
+  }
+  if (!opt) opt.emplace(policy->params().size(), s.adam);
+  opt_ptr = &*opt;
+  std::optional<model::LlamaModel> reference;
+  if (s.loss.loss == "dpo" || s.loss.loss == "kto") {
+    reference.emplace(init.empty() ? model::LlamaModel(s.config, s.seed) : model::load_model(init));
+  }
+
+  std::fprintf(stderr, "%s: %s\n", kProg, policy->summary().c_str());
+  std::unique_ptr<Trainer> trainer = make_trainer(s, std::move(reference));
+  const data::BatchSampler sampler(trainer->size(), static_cast<std::size_t>(s.batch_size), s.seed);
+  const std::int64_t per_epoch = static_cast<std::int64_t>(sampler.batches_per_epoch());
+  std::fprintf(
+      stderr, "%s: --loss %s on %s: %zu examples, %lld micro-batches per epoch, steps %lld..%lld\n",
+      kProg, s.loss.loss.c_str(), s.data.file.c_str(), trainer->size(),
+      static_cast<long long>(per_epoch), static_cast<long long>(start),
+      static_cast<long long>(s.steps));
+
+  std::ofstream metrics;
+  if (!s.metrics.empty()) {
+    const auto parent = std::filesystem::path(s.metrics).parent_path();
+    if (!parent.empty()) std::filesystem::create_directories(parent);
+    metrics.open(s.metrics, std::ios::app);
+    CHUNKLOSS_CHECK(metrics.good(), "cannot open ", s.metrics, " for appending");
+  }
+  model::TrainerState state;
+  state.strings = {{"loss", s.loss.loss},
+                   {"train_file", s.data.file},
+                   {"seed", std::to_string(s.seed)},
+                   {"batch_size", std::to_string(s.batch_size)},
+                   {"grad_accum", std::to_string(s.grad_accum)},
+                   {"steps", std::to_string(s.steps)},
+                   {"command", invocation}};
+  if (!init.empty()) state.strings["init"] = init;
+  const auto save = [&](std::int64_t step, const std::string& dir) {
+    state.global_step = step;
+    model::save_checkpoint(dir, *policy, opt_ptr, &state);
+  };
+
+  const auto [acc_key, acc_label] = trainer->accuracy_metric();
+  apps::Progress progress(start, s.steps, s.log_every, apps::Progress::is_terminal(stderr));
+  std::int64_t cached_epoch = -1;
+  std::vector<std::vector<std::size_t>> epoch_batches;
+  double last_loss = NAN;
+  for (std::int64_t step = start; step < s.steps; ++step) {
+    policy->zero_grad();
+    MicroStats sum;
+    std::map<std::string, double> metric_sum;
+    for (std::int64_t micro = 0; micro < s.grad_accum; ++micro) {
+      const std::int64_t m = step * s.grad_accum + micro;
+      if (m / per_epoch != cached_epoch) {
+        cached_epoch = m / per_epoch;
+        epoch_batches = sampler.epoch(static_cast<std::uint64_t>(cached_epoch));
+      }
+      const MicroStats r =
+          trainer->step(*policy, epoch_batches[static_cast<std::size_t>(m % per_epoch)]);
+      sum.loss += r.loss;
+      sum.tokens += r.tokens;
+      for (const auto& [k, v] : r.metrics) metric_sum[k] += v;
+    }
+    const double inv = 1.0 / static_cast<double>(s.grad_accum);
+    if (s.grad_accum > 1) policy->scale_grads(static_cast<float>(inv));
+    const double norm = model::clip_grad_norm(policy->grads(), s.max_grad_norm);
+    CHUNKLOSS_CHECK(std::isfinite(norm) && std::isfinite(sum.loss), "step ", step + 1,
+                    ": the loss or the gradient norm is not finite (loss ", sum.loss * inv,
+                    ", grad norm ", norm, "); try a lower --lr");
+    const double lr = model::learning_rate(s.schedule, step);
+    opt->step(*policy, lr);
+    last_loss = sum.loss * inv;
+
+    nlohmann::json rec = {
+        {"step", step + 1},
+        {"epoch", static_cast<double>((step + 1) * s.grad_accum) / static_cast<double>(per_epoch)},
+        {"loss", last_loss},
+        {"lr", lr},
+        {"grad_norm", norm},
+        {"tokens", sum.tokens}};
+    for (const auto& [k, v] : metric_sum) rec[k] = v * inv;
+    if (metrics.is_open()) {
+      metrics << rec.dump() << "\n";
+      metrics.flush();
+    }
+    const auto acc = metric_sum.find(acc_key);
+    progress.update({step + 1, last_loss, acc == metric_sum.end() ? NAN : acc->second * inv,
+                     acc_label, sum.tokens});
+    if (s.save_every > 0 && (step + 1) % s.save_every == 0 && step + 1 < s.steps)
+      save(step + 1,
+           (std::filesystem::path(s.save) / ("checkpoint-" + std::to_string(step + 1))).string());
+  }
+  progress.finish();
+  state.scalars["last_loss"] = std::isfinite(last_loss) ? last_loss : 0.0;
+  if (!s.save.empty()) {
+    save(s.steps, s.save);
+    std::fprintf(stderr, "%s: saved %s\n", kProg, s.save.c_str());
+  }
+  if (metrics.is_open()) {
+    metrics.close();
+    if (!s.chart.empty()) {
+      write_chart(s.metrics, s.chart, std::string(kProg) + " --loss " + s.loss.loss, acc_key,
+                  acc_label);
+      std::fprintf(stderr, "%s: metrics in %s, chart in %s\n", kProg, s.metrics.c_str(),
+                   s.chart.c_str());
+    }
+  }
+  std::fprintf(stderr, "%s: done: step %lld, loss %.4f, %.1f s\n", kProg,
+               static_cast<long long>(s.steps), last_loss, progress.elapsed_seconds());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::optional<Settings> s;
+  try {
+    s = parse(argc, argv);
+  } catch (const po::error& e) {
+    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, apps::one_line(e.what()).c_str());
+    return apps::kExitUsage;
+  } catch (const apps::UsageError& e) {
+    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, apps::one_line(e.what()).c_str());
+    return apps::kExitUsage;
+  }
+  if (!s) return 0;
+  try {
+    return run(*s, apps::shell_join(std::vector<std::string>(argv, argv + argc)));
+  } catch (const apps::UsageError& e) {
+    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, apps::one_line(e.what()).c_str());
+    return apps::kExitUsage;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", kProg, apps::one_line(e.what()).c_str());
+    return apps::kExitFailure;
+  }
+}

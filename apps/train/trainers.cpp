@@ -1,0 +1,268 @@
+// The per-loss trainers of chunkloss-train (see trainers.h).
+#include "trainers.h"
+
+#include <chunkloss/core/context.h>
+#include <chunkloss/data/jsonl.h>
+#include <chunkloss/losses/cross_entropy.h>
+#include <chunkloss/losses/preference.h>
+
+#include <chunkloss/core/error.h>
+
+#include <algorithm>
+#include <numeric>
+
+namespace chunkloss::train {
+namespace {
+
+double input_tokens(const data::Batch& b) {
+  return std::accumulate(b.lengths.begin(), b.lengths.end(), 0.0);
+}
+
+// Gradient of the loss w.r.t. the final hidden states, reused across steps.
+class HiddenGrad {
+ public:
+  TensorView view(const TensorView& hidden) {
+    buf_.assign(static_cast<std::size_t>(hidden.numel()), 0.0f);
+    return TensorView::of(buf_.data(), {hidden.size(0), hidden.size(1)});
+  }
+
+ private:
+  std::vector<float> buf_;
+};
+
+class CeTrainer final : public Trainer {
+ public:
+  CeTrainer(const DataSettings& data, const LossSettings& loss, int threads) : ctx_(threads) {
+    const data::ByteTokenizer tok;
+    seqs_ = data::encode_sft(tok, data::read_sft_jsonl(data.file), data.encode);
+    CrossEntropyOptions o;
+    o.label_smoothing = static_cast<float>(loss.label_smoothing);
+    o.memory_budget_bytes = loss.budget_bytes;
+    ce_ = LinearCrossEntropy(o);
+  }
+  std::size_t size() const override { return seqs_.size(); }
+  std::pair<const char*, const char*> accuracy_metric() const override {
+    return {"token_accuracy", "token acc"};
+  }
+
+  MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples) override {
+    const data::Batch batch = data::collate_sft(seqs_, examples);
+    CrossEntropyInputs in;
+    in.hidden = model.forward(batch.tokens_view());
+    in.weight = model.lm_head_weight();
+    in.targets = batch.targets_view();
+    CrossEntropyGrads g;
+    g.hidden = dh_.view(in.hidden);
+    g.weight = model.lm_head_weight_grad();
+    g.accumulate = true;
+    const CrossEntropyResult r =
+        ce_.forward_backward(ctx_, in, g, {}, ws_.get(ce_.workspace_bytes(in, g)));
+    model.backward(g.hidden);
+    return {r.loss, {{"token_accuracy", r.accuracy}}, input_tokens(batch)};
+  }
+
+ private:
+  CpuContext ctx_;
+  std::vector<data::Sequence> seqs_;
+  LinearCrossEntropy ce_;
+  apps::HostWorkspace ws_;
+  HiddenGrad dh_;
+};
+
+// Per-sequence log-prob sums of a model on a batch as f32 (the loss's reference_logps dtype).
+class LogProbs {
+ public:
+  LogProbs(const LossSettings& loss, CpuContext& ctx) : ctx_(ctx), budget_(loss.budget_bytes) {}
+  std::vector<float> operator()(model::LlamaModel& m, const data::Batch& b) {
+    const SequenceLogProbResult r = apps::sequence_logps(ctx_, m, b, budget_, ws_);
+    return {r.logps.begin(), r.logps.end()};
+  }
+
+ private:
+  CpuContext& ctx_;
+  std::size_t budget_;
+  apps::HostWorkspace ws_;
+};
+
+// One forward_backward of a sequence loss on the policy, then the model's backward.
+MicroStats policy_step(CpuContext& ctx, const SequenceLoss& loss, model::LlamaModel& model,
+                       const data::Batch& batch, PreferenceInputs in, HiddenGrad& dh,
+                       apps::HostWorkspace& ws) {
+  in.policy = {model.forward(batch.tokens_view()), model.lm_head_weight(), {}};
+  in.targets = apps::sequence_targets(batch);
+  PreferenceGrads g;
+  g.hidden = dh.view(in.policy.hidden);
+  g.weight = model.lm_head_weight_grad();
+  g.accumulate = true;
+  const PreferenceResult r = loss.forward_backward(ctx, in, g, ws.get(loss.workspace_bytes(in, g)));
+  model.backward(g.hidden);
+  return {r.loss, r.metrics, input_tokens(batch)};
+}
+
+float beta_or(double beta, float fallback) {
+  return beta > 0 ? static_cast<float>(beta) : fallback;
+}
+
+SequenceLoss make_pair_loss(const LossSettings& s) {
+  SequenceOptions engine;
+  engine.memory_budget_bytes = s.budget_bytes;
+  const auto ls = static_cast<float>(s.label_smoothing);
+  if (s.loss == "dpo") {
+    DpoOptions o;
+    o.loss_type = parse_dpo_loss(s.dpo_loss_type);
+    o.beta = beta_or(s.beta, o.beta);
+    o.label_smoothing = ls;
+    o.nll = s.rpo_alpha > 0;
+    o.nll_alpha = o.nll ? static_cast<float>(s.rpo_alpha) : o.nll_alpha;
+    o.engine = engine;
+    return Dpo(o);
+  }
+  if (s.loss == "orpo") {
+    OrpoOptions o;
+    o.beta = beta_or(s.beta, o.beta);
+    o.engine = engine;
+    return Orpo(o);
+  }
+  if (s.loss == "simpo") {
+    SimpoOptions o;
+    o.beta = beta_or(s.beta, o.beta);
+    o.gamma = static_cast<float>(s.gamma);
+    o.label_smoothing = ls;
+    o.engine = engine;
+    return Simpo(o);
+  }
+  CHUNKLOSS_CHECK(s.loss == "cpo", "make_pair_trainer: --loss ", s.loss, " is not a paired loss");
+  CpoOptions o;
+  o.beta = beta_or(s.beta, o.beta);
+  o.alpha = static_cast<float>(s.cpo_alpha);
+  o.label_smoothing = ls;
+  o.engine = engine;
+  return Cpo(o);
+}
+
+class PairTrainer final : public Trainer {
+ public:
+  PairTrainer(const DataSettings& data, const LossSettings& loss, int threads,
+              std::optional<model::LlamaModel> reference)
+      : ctx_(threads),
+        loss_(make_pair_loss(loss)),
+        reference_(std::move(reference)),
+        ref_logps_(loss, ctx_) {
+    CHUNKLOSS_CHECK(reference_.has_value() == loss_.objective().uses_reference(), "--loss ",
+                    loss.loss, reference_ ? " takes no reference model" : " needs a reference");
+    const data::ByteTokenizer tok;
+    pairs_ = data::encode_preference(tok, data::read_preference_jsonl(data.file), data.encode);
+  }
+  std::size_t size() const override { return pairs_.size(); }
+  std::pair<const char*, const char*> accuracy_metric() const override {
+    return {"rewards/accuracies", "reward acc"};
+  }
+
+  MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples) override {
+    const data::Batch batch = data::collate_preference(pairs_, examples);
+    PreferenceInputs in;
+    std::vector<float> ref;
+    if (reference_) {
+      ref = ref_logps_(*reference_, batch);
+      in.reference_logps = TensorView::of(ref.data(), {batch.rows});
+    }
+    return policy_step(ctx_, loss_, model, batch, in, dh_, ws_);
+  }
+
+ private:
+  CpuContext ctx_;
+  SequenceLoss loss_;
+  std::optional<model::LlamaModel> reference_;
+  LogProbs ref_logps_;
+  std::vector<data::PreferenceSequences> pairs_;
+  apps::HostWorkspace ws_;
+  HiddenGrad dh_;
+};
+
+SequenceLoss make_kto_loss(const LossSettings& s) {
+  KtoOptions o;
+  o.beta = beta_or(s.beta, o.beta);
+  o.desirable_weight = static_cast<float>(s.desirable_weight);
+  o.undesirable_weight = static_cast<float>(s.undesirable_weight);
+  o.engine.memory_budget_bytes = s.budget_bytes;
+  return Kto(o);
+}
+
+class KtoTrainer final : public Trainer {
+ public:
+  KtoTrainer(const DataSettings& data, const LossSettings& loss, int threads,
+             model::LlamaModel reference)
+      : ctx_(threads),
+        loss_(make_kto_loss(loss)),
+        reference_(std::move(reference)),
+        logps_(loss, ctx_),
+        encode_(data.encode) {
+    examples_ = data::read_unpaired_jsonl(data.file);
+    seqs_ = data::encode_unpaired(tok_, examples_, encode_);
+  }
+  std::size_t size() const override { return seqs_.size(); }
+  std::pair<const char*, const char*> accuracy_metric() const override {
+    return {"rewards/margins", "reward margin"};
+  }
+
+  MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples) override {
+    CHUNKLOSS_CHECK(examples.size() >= 2, "kto: a micro-batch of ", examples.size(),
+                    " example has no mismatched pairs for the KL estimate; use --batch-size >= 2");
+    const data::Batch batch = data::collate_unpaired(seqs_, examples);
+    std::vector<data::Sequence> mismatched;
+    for (std::size_t i = 0; i < examples.size(); ++i) {
+      const data::UnpairedExample& p = examples_[examples[i]];
+      const data::UnpairedExample& c = examples_[examples[(i + 1) % examples.size()]];
+      mismatched.push_back(data::encode(tok_, p.prompt, c.completion, encode_));
+    }
+    std::vector<std::size_t> all(mismatched.size());
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
+    const data::Batch kl_batch = data::collate_sft(mismatched, all);
+    const std::vector<float> kl_ref = logps_(reference_, kl_batch);
+    const std::vector<float> kl_policy = logps_(model, kl_batch);
+    double kl = 0;
+    for (std::size_t i = 0; i < kl_ref.size(); ++i)
+      kl += static_cast<double>(kl_policy[i]) - static_cast<double>(kl_ref[i]);
+    kl = std::max(0.0, kl / static_cast<double>(kl_ref.size()));
+
+    PreferenceInputs in;
+    const std::vector<float> ref = logps_(reference_, batch);
+    in.reference_logps = TensorView::of(ref.data(), {batch.rows});
+    std::vector<std::int32_t> labels(batch.labels.begin(), batch.labels.end());
+    in.labels = TensorView::of(labels.data(), {batch.rows});
+    in.kl = kl;
+    return policy_step(ctx_, loss_, model, batch, in, dh_, ws_);
+  }
+
+ private:
+  CpuContext ctx_;
+  SequenceLoss loss_;
+  model::LlamaModel reference_;
+  LogProbs logps_;
+  data::EncodeOptions encode_;
+  data::ByteTokenizer tok_;
+  std::vector<data::UnpairedExample> examples_;
+  std::vector<data::LabeledSequence> seqs_;
+  apps::HostWorkspace ws_;
+  HiddenGrad dh_;
+};
+
+}  // namespace
+
+std::unique_ptr<Trainer> make_pair_trainer(const DataSettings& data, const LossSettings& loss,
+                                           int threads,
+                                           std::optional<model::LlamaModel> reference) {
+  return std::make_unique<PairTrainer>(data, loss, threads, std::move(reference));
+}
+
+std::unique_ptr<Trainer> make_kto_trainer(const DataSettings& data, const LossSettings& loss,
+                                          int threads, model::LlamaModel reference) {
+  return std::make_unique<KtoTrainer>(data, loss, threads, std::move(reference));
+}
+
+std::unique_ptr<Trainer> make_ce_trainer(const DataSettings& data, const LossSettings& loss,
+                                         int threads) {
+  return std::make_unique<CeTrainer>(data, loss, threads);
+}
+
+}  // namespace chunkloss::train

@@ -1,0 +1,72 @@
+// The per-loss halves of chunkloss-train: each Trainer owns its encoded data set and runs one
+// micro-batch (model forward, the loss's forward_backward, model backward) on given examples.
+#pragma once
+
+#include <chunkloss/apps/tuning.h>
+#include <chunkloss/data/batch.h>
+#include <chunkloss/model/model.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace chunkloss::train {
+
+/// The result of one micro-batch.
+struct MicroStats {
+  double loss = 0;
+  std::vector<std::pair<std::string, double>> metrics;  ///< TRL names
+  double tokens = 0;                                    ///< input tokens (padding excluded)
+};
+
+/// Loss options from the command line (each loss reads the ones it has).
+struct LossSettings {
+  std::string loss = "ce";
+  double beta = 0;  ///< 0: the loss's default
+  double label_smoothing = 0;
+  std::string dpo_loss_type = "sigmoid";
+  double rpo_alpha = 0;                                 ///< DPO's NLL term weight (0: off)
+  double gamma = 0.5;                                   ///< SimPO
+  double cpo_alpha = 1;                                 ///< CPO
+  double desirable_weight = 1, undesirable_weight = 1;  ///< KTO
+  std::size_t budget_bytes = 0;
+};
+
+class Trainer {
+ public:
+  virtual ~Trainer() = default;
+  /// Number of examples (pairs for the paired losses) an epoch draws from.
+  virtual std::size_t size() const = 0;
+  /// Adds the gradients of the mean loss over `examples` into model.grads().
+  virtual MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples) = 0;
+  /// The metric shown as the progress line's accuracy, and its short label.
+  virtual std::pair<const char*, const char*> accuracy_metric() const = 0;
+};
+
+/// Encoding options shared by every data set.
+struct DataSettings {
+  std::string file;  ///< JSONL in the loss's convention
+  data::EncodeOptions encode;
+};
+
+/// SFT with LinearCrossEntropy on {"prompt", "completion"} / {"text"} lines.
+std::unique_ptr<Trainer> make_ce_trainer(const DataSettings& data, const LossSettings& loss,
+                                         int threads);
+
+/// DPO, ORPO, SimPO or CPO (loss.loss) on {"prompt", "chosen", "rejected"} lines. DPO needs the
+/// frozen `reference` (its log-probs come from SequenceLogProbs on each batch); the others are
+/// reference-free and get none.
+std::unique_ptr<Trainer> make_pair_trainer(const DataSettings& data, const LossSettings& loss,
+                                           int threads, std::optional<model::LlamaModel> reference);
+
+/// KTO on {"prompt", "completion", "label"} lines with the frozen `reference`. The KL reference
+/// point of each micro-batch is the mean policy-minus-reference log-prob of its mismatched pairs
+/// (prompt i with completion i + 1), detached, as TRL computes it.
+std::unique_ptr<Trainer> make_kto_trainer(const DataSettings& data, const LossSettings& loss,
+                                          int threads, model::LlamaModel reference);
+
+}  // namespace chunkloss::train

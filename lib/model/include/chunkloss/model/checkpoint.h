@@ -1,0 +1,69 @@
+// Checkpoints in the Hugging Face layout: config.json (LlamaConfig) and model.safetensors (Llama
+// tensor names, F32), plus optimizer.safetensors and trainer_state.json for exact resume. Every
+// file is staged as a fsynced temporary and renamed into place only after all were written.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "chunkloss/model/config.h"
+#include "chunkloss/model/model.h"
+#include "chunkloss/model/optim.h"
+
+namespace chunkloss::model {
+
+/// File names inside a checkpoint directory.
+inline constexpr const char* kConfigFile = "config.json";
+inline constexpr const char* kModelFile = "model.safetensors";
+inline constexpr const char* kOptimizerFile = "optimizer.safetensors";
+inline constexpr const char* kTrainerStateFile = "trainer_state.json";
+
+/// Training-loop state saved with the optimizer (trainer_state.json).
+struct TrainerState {
+  std::int64_t global_step = 0;
+  std::map<std::string, std::int64_t> counters;  ///< e.g. "epoch", "batch_in_epoch", "seed"
+  std::map<std::string, double> scalars;         ///< finite values, e.g. "last_loss"
+  std::map<std::string, std::string> strings;    ///< e.g. "loss": "dpo"
+};
+
+/// Saves into `dir` (created when missing):
+/// - config.json: config_to_json(model.config()) plus "chunkloss_save_id";
+/// - model.safetensors: every parameter under its HF name (lm_head.weight omitted when tied),
+///   F32, metadata {"format": "pt", "chunkloss_save_id"};
+/// - with `optimizer`: optimizer.safetensors holding "<name>.exp_avg" and "<name>.exp_avg_sq"
+///   per parameter, metadata {"step", "chunkloss_save_id"};
+/// - with `state`: trainer_state.json with global_step, the maps, the AdamW options and the id.
+/// All files are first written to "<file>.tmp" and fsynced; only then renamed over the old
+/// files (then the directory is fsynced). A failure while staging removes the temporaries and
+/// leaves the previous checkpoint untouched. Optimizer or trainer-state files of an earlier
+/// save that this save does not write are removed. Each save has a fresh random save id; the
+/// loaders reject files whose ids differ (a save interrupted between two renames).
+/// Throws chunkloss::Error naming the file and the failing call.
+void save_checkpoint(const std::string& dir, const LlamaModel& model,
+                     const AdamW* optimizer = nullptr, const TrainerState* state = nullptr);
+
+/// Parses dir/config.json (config_from_json).
+LlamaConfig load_config(const std::string& dir);
+
+/// A model built from dir/config.json with its weights from dir/model.safetensors.
+LlamaModel load_model(const std::string& dir);
+
+/// Reads a safetensors file into `model`. The file must hold exactly the model's tensors: every
+/// problem is listed in one chunkloss::Error naming the file, e.g. "missing tensor
+/// model.norm.weight", "unexpected tensor lm_head.weight (tie_word_embeddings is true)",
+/// "tensor model.embed_tokens.weight has shape [259, 32], expected [259, 64]", "tensor X has
+/// dtype BF16, expected F32"; plus every SafetensorsFile::read error. The model is unchanged
+/// when it throws.
+void load_weights(const std::string& path, LlamaModel& model);
+
+/// True when dir holds optimizer.safetensors and trainer_state.json.
+bool has_training_state(const std::string& dir);
+
+/// Restores the optimizer's m, v and step from dir/optimizer.safetensors (names and shapes
+/// validated against `model` as in load_weights) and returns dir/trainer_state.json. Throws
+/// chunkloss::Error naming the file and the problem, or when the files' save ids differ from
+/// each other or from config.json's.
+TrainerState load_training_state(const std::string& dir, const LlamaModel& model, AdamW& optimizer);
+
+}  // namespace chunkloss::model

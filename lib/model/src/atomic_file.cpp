@@ -1,0 +1,69 @@
+// POSIX atomic file replacement: open/write/fsync/close a temporary, rename, fsync the directory.
+#include "atomic_file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "chunkloss/core/error.h"
+
+namespace chunkloss::model::detail {
+
+std::string temp_path(const std::string& path) { return path + ".tmp"; }
+
+void remove_file_quietly(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) ::unlink(path.c_str());
+}
+
+void write_temp_file(const std::string& tmp, std::string_view bytes) {
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  CHUNKLOSS_CHECK(fd >= 0, "cannot create ", tmp, ": ", std::strerror(errno));
+  const char* p = bytes.data();
+  std::size_t left = bytes.size();
+  while (left > 0) {
+    const ssize_t n = ::write(fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      ::close(fd);
+      remove_file_quietly(tmp);
+      CHUNKLOSS_FAIL("cannot write ", tmp, ": ", std::strerror(err));
+    }
+    p += n;
+    left -= static_cast<std::size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    const int err = errno;
+    ::close(fd);
+    remove_file_quietly(tmp);
+    CHUNKLOSS_FAIL("cannot fsync ", tmp, ": ", std::strerror(err));
+  }
+  if (::close(fd) != 0) {
+    const int err = errno;
+    remove_file_quietly(tmp);
+    CHUNKLOSS_FAIL("cannot close ", tmp, ": ", std::strerror(err));
+  }
+}
+
+void rename_file(const std::string& tmp, const std::string& path) {
+  CHUNKLOSS_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path,
+                  ": ", std::strerror(errno));
+}
+
+void sync_parent_dir(const std::string& path) {
+  std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  if (dir.empty()) dir = ".";
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  CHUNKLOSS_CHECK(fd >= 0, "cannot open directory ", dir.string(), ": ", std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  CHUNKLOSS_CHECK(rc == 0, "cannot fsync directory ", dir.string(), ": ", std::strerror(err));
+}
+
+}  // namespace chunkloss::model::detail

@@ -1,0 +1,22 @@
+// Internal: the steps of an atomic file replacement (write + fsync a temporary, rename, fsync the
+// directory), separate so a checkpoint can stage all its files before renaming any.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace chunkloss::model::detail {
+
+/// The temporary beside `path`: path + ".tmp".
+std::string temp_path(const std::string& path);
+/// Creates/truncates `tmp`, writes `bytes`, fsyncs and closes it. On failure removes `tmp`
+/// (when it is a regular file) and throws chunkloss::Error naming it and the failing call.
+void write_temp_file(const std::string& tmp, std::string_view bytes);
+/// rename(tmp, path); throws chunkloss::Error on failure.
+void rename_file(const std::string& tmp, const std::string& path);
+/// fsyncs the directory holding `path`, making renames durable.
+void sync_parent_dir(const std::string& path);
+/// Removes `path` if it is a regular file; ignores errors.
+void remove_file_quietly(const std::string& path);
+
+}  // namespace chunkloss::model::detail

@@ -1,0 +1,329 @@
+// Checkpoint save (stage every file, then rename) and load (validate the whole tensor set
+// against the model before copying anything).
+#include "chunkloss/model/checkpoint.h"
+
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "atomic_file.h"
+#include "chunkloss/core/error.h"
+#include "chunkloss/model/safetensors.h"
+
+namespace chunkloss::model {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr const char* kSaveIdKey = "chunkloss_save_id";
+
+std::string in_dir(const std::string& dir, const char* file) {
+  return (fs::path(dir) / file).string();
+}
+
+std::string new_save_id() {
+  std::random_device rd;
+  const std::uint64_t hi = rd(), lo = rd();
+  const std::uint64_t id = (hi << 32) ^ lo;
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(id));
+  return buf;
+}
+
+std::string shape_str(const std::vector<std::int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+TensorView view_of(const float* p, const std::vector<std::int64_t>& shape) {
+  if (shape.size() == 1) return TensorView::of(p, {shape[0]});
+  return TensorView::of(p, {shape[0], shape[1]});
+}
+
+// Stages files as fsynced temporaries; commit() renames them in order. Temporaries left by a
+// failure are removed on destruction.
+class Staging {
+ public:
+  void add(const std::string& path, std::string_view bytes) {
+    const std::string tmp = detail::temp_path(path);
+    detail::write_temp_file(tmp, bytes);
+    files_.emplace_back(path, tmp);
+  }
+  void commit() {
+    for (auto& [path, tmp] : files_) {
+      detail::rename_file(tmp, path);
+      tmp.clear();
+    }
+  }
+  ~Staging() {
+    for (const auto& f : files_) {
+      if (!f.second.empty()) detail::remove_file_quietly(f.second);
+    }
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::string>> files_;
+};
+
+struct Wanted {
+  std::string name;
+  std::vector<std::int64_t> shape;
+};
+
+// Throws one error listing every difference between the file's tensors and `want`.
+void check_tensor_set(const SafetensorsFile& f, const std::vector<Wanted>& want,
+                      const LlamaConfig& config) {
+  std::vector<std::string> problems;
+  std::set<std::string> wanted;
+  for (const Wanted& w : want) {
+    wanted.insert(w.name);
+    const SafetensorsEntry* e = f.find(w.name);
+    if (!e) {
+      problems.push_back("missing tensor " + w.name);
+      continue;
+    }
+    if (e->dtype != "F32") {
+      problems.push_back("tensor " + w.name + " has dtype " + e->dtype + ", expected F32");
+    }
+    if (e->shape != w.shape) {
+      problems.push_back("tensor " + w.name + " has shape " + shape_str(e->shape) + ", expected " +
+                         shape_str(w.shape));
+    }
+  }
+  for (const SafetensorsEntry& e : f.tensors()) {
+    if (wanted.count(e.name)) continue;
+    std::string p = "unexpected tensor " + e.name;
+    if (e.name.rfind("lm_head.weight", 0) == 0 && config.tie_word_embeddings) {
+      p += " (tie_word_embeddings is true)";
+    } else if (e.name.rfind("model.layers.", 0) == 0) {
+      p += " (the config has " + std::to_string(config.num_hidden_layers) + " layers)";
+    }
+    problems.push_back(std::move(p));
+  }
+  if (problems.empty()) return;
+  std::ostringstream os;
+  os << f.source() << ": " << problems.size()
+     << (problems.size() == 1 ? " problem: " : " problems: ");
+  for (std::size_t i = 0; i < problems.size(); ++i) os << (i ? "; " : "") << problems[i];
+  CHUNKLOSS_FAIL(os.str());
+}
+
+std::vector<Wanted> model_tensors(const LlamaModel& model, const char* suffix) {
+  std::vector<Wanted> out;
+  for (const ParameterInfo& p : model.parameters()) out.push_back({p.name + suffix, p.shape});
+  return out;
+}
+
+std::string read_text(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  CHUNKLOSS_CHECK(f != nullptr, "cannot open ", path, ": ", std::strerror(errno));
+  std::string text;
+  char buf[1 << 14];
+  std::size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
+  const bool failed = std::ferror(f) != 0;
+  std::fclose(f);
+  CHUNKLOSS_CHECK(!failed, "error while reading ", path);
+  return text;
+}
+
+json parse_json_file(const std::string& path) {
+  const std::string text = read_text(path);
+  try {
+    return json::parse(text);
+  } catch (const json::exception& e) {
+    CHUNKLOSS_FAIL(path, ": bad JSON: ", e.what());
+  }
+}
+
+// The save id recorded in a JSON object, or "" when absent.
+std::string json_save_id(const json& j) {
+  const auto it = j.find(kSaveIdKey);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
+std::string meta_save_id(const SafetensorsFile& f) {
+  const auto it = f.metadata().find(kSaveIdKey);
+  return it != f.metadata().end() ? it->second : std::string();
+}
+
+void check_same_save(const std::string& a_name, const std::string& a, const std::string& b_name,
+                     const std::string& b) {
+  CHUNKLOSS_CHECK(a.empty() || b.empty() || a == b, a_name, " (save id ", a, ") and ", b_name,
+                  " (save id ", b, ") come from different saves: an interrupted save?");
+}
+
+[[noreturn]] void fail_field(const std::string& path, const char* field, const char* want) {
+  CHUNKLOSS_FAIL(path, ": field \"", field, "\" must be ", want);
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& dir, const LlamaModel& model, const AdamW* optimizer,
+                     const TrainerState* state) {
+  try {
+    fs::create_directories(dir);
+  } catch (const fs::filesystem_error& e) {
+    CHUNKLOSS_FAIL("cannot create checkpoint directory ", dir, ": ", e.what());
+  }
+  const std::string id = new_save_id();
+  const json id_field = {{kSaveIdKey, id}};
+
+  std::vector<NamedTensor> weights;
+  for (const ParameterInfo& p : model.parameters()) {
+    weights.push_back({p.name, view_of(model.params().data() + p.offset, p.shape)});
+  }
+  std::string optimizer_bytes;
+  if (optimizer) {
+    CHUNKLOSS_CHECK(optimizer->size() == model.params().size(), "save_checkpoint: the optimizer ",
+                    "holds ", optimizer->size(), " values for a model of ", model.params().size());
+    std::vector<NamedTensor> moments;
+    for (const ParameterInfo& p : model.parameters()) {
+      moments.push_back(
+          {p.name + ".exp_avg", view_of(optimizer->exp_avg().data() + p.offset, p.shape)});
+      moments.push_back(
+          {p.name + ".exp_avg_sq", view_of(optimizer->exp_avg_sq().data() + p.offset, p.shape)});
+    }
+    optimizer_bytes = serialize_safetensors(
+        moments, {{"step", std::to_string(optimizer->step_count())}, {kSaveIdKey, id}});
+  }
+  std::string state_text;
+  if (state) {
+    json j;
+    j["global_step"] = state->global_step;
+    j[kSaveIdKey] = id;
+    if (optimizer) {
+      const AdamWOptions& o = optimizer->options();
+      j["optimizer"] = {{"type", "AdamW"},  {"step", optimizer->step_count()},
+                        {"beta1", o.beta1}, {"beta2", o.beta2},
+                        {"eps", o.eps},     {"weight_decay", o.weight_decay}};
+    }
+    j["counters"] = state->counters;
+    for (const auto& [k, v] : state->scalars) {
+      CHUNKLOSS_CHECK(std::isfinite(v), "save_checkpoint: trainer state scalar \"", k, "\" = ", v,
+                      " is not finite");
+    }
+    j["scalars"] = state->scalars;
+    j["strings"] = state->strings;
+    state_text = j.dump(2) + "\n";
+  }
+
+  const std::string config_path = in_dir(dir, kConfigFile);
+  const std::string model_path = in_dir(dir, kModelFile);
+  const std::string optimizer_path = in_dir(dir, kOptimizerFile);
+  const std::string state_path = in_dir(dir, kTrainerStateFile);
+  Staging staging;
+  staging.add(model_path, serialize_safetensors(weights, {{"format", "pt"}, {kSaveIdKey, id}}));
+  if (optimizer) staging.add(optimizer_path, optimizer_bytes);
+  if (state) staging.add(state_path, state_text);
+  staging.add(config_path, config_to_json(model.config(), id_field.dump()));
+  staging.commit();
+  if (!optimizer) detail::remove_file_quietly(optimizer_path);
+  if (!state) detail::remove_file_quietly(state_path);
+  detail::sync_parent_dir(model_path);
+}
+
+LlamaConfig load_config(const std::string& dir) {
+  const std::string path = in_dir(dir, kConfigFile);
+  return config_from_json(read_text(path), path);
+}
+
+void load_weights(const std::string& path, LlamaModel& model) {
+  const SafetensorsFile f = SafetensorsFile::read(path);
+  check_tensor_set(f, model_tensors(model, ""), model.config());
+  for (const ParameterInfo& p : model.parameters()) {
+    f.copy_f32(*f.find(p.name), model.params().subspan(p.offset, p.numel));
+  }
+}
+
+LlamaModel load_model(const std::string& dir) {
+  const std::string config_path = in_dir(dir, kConfigFile);
+  const std::string config_text = read_text(config_path);
+  LlamaModel model(config_from_json(config_text, config_path));
+  const std::string model_path = in_dir(dir, kModelFile);
+  const SafetensorsFile f = SafetensorsFile::read(model_path);
+  check_same_save(config_path, json_save_id(json::parse(config_text)), model_path, meta_save_id(f));
+  check_tensor_set(f, model_tensors(model, ""), model.config());
+  for (const ParameterInfo& p : model.parameters()) {
+    f.copy_f32(*f.find(p.name), model.params().subspan(p.offset, p.numel));
+  }
+  return model;
+}
+
+bool has_training_state(const std::string& dir) {
+  return fs::is_regular_file(in_dir(dir, kOptimizerFile)) &&
+         fs::is_regular_file(in_dir(dir, kTrainerStateFile));
+}
+
+TrainerState load_training_state(const std::string& dir, const LlamaModel& model,
+                                 AdamW& optimizer) {
+  CHUNKLOSS_CHECK(optimizer.size() == model.params().size(), "load_training_state: the optimizer ",
+                  "holds ", optimizer.size(), " values for a model of ", model.params().size());
+  const std::string opt_path = in_dir(dir, kOptimizerFile);
+  const std::string state_path = in_dir(dir, kTrainerStateFile);
+  const std::string config_path = in_dir(dir, kConfigFile);
+
+  const SafetensorsFile f = SafetensorsFile::read(opt_path);
+  std::vector<Wanted> want;
+  for (const ParameterInfo& p : model.parameters()) {
+    want.push_back({p.name + ".exp_avg", p.shape});
+    want.push_back({p.name + ".exp_avg_sq", p.shape});
+  }
+  check_tensor_set(f, want, model.config());
+  const auto step_it = f.metadata().find("step");
+  CHUNKLOSS_CHECK(step_it != f.metadata().end(), opt_path, ": metadata has no \"step\"");
+  std::int64_t step = -1;
+  const std::string& s = step_it->second;
+  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), step);
+  CHUNKLOSS_CHECK(ec == std::errc() && ptr == s.data() + s.size() && step >= 0, opt_path,
+                  ": metadata \"step\" = \"", s, "\" is not a non-negative integer");
+
+  const json j = parse_json_file(state_path);
+  CHUNKLOSS_CHECK(j.is_object(), state_path, ": expected a JSON object, got ", j.type_name());
+  check_same_save(opt_path, meta_save_id(f), state_path, json_save_id(j));
+  if (fs::is_regular_file(config_path)) {
+    check_same_save(config_path, json_save_id(parse_json_file(config_path)), state_path,
+                    json_save_id(j));
+  }
+  TrainerState st;
+  const auto gs = j.find("global_step");
+  if (gs == j.end() || !gs->is_number_integer())
+    fail_field(state_path, "global_step", "an integer");
+  st.global_step = gs->get<std::int64_t>();
+  const auto read_map = [&](const char* field, auto& out, auto is_ok, const char* want_desc) {
+    const auto it = j.find(field);
+    if (it == j.end()) return;
+    if (!it->is_object()) fail_field(state_path, field, "an object");
+    for (auto e = it->begin(); e != it->end(); ++e) {
+      if (!is_ok(e.value())) fail_field(state_path, field, want_desc);
+      using V = typename std::decay_t<decltype(out)>::mapped_type;
+      out[e.key()] = e.value().template get<V>();
+    }
+  };
+  read_map(
+      "counters", st.counters, [](const json& v) { return v.is_number_integer(); },
+      "an object of integers");
+  read_map(
+      "scalars", st.scalars, [](const json& v) { return v.is_number(); }, "an object of numbers");
+  read_map(
+      "strings", st.strings, [](const json& v) { return v.is_string(); }, "an object of strings");
+
+  std::vector<float> m(model.params().size()), v(model.params().size());
+  for (const ParameterInfo& p : model.parameters()) {
+    f.copy_f32(*f.find(p.name + ".exp_avg"), std::span<float>(m).subspan(p.offset, p.numel));
+    f.copy_f32(*f.find(p.name + ".exp_avg_sq"), std::span<float>(v).subspan(p.offset, p.numel));
+  }
+  optimizer.load_state(m, v, step);
+  return st;
+}
+
+}  // namespace chunkloss::model

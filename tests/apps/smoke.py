@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Smoke tests of chunkloss-train and chunkloss-eval on the bundled data (ctest label cpu).
+
+    smoke.py TRAIN EVAL WORKDIR CASE
+
+CASE is one of: sft (a few SFT steps from a new model: the loss goes down, the metrics file has
+one line per step, the chart is written), dpo|orpo|simpo|cpo|kto (a few steps from the sft
+case's checkpoint: the loss goes down), resume (12 steps straight == 7 steps, save, resume, 5
+more; bitwise), eval (chunkloss-eval --json on the sft checkpoint), usage (bad options: one line,
+exit code 2).
+"""
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+
+def fail(msg):
+    print("FAIL: " + msg)
+    sys.exit(1)
+
+
+def run(cmd, expect=0):
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != expect:
+        fail("%s exited %d (expected %d)\nstdout:\n%s\nstderr:\n%s" %
+             (" ".join(cmd), p.returncode, expect, p.stdout, p.stderr))
+    return p
+
+
+def losses(metrics_path):
+    with open(metrics_path) as f:
+        return [json.loads(line)["loss"] for line in f if line.strip()]
+
+
+def check_went_down(metrics_path, steps):
+    ls = losses(metrics_path)
+    if len(ls) != steps:
+        fail("%s has %d lines, expected %d" % (metrics_path, len(ls), steps))
+    k = max(1, steps // 4)
+    first, last = sum(ls[:k]) / k, sum(ls[-k:]) / k
+    print("loss: first %d steps %.4f, last %d steps %.4f" % (k, first, k, last))
+    if not last < first:
+        fail("the loss did not go down: %.4f -> %.4f" % (first, last))
+
+
+def tensors(path):
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header.pop("__metadata__", None)
+    return {k: raw[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]]
+            for k, v in header.items()}
+
+
+def main():
+    train, evaluate, work, case = sys.argv[1:5]
+    os.makedirs(work, exist_ok=True)
+    sft = os.path.join(work, "sft")
+    small = ["--hidden-size", "32", "--intermediate-size", "64", "--heads", "2", "--kv-heads", "1",
+             "--batch-size", "16"]
+    if case == "sft":
+        shutil.rmtree(sft, ignore_errors=True)
+        run([train, "--loss", "ce", "--steps", "200", "--warmup-steps", "4", "--lr", "1e-2",
+             "--save", sft] + small)
+        check_went_down(os.path.join(sft, "metrics.jsonl"), 200)
+        with open(os.path.join(sft, "training.svg")) as f:
+            if "<polyline" not in f.read():
+                fail("training.svg has no curve")
+        for name in ("config.json", "model.safetensors", "optimizer.safetensors",
+                     "trainer_state.json"):
+            if not os.path.isfile(os.path.join(sft, name)):
+                fail("the checkpoint has no " + name)
+    elif case in ("dpo", "orpo", "simpo", "cpo", "kto"):
+        out = os.path.join(work, case)
+        shutil.rmtree(out, ignore_errors=True)
+        # KTO's per-batch loss starts at 0.5 and moves slowly on this tiny model: more steps.
+        steps, lr = ("80", "1e-3") if case == "kto" else ("16", "3e-3")
+        run([train, "--loss", case, "--init", sft, "--steps", steps, "--warmup-steps", "0",
+             "--lr", lr, "--batch-size", "16", "--save", out])
+        check_went_down(os.path.join(out, "metrics.jsonl"), int(steps))
+    elif case == "resume":
+        a, b = os.path.join(work, "straight"), os.path.join(work, "resumed")
+        for d in (a, b):
+            shutil.rmtree(d, ignore_errors=True)
+        common = ["--loss", "ce", "--steps", "12", "--warmup-steps", "3", "--seed", "5"] + small
+        run([train, "--save", a, "--save-every", "7"] + common)
+        run([train, "--resume", os.path.join(a, "checkpoint-7"), "--save", b] + common[:8] +
+            ["--batch-size", "16"])
+        for name in ("model.safetensors", "optimizer.safetensors"):
+            if tensors(os.path.join(a, name)) != tensors(os.path.join(b, name)):
+                fail("12 steps straight and 7 + resume + 5 differ in " + name)
+        with open(os.path.join(b, "trainer_state.json")) as f:
+            if json.load(f)["global_step"] != 12:
+                fail("the resumed run did not end at step 12")
+        print("resume: 12 steps == 7 steps, save, resume, 5 steps (bitwise)")
+    elif case == "eval":
+        out = os.path.join(work, "eval.json")
+        p = run([evaluate, "--model", sft, "--reference", sft, "--limit", "16", "--json", out])
+        with open(out) as f:
+            rows = json.load(f)
+        r = rows[0]
+        for k in ("eval_loss", "perplexity", "token_accuracy", "exact_match", "logps/accuracy",
+                  "rewards/accuracies", "rewards/margins"):
+            if k not in r:
+                fail("eval JSON has no " + k)
+        if not (0 <= r["exact_match"] <= 1 and r["perplexity"] >= 1):
+            fail("eval values out of range: %s" % r)
+        if r["rewards/margins"] != 0 or r["rewards/accuracies"] != 0:
+            fail("a model against itself must have zero rewards: %s" % r)
+        if "| sft " not in p.stdout:
+            fail("the table has no sft row:\n" + p.stdout)
+    elif case == "usage":
+        for cmd in ([train, "--no-such-option"], [train, "--loss", "nope"],
+                    [train, "--steps", "0"], [train, "--device", "cuda"],
+                    [train, "--init", sft, "--hidden-size", "8"], [evaluate],
+                    [evaluate, "--model", sft, "--beta", "-1"]):
+            p = run(cmd, expect=2)
+            lines = p.stderr.strip().splitlines()
+            if len(lines) != 1 or "see --help" not in lines[0]:
+                fail("%s: expected one usage line, got:\n%s" % (" ".join(cmd), p.stderr))
+        p = run([train, "--help"])
+        for opt in ("--loss", "--budget-mib", "--resume", "--init", "--save", "--config"):
+            if opt not in p.stdout:
+                fail("--help does not list " + opt)
+        cfg = os.path.join(work, "bad.ini")
+        with open(cfg, "w") as f:
+            f.write("steps = many\n")
+        run([train, "--config", cfg], expect=2)
+        p = run([evaluate, "--model", os.path.join(work, "missing")], expect=1)
+        if "missing" not in p.stderr:
+            fail("a missing checkpoint must be named:\n" + p.stderr)
+    else:
+        fail("unknown case " + case)
+
+
+if __name__ == "__main__":
+    main()

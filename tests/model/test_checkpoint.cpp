@@ -1,0 +1,487 @@
+// Checkpoints: bitwise round trips (tied/untied) in the HF layout, bitwise resume of training,
+// every bad-file case (truncated, bad header, offsets, dtype, shape, missing/unexpected tensor,
+// bad config/optimizer/trainer state, mixed saves) and interrupted saves.
+#include <doctest/doctest.h>
+
+#include <chunkloss/core/error.h>
+#include <chunkloss/model/checkpoint.h>
+#include <chunkloss/model/safetensors.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "data/expect_error.h"
+#include "data/temp_dir.h"
+#include "reference_decoder.h"
+
+namespace chunkloss::test {
+namespace {
+
+using namespace chunkloss::model;
+namespace fs = std::filesystem;
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
+}
+
+void spit(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+bool same_params(const LlamaModel& a, const LlamaModel& b) {
+  return a.params().size() == b.params().size() &&
+         std::memcmp(a.params().data(), b.params().data(), a.params().size() * 4) == 0;
+}
+
+// One deterministic training step on a quadratic loss: L = 0.5 |hidden - Y|^2 + 0.5e-3 |W_lm|^2,
+// with the batch drawn from the step index (as a seeded sampler would).
+void train_step(LlamaModel& m, AdamW& opt, std::int64_t step) {
+  const LlamaConfig& c = m.config();
+  std::mt19937_64 rng(1000 + static_cast<std::uint64_t>(step));
+  const std::int64_t b = 2, t = 6;
+  std::vector<std::int32_t> tokens(static_cast<std::size_t>(b * t));
+  for (auto& x : tokens)
+    x = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.vocab_size));
+  m.zero_grad();
+  const TensorView h = m.forward(TensorView::of(tokens.data(), {b, t}));
+  std::vector<float> gh(static_cast<std::size_t>(h.numel()));
+  for (std::size_t j = 0; j < gh.size(); ++j) {
+    gh[j] = h.data_as<const float>()[j] - static_cast<float>(j % 3) * 0.5f;
+  }
+  const TensorView w = m.lm_head_weight();
+  std::vector<float> gw(static_cast<std::size_t>(w.numel()));
+  for (std::size_t j = 0; j < gw.size(); ++j) gw[j] = 1e-3f * w.data_as<const float>()[j];
+  m.backward(TensorView::of(gh.data(), {h.size(0), h.size(1)}),
+             TensorView::of(gw.data(), {w.size(0), w.size(1)}));
+  clip_grad_norm(m.grads(), 1.0);
+  LrSchedule s;
+  s.lr = 1e-2;
+  s.warmup_steps = 2;
+  s.total_steps = 8;
+  opt.step(m, learning_rate(s, step));
+}
+
+AdamWOptions adamw_options() {
+  AdamWOptions o;
+  o.weight_decay = 0.01;
+  return o;
+}
+
+TEST_CASE("checkpoint: bitwise round trip in the HF layout, tied and untied") {
+  for (bool tied : {false, true}) {
+    CAPTURE(tied);
+    const TempDir dir;
+    const LlamaConfig c = tiny_config(true, tied);
+    const LlamaModel m(c, 77);
+    save_checkpoint(dir.path(), m);
+    CHECK(fs::is_regular_file(dir.file("config.json")));
+    CHECK(fs::is_regular_file(dir.file("model.safetensors")));
+    CHECK(!fs::exists(dir.file("optimizer.safetensors")));
+    CHECK(!fs::exists(dir.file("model.safetensors.tmp")));
+    const LlamaModel back = load_model(dir.path());
+    CHECK(same_params(m, back));
+    CHECK(back.config().num_key_value_heads == 1);
+    CHECK(back.config().tie_word_embeddings == tied);
+    CHECK(back.config().rms_norm_eps == c.rms_norm_eps);
+    CHECK(back.config().pad_token_id == c.pad_token_id);
+
+    const std::string cfg = slurp(dir.file("config.json"));
+    for (const char* field :
+         {"\"architectures\"", "\"LlamaForCausalLM\"", "\"model_type\": \"llama\"",
+          "\"hidden_size\": 12", "\"intermediate_size\": 20", "\"num_attention_heads\": 2",
+          "\"num_key_value_heads\": 1", "\"num_hidden_layers\": 2", "\"vocab_size\": 11",
+          "\"rms_norm_eps\"", "\"rope_theta\"", "\"max_position_embeddings\": 16",
+          "\"tie_word_embeddings\"", "\"hidden_act\": \"silu\""}) {
+      CAPTURE(field);
+      CHECK(contains(cfg, field));
+    }
+    // The safetensors file: 8-byte LE header length, JSON header, F32 tensors under HF names.
+    const std::string raw = slurp(dir.file("model.safetensors"));
+    std::uint64_t len = 0;
+    std::memcpy(&len, raw.data(), 8);
+    CHECK(len % 8 == 0);
+    CHECK(raw[8] == '{');
+    const SafetensorsFile f = SafetensorsFile::read(dir.file("model.safetensors"));
+    std::set<std::string> names;
+    for (const auto& e : f.tensors()) {
+      names.insert(e.name);
+      CHECK(e.dtype == "F32");
+    }
+    std::set<std::string> want = {"model.embed_tokens.weight", "model.norm.weight"};
+    for (int l = 0; l < 2; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      for (const char* s :
+           {"input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}) {
+        want.insert(p + s);
+      }
+    }
+    if (!tied) want.insert("lm_head.weight");
+    CHECK(names == want);
+    CHECK(f.find("model.layers.1.self_attn.k_proj.weight")->shape ==
+          std::vector<std::int64_t>{6, 12});
+    CHECK(f.metadata().at("format") == "pt");
+    // A second save over the first replaces it.
+    const LlamaModel m2(c, 78);
+    save_checkpoint(dir.path(), m2);
+    CHECK(same_params(m2, load_model(dir.path())));
+  }
+}
+
+TEST_CASE("checkpoint: k steps == j steps, save, load, k - j steps (bitwise)") {
+  const LlamaConfig c = tiny_config(true, false);
+  const std::int64_t k = 7, j = 3;
+  LlamaModel straight(c, 5);
+  AdamW straight_opt(straight.params().size(), adamw_options());
+  for (std::int64_t s = 0; s < k; ++s) train_step(straight, straight_opt, s);
+
+  const TempDir dir;
+  {
+    LlamaModel first(c, 5);
+    AdamW opt(first.params().size(), adamw_options());
+    for (std::int64_t s = 0; s < j; ++s) train_step(first, opt, s);
+    TrainerState st;
+    st.global_step = j;
+    st.counters["epoch"] = 0;
+    st.counters["seed"] = 5;
+    st.scalars["last_loss"] = 0.25;
+    st.strings["loss"] = "quadratic";
+    save_checkpoint(dir.path(), first, &opt, &st);
+  }
+  CHECK(has_training_state(dir.path()));
+  LlamaModel resumed = load_model(dir.path());
+  AdamW opt(resumed.params().size(), adamw_options());
+  const TrainerState st = load_training_state(dir.path(), resumed, opt);
+  CHECK(st.global_step == j);
+  CHECK(opt.step_count() == j);
+  CHECK(st.counters.at("seed") == 5);
+  CHECK(st.scalars.at("last_loss") == 0.25);
+  CHECK(st.strings.at("loss") == "quadratic");
+  for (std::int64_t s = st.global_step; s < k; ++s) train_step(resumed, opt, s);
+
+  CHECK(same_params(straight, resumed));
+  CHECK(std::memcmp(straight_opt.exp_avg().data(), opt.exp_avg().data(), opt.size() * 4) == 0);
+  CHECK(std::memcmp(straight_opt.exp_avg_sq().data(), opt.exp_avg_sq().data(), opt.size() * 4) ==
+        0);
+  CHECK(opt.step_count() == k);
+  // And training did change the parameters.
+  CHECK(!same_params(straight, LlamaModel(c, 5)));
+}
+
+// A checkpoint directory with a model to corrupt.
+struct Saved {
+  TempDir dir;
+  LlamaConfig config = tiny_config(false, false);
+  LlamaModel model{config, 3};
+  Saved() { save_checkpoint(dir.path(), model); }
+  std::string model_path() const { return dir.file("model.safetensors"); }
+  std::string load_error() const {
+    return error_message([&] { load_model(dir.path()); });
+  }
+};
+
+TEST_CASE("checkpoint errors: truncated files") {
+  Saved s;
+  const std::string raw = slurp(s.model_path());
+  spit(s.model_path(), raw.substr(0, 5));
+  std::string m = s.load_error();
+  CHECK(contains(m, s.model_path()));
+  CHECK(contains(m, "truncated file: 5 bytes"));
+  spit(s.model_path(), raw.substr(0, 40));
+  m = s.load_error();
+  CHECK(contains(m, "truncated file: the header length says"));
+  spit(s.model_path(), raw.substr(0, raw.size() - 100));
+  m = s.load_error();
+  CHECK(contains(m, "out of range"));
+  CHECK(contains(m, "truncated file?"));
+  spit(s.model_path(), "");
+  CHECK(contains(s.load_error(), "truncated file: 0 bytes"));
+  fs::remove(s.model_path());
+  CHECK(contains(s.load_error(), "cannot open " + s.model_path()));
+}
+
+TEST_CASE("checkpoint errors: bad header JSON and header length") {
+  Saved s;
+  std::string raw = slurp(s.model_path());
+  std::string bad = raw;
+  bad[9] = '#';  // the first key's opening quote
+  spit(s.model_path(), bad);
+  CHECK(contains(s.load_error(), "bad header JSON"));
+  bad = raw;
+  bad[8] = '[';
+  spit(s.model_path(), bad);
+  CHECK(contains(s.load_error(), "bad header JSON"));
+  bad = raw;
+  const std::uint64_t huge = std::uint64_t{1} << 40;
+  std::memcpy(bad.data(), &huge, 8);
+  spit(s.model_path(), bad);
+  CHECK(contains(s.load_error(), "exceeds the 100 MB limit"));
+}
+
+// A file from a hand-written header and `data_bytes` zero bytes of data.
+std::string raw_file(const std::string& header, std::size_t data_bytes) {
+  std::string h = header;
+  const std::uint64_t len = h.size();
+  std::string out(8, '\0');
+  std::memcpy(out.data(), &len, 8);
+  return out + h + std::string(data_bytes, '\0');
+}
+
+TEST_CASE("checkpoint errors: offsets, dtypes and shapes inside the header") {
+  const auto err = [](const std::string& header, std::size_t data) {
+    return error_message([&] { SafetensorsFile::parse(raw_file(header, data), "t.safetensors"); });
+  };
+  CHECK(contains(err(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", 8),
+                 "t.safetensors: tensor \"a\": data_offsets [0, 16] out of range"));
+  CHECK(contains(err(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8),
+                 "span 8 bytes but F32 [3] needs 12"));
+  CHECK(contains(err(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                     R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                     12),
+                 "overlap"));
+  CHECK(contains(err(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
+                 "leave a hole"));
+  CHECK(contains(err(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 8),
+                 "trailing bytes"));
+  CHECK(contains(err(R"({"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,4]}})", 4),
+                 "unknown dtype \"Q4\""));
+  CHECK(contains(err(R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4),
+                 "shape must hold non-negative integers"));
+  CHECK(contains(err(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}})", 4),
+                 "end before begin"));
+  CHECK(contains(err(R"({"a":{"shape":[1],"data_offsets":[0,4]}})", 4), "\"dtype\""));
+  CHECK(contains(err(R"({"a":{"dtype":"F32","data_offsets":[0,4]}})", 4), "\"shape\""));
+  CHECK(contains(err(R"({"a":{"dtype":"F32","shape":[1]}})", 4), "\"data_offsets\""));
+  CHECK(contains(err(R"({"a":[1,2]})", 0), "entry must be an object"));
+  CHECK(contains(err(R"({"__metadata__":{"k":1}})", 0), "\"__metadata__\" value of \"k\""));
+  CHECK(contains(err(R"({"a":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],)"
+                     R"("data_offsets":[0,4]}})",
+                     4),
+                 "too large"));
+  // A valid hand-written file parses, with mixed dtypes and metadata.
+  const SafetensorsFile ok = SafetensorsFile::parse(
+      raw_file(R"({"__metadata__":{"k":"v"},"b":{"dtype":"I64","shape":[1],"data_offsets":[4,12]},)"
+               R"("a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]}})",
+               12),
+      "ok");
+  REQUIRE(ok.tensors().size() == 2);
+  CHECK(ok.tensors()[0].name == "a");
+  CHECK(ok.metadata().at("k") == "v");
+  // An empty F32 tensor parses and copies out (found by fuzz_safetensors: no memcpy from null).
+  const SafetensorsFile empty = SafetensorsFile::parse(
+      raw_file(R"({"z":{"dtype":"F32","shape":[0,4],"data_offsets":[0,0]}})", 0), "empty");
+  REQUIRE(empty.tensors().size() == 1);
+  std::vector<float> none;
+  empty.copy_f32(empty.tensors()[0], none);
+  CHECK(empty.tensors()[0].shape == std::vector<std::int64_t>{0, 4});
+}
+
+TEST_CASE("checkpoint errors: missing, unexpected, wrong-shape and wrong-dtype tensors") {
+  Saved s;
+  const auto rewrite = [&](const std::string& skip, const std::vector<NamedTensor>& extra) {
+    std::vector<NamedTensor> t;
+    for (const auto& p : s.model.parameters()) {
+      if (p.name == skip) continue;
+      const float* d = s.model.params().data() + p.offset;
+      t.push_back({p.name, p.shape.size() == 1 ? TensorView::of(d, {p.shape[0]})
+                                               : TensorView::of(d, {p.shape[0], p.shape[1]})});
+    }
+    t.insert(t.end(), extra.begin(), extra.end());
+    write_safetensors(s.model_path(), t, {{"format", "pt"}});
+  };
+  rewrite("model.norm.weight", {});
+  std::string m = s.load_error();
+  CHECK(contains(m, s.model_path() + ": 1 problem: missing tensor model.norm.weight"));
+  const std::vector<float> junk(12 * 12, 0.5f);
+  rewrite("", {{"model.layers.2.mlp.up_proj.weight", TensorView::of(junk.data(), {12, 12})}});
+  m = s.load_error();
+  CHECK(
+      contains(m, "unexpected tensor model.layers.2.mlp.up_proj.weight (the config has 2 layers)"));
+  rewrite("model.norm.weight", {{"model.norm.weight", TensorView::of(junk.data(), {2, 6})},
+                                {"extra", TensorView::of(junk.data(), {3})}});
+  m = s.load_error();
+  CHECK(contains(m, "2 problems"));
+  CHECK(contains(m, "tensor model.norm.weight has shape [2, 6], expected [12]"));
+  CHECK(contains(m, "unexpected tensor extra"));
+  std::vector<BFloat16> half(12);
+  rewrite("model.norm.weight", {{"model.norm.weight", TensorView::of(half.data(), {12})}});
+  CHECK(contains(s.load_error(), "tensor model.norm.weight has dtype BF16, expected F32"));
+
+  // A checkpoint of a model with another hidden size.
+  LlamaConfig wide = s.config;
+  wide.hidden_size = 16;
+  const TempDir other;
+  save_checkpoint(other.path(), LlamaModel(wide, 1));
+  LlamaModel narrow(s.config, 1);
+  m = error_message([&] { load_weights(other.file("model.safetensors"), narrow); });
+  CHECK(contains(m, "tensor model.embed_tokens.weight has shape [11, 16], expected [11, 12]"));
+  CHECK(contains(m, "tensor model.norm.weight has shape [16], expected [12]"));
+  // Copied beside another save's config.json, the save ids disagree first.
+  fs::copy_file(other.file("model.safetensors"), s.model_path(),
+                fs::copy_options::overwrite_existing);
+  CHECK(contains(s.load_error(), "come from different saves"));
+
+  // An untied checkpoint loaded with tie_word_embeddings true, through load_weights.
+  LlamaConfig tied = s.config;
+  tied.tie_word_embeddings = true;
+  LlamaModel target(tied, 1);
+  const std::vector<float> before(target.params().begin(), target.params().end());
+  const TempDir untied;
+  save_checkpoint(untied.path(), LlamaModel(s.config, 2));
+  m = error_message([&] { load_weights(untied.file("model.safetensors"), target); });
+  CHECK(contains(m, "unexpected tensor lm_head.weight (tie_word_embeddings is true)"));
+  CHECK(std::equal(before.begin(), before.end(), target.params().begin()));  // unchanged
+}
+
+TEST_CASE("checkpoint errors: config.json") {
+  Saved s;
+  const std::string path = s.dir.file("config.json");
+  const std::string good = slurp(path);
+  spit(path, "{\"hidden_size\": 12,");
+  CHECK(contains(s.load_error(), path + ": bad JSON"));
+  spit(path, "[]");
+  CHECK(contains(s.load_error(), "expected a JSON object"));
+  const auto with = [&](const std::string& from, const std::string& to) {
+    std::string t = good;
+    const auto at = t.find(from);
+    REQUIRE(at != std::string::npos);
+    t.replace(at, from.size(), to);
+    spit(path, t);
+    return s.load_error();
+  };
+  CHECK(contains(with("\"hidden_size\": 12,", ""), path + ": missing field \"hidden_size\""));
+  CHECK(contains(with("\"hidden_size\": 12", "\"hidden_size\": \"12\""),
+                 "field \"hidden_size\" must be an integer, got string"));
+  CHECK(contains(with("\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\""),
+                 "field \"hidden_act\" is \"gelu\""));
+  CHECK(contains(with("\"model_type\": \"llama\"", "\"model_type\": \"gpt2\""), "model_type"));
+  CHECK(contains(with("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 3"),
+                 "num_key_value_heads=3"));
+  CHECK(contains(with("\"rope_scaling\": null", "\"rope_scaling\": {\"type\": \"linear\"}"),
+                 "rope_scaling"));
+  CHECK(contains(with("\"tie_word_embeddings\": false", "\"tie_word_embeddings\": 0"),
+                 "field \"tie_word_embeddings\" must be a boolean"));
+  // A minimal HF config: missing optional fields take transformers' defaults.
+  const LlamaConfig minimal = config_from_json(
+      R"({"vocab_size": 11, "hidden_size": 12, "intermediate_size": 20, "num_hidden_layers": 1,
+          "num_attention_heads": 2})",
+      "mini.json");
+  CHECK(minimal.num_key_value_heads == 2);
+  CHECK(minimal.max_position_embeddings == 2048);
+  CHECK(minimal.rms_norm_eps == 1e-6);
+  CHECK(!minimal.tie_word_embeddings);
+  CHECK(!minimal.pad_token_id.has_value());
+  const LlamaConfig back = config_from_json(config_to_json(s.config), "round");
+  CHECK(back.hidden_size == s.config.hidden_size);
+  CHECK(back.rope_theta == s.config.rope_theta);
+  CHECK(back.initializer_range == s.config.initializer_range);
+}
+
+TEST_CASE("checkpoint errors: optimizer state, trainer state and mixed saves") {
+  const TempDir dir;
+  const LlamaConfig c = tiny_config(false, true);
+  LlamaModel m(c, 1);
+  AdamW opt(m.params().size());
+  train_step(m, opt, 0);
+  TrainerState st;
+  st.global_step = 1;
+  save_checkpoint(dir.path(), m, &opt, &st);
+  const std::string opt_path = dir.file("optimizer.safetensors");
+  const std::string state_path = dir.file("trainer_state.json");
+  const std::string good_opt = slurp(opt_path), good_state = slurp(state_path);
+  AdamW fresh(m.params().size());
+  const auto err = [&] {
+    return error_message([&] { load_training_state(dir.path(), m, fresh); });
+  };
+  CHECK(err().empty());
+  CHECK(fresh.step_count() == 1);
+
+  // A missing moment tensor.
+  const SafetensorsFile f = SafetensorsFile::read(opt_path);
+  std::vector<NamedTensor> t;
+  std::vector<std::vector<float>> keep;
+  for (const auto& e : f.tensors()) {
+    if (e.name == "model.norm.weight.exp_avg_sq") continue;
+    keep.emplace_back((e.end - e.begin) / 4);
+    f.copy_f32(e, keep.back());
+    t.push_back({e.name, e.shape.size() == 1
+                             ? TensorView::of(keep.back().data(), {e.shape[0]})
+                             : TensorView::of(keep.back().data(), {e.shape[0], e.shape[1]})});
+  }
+  write_safetensors(opt_path, t, f.metadata());
+  CHECK(contains(err(), opt_path + ": 1 problem: missing tensor model.norm.weight.exp_avg_sq"));
+  write_safetensors(opt_path, {}, f.metadata());
+  CHECK(contains(err(), "missing tensor model.embed_tokens.weight.exp_avg"));
+  spit(opt_path, good_opt);
+
+  spit(state_path, "{\"global_step\": \"one\"");
+  CHECK(contains(err(), state_path + ": bad JSON"));
+  std::string state = good_state;
+  state.replace(state.find("\"global_step\": 1"), 16, "\"global_step\": 1.5");
+  spit(state_path, state);
+  CHECK(contains(err(), state_path + ": field \"global_step\" must be an integer"));
+  spit(state_path, good_state);
+  CHECK(err().empty());
+
+  // Files from two different saves are rejected.
+  save_checkpoint(dir.path(), m, &opt, &st);
+  spit(opt_path, good_opt);
+  CHECK(contains(err(), "come from different saves"));
+  const std::string model_a = slurp(dir.file("model.safetensors"));
+  save_checkpoint(dir.path(), m);
+  CHECK(!fs::exists(opt_path));  // a save without optimizer removes the stale one
+  CHECK(!has_training_state(dir.path()));
+  spit(dir.file("model.safetensors"), model_a);
+  CHECK(contains(error_message([&] { load_model(dir.path()); }), "come from different saves"));
+}
+
+TEST_CASE("checkpoint: an interrupted save leaves the previous checkpoint loadable") {
+  const LlamaConfig c = tiny_config(true, false);
+  // Each staged file in turn cannot be written: a directory sits at its temporary path.
+  for (const char* blocked : {"model.safetensors.tmp", "optimizer.safetensors.tmp",
+                              "trainer_state.json.tmp", "config.json.tmp"}) {
+    CAPTURE(blocked);
+    const TempDir dir;
+    LlamaModel m(c, 1);
+    AdamW opt(m.params().size());
+    train_step(m, opt, 0);
+    TrainerState st;
+    st.global_step = 1;
+    save_checkpoint(dir.path(), m, &opt, &st);
+    const LlamaModel saved = m;
+    const std::vector<float> saved_m(opt.exp_avg().begin(), opt.exp_avg().end());
+
+    train_step(m, opt, 1);
+    st.global_step = 2;
+    fs::create_directories(fs::path(dir.file(blocked)) / "occupied");
+    const std::string msg = error_message([&] { save_checkpoint(dir.path(), m, &opt, &st); });
+    CHECK(contains(msg, "cannot create " + dir.file(blocked)));
+
+    const LlamaModel back = load_model(dir.path());
+    CHECK(same_params(back, saved));
+    AdamW opt_back(back.params().size());
+    const TrainerState st_back = load_training_state(dir.path(), back, opt_back);
+    CHECK(st_back.global_step == 1);
+    CHECK(std::memcmp(opt_back.exp_avg().data(), saved_m.data(), saved_m.size() * 4) == 0);
+    for (const char* f : {"model.safetensors.tmp", "optimizer.safetensors.tmp",
+                          "trainer_state.json.tmp", "config.json.tmp"}) {
+      if (std::string(f) != blocked) CHECK(!fs::exists(dir.file(f)));
+    }
+    fs::remove_all(dir.file(blocked));
+    save_checkpoint(dir.path(), m, &opt, &st);  // and a retry succeeds
+    CHECK(same_params(load_model(dir.path()), m));
+  }
+}
+
+}  // namespace
+}  // namespace chunkloss::test
