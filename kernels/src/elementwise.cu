@@ -23,26 +23,32 @@ __global__ void store_f32_kernel(T* dst, const float* src, std::int64_t n, bool 
     dst[i] = from_float<T>(add ? to_float(dst[i]) + src[i] : src[i]);
 }
 
+struct RowsShape {
+  std::int64_t n, cols, dst_ld, src_ld;
+};
+
 template <typename TD, typename TS>
-__global__ void scale_rows_kernel(TD* dst, const TS* src, const float* scale, std::int64_t n,
-                                  std::int64_t cols, bool add) {
+__global__ void scale_rows_kernel(TD* dst, const TS* src, const float* scale, RowsShape sh,
+                                  bool add) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < sh.n;
        i += stride) {
-    const float v = scale[i / cols] * to_float(src[i]);
-    dst[i] = from_float<TD>(add ? to_float(dst[i]) + v : v);
+    const std::int64_t r = i / sh.cols, j = i % sh.cols;
+    const float v = scale[r] * to_float(src[r * sh.src_ld + j]);
+    TD& d = dst[r * sh.dst_ld + j];
+    d = from_float<TD>(add ? to_float(d) + v : v);
   }
 }
 
 template <typename TD>
-int scale_rows_from(TD* dst, const void* src, Elem src_elem, const float* scale, std::int64_t n,
-                    std::int64_t cols, bool add, cudaStream_t s) {
+int scale_rows_from(TD* dst, const void* src, Elem src_elem, const float* scale, RowsShape sh,
+                    bool add, cudaStream_t s) {
   if (src_elem == Elem::kF32)
-    scale_rows_kernel<<<blocks_for(n), kThreads, 0, s>>>(dst, static_cast<const float*>(src), scale,
-                                                         n, cols, add);
+    scale_rows_kernel<<<blocks_for(sh.n), kThreads, 0, s>>>(dst, static_cast<const float*>(src),
+                                                            scale, sh, add);
   else
-    scale_rows_kernel<<<blocks_for(n), kThreads, 0, s>>>(
-        dst, static_cast<const __nv_bfloat16*>(src), scale, n, cols, add);
+    scale_rows_kernel<<<blocks_for(sh.n), kThreads, 0, s>>>(
+        dst, static_cast<const __nv_bfloat16*>(src), scale, sh, add);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -81,14 +87,15 @@ int launch_store_f32(void* dst, Elem dst_elem, const float* src, std::int64_t n,
   return static_cast<int>(cudaGetLastError());
 }
 
-int launch_scale_rows(void* dst, Elem dst_elem, const void* src, Elem src_elem, const float* scale,
-                      std::int64_t rows, std::int64_t cols, bool add, void* stream) {
+int launch_scale_rows(void* dst, Elem dst_elem, std::int64_t dst_ld, const void* src, Elem src_elem,
+                      std::int64_t src_ld, const float* scale, std::int64_t rows, std::int64_t cols,
+                      bool add, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
-  const std::int64_t n = rows * cols;
-  if (n == 0) return 0;
+  const RowsShape sh{rows * cols, cols, dst_ld, src_ld};
+  if (sh.n == 0) return 0;
   if (dst_elem == Elem::kF32)
-    return scale_rows_from(static_cast<float*>(dst), src, src_elem, scale, n, cols, add, s);
-  return scale_rows_from(static_cast<__nv_bfloat16*>(dst), src, src_elem, scale, n, cols, add, s);
+    return scale_rows_from(static_cast<float*>(dst), src, src_elem, scale, sh, add, s);
+  return scale_rows_from(static_cast<__nv_bfloat16*>(dst), src, src_elem, scale, sh, add, s);
 }
 
 int launch_count_nonfinite(const void* x, Elem elem, std::int64_t n, double* scalars,

@@ -13,6 +13,7 @@
 #include "chunkloss/kernels/token_epilogue.h"
 #include "engine.h"
 #include "row_arrays.h"
+#include "tile_staging.h"
 
 namespace chunkloss::detail {
 namespace {
@@ -102,11 +103,13 @@ class CudaTokenBackend final : public TokenBackend {
     }
     auto* dst =
         static_cast<unsigned char*>(c_.grad_x.data()) + r0 * h * dtype_size(c_.grad_x.dtype());
-    if (dh_stage_) {  // row scales: fp32 rows, scaled and rounded once into the caller's dH
-      grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), dh_stage_, DType::kF32, true);
-      CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(dst, elem(c_.grad_x.dtype()), dh_stage_,
-                                                     kern::Elem::kF32, p_.row.scale + r0, r1 - r0,
-                                                     h, !first || c_.accumulate, stream_));
+    if (dh_stage_ || in_tile_) {  // row scales: fp32 rows, scaled, rounded once into dH
+      float* st = in_tile_ ? reinterpret_cast<float*>(tile_ + free_offset_) : dh_stage_;
+      const std::int64_t ld = in_tile_ ? c_.vocab : h;  // in the tile: one fp32 row apart
+      grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), st, DType::kF32, true, ld);
+      CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(dst, elem(c_.grad_x.dtype()), h, st,
+                                                     kern::Elem::kF32, ld, p_.row.scale + r0,
+                                                     r1 - r0, h, !first || c_.accumulate, stream_));
       return;
     }
     grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), dst, c_.grad_x.dtype(),
@@ -119,10 +122,13 @@ class CudaTokenBackend final : public TokenBackend {
     const gpu::Matrix g = grad_tile(r0, r1, v0, v1);
     const std::int64_t h = c_.hidden;
     gpu::Matrix x = x_rows(r0, r1);
-    if (x_scaled_) {  // row scales: dW = G^T (scale * X), X rows scaled once per chunk
+    if (in_tile_) {  // row scales: dW = G^T (scale * X), the chunk's X rows scaled in the tile
+      x = scaled_x_in_tile(tile_, r1 - r0);
+      scale_x_rows(const_cast<void*>(x.data), x.ld, r0, r1);
+    } else if (x_scaled_) {  // the same in staging; in vocab-block order once for all rows
       const bool vocab_order = plan_.order == LoopOrder::kVocabBlock;
       if (!vocab_order || !x_scaled_ready_)
-        scale_x_rows(x_scaled_, vocab_order ? 0 : r0, vocab_order ? c_.rows : r1);
+        scale_x_rows(x_scaled_, c_.hidden, vocab_order ? 0 : r0, vocab_order ? c_.rows : r1);
       x_scaled_ready_ = vocab_order;
       x.data = x_scaled_ + (vocab_order ? r0 * x_row_bytes() : 0);
     }
@@ -139,16 +145,21 @@ class CudaTokenBackend final : public TokenBackend {
   // side by side into the staging slice (scaled, with row scales) so dW gets one GEMM over all
   // the group's rows, which reads and writes dW once per group instead of once per range.
   void grad_w_ranges(const std::vector<RowRange>& ranges, bool first) override {
-    unsigned char* stage = ranges.size() == 1 && c_.row_scales ? x_scaled_ : x_stage_;
+    std::int64_t total = 0;
+    for (const RowRange& r : ranges) total += r.r1 - r.r0;
+    const std::int64_t h = c_.hidden;
+    gpu::Matrix x{ranges.size() == 1 && c_.row_scales ? x_scaled_ : x_stage_, c_.x.dtype(), total,
+                  h, h};
+    if (in_tile_) x = scaled_x_in_tile(tile_base_, total);
+    auto* stage = static_cast<unsigned char*>(const_cast<void*>(x.data));
     if ((ranges.size() == 1 && !c_.row_scales) || !stage || !c_.grad_w.defined())
       return TokenBackend::grad_w_ranges(ranges, first);
-    const std::int64_t h = c_.hidden;
-    const std::size_t row_bytes = x_row_bytes();
+    const std::size_t row_bytes = static_cast<std::size_t>(x.ld) * dtype_size(c_.x.dtype());
     const auto s = static_cast<cudaStream_t>(stream_);
     std::int64_t rows = 0;
     for (const RowRange& r : ranges) {
       if (c_.row_scales)
-        scale_x_rows(stage + rows * row_bytes, r.r0, r.r1);
+        scale_x_rows(stage + rows * row_bytes, x.ld, r.r0, r.r1);
       else
         CHUNKLOSS_GPU_CHECK(
             cudaMemcpyAsync(stage + rows * row_bytes,
@@ -158,7 +169,6 @@ class CudaTokenBackend final : public TokenBackend {
     }
     select_tile(0);
     const gpu::Matrix g = grad_tile(0, rows, 0, c_.vocab);
-    const gpu::Matrix x{stage, c_.x.dtype(), rows, h, h};
     if (dw_acc_) {
       grad_gemm(g, true, x, dw_acc_, DType::kF32, first);
       return;
@@ -206,9 +216,9 @@ class CudaTokenBackend final : public TokenBackend {
   TokenTotals finish() override {
     if (dw_acc_) flush(c_.grad_w, dw_acc_);
     if (dh_acc_ && c_.row_scales)
-      CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(c_.grad_x.data(), elem(c_.grad_x.dtype()),
-                                                     dh_acc_, kern::Elem::kF32, p_.row.scale,
-                                                     c_.rows, c_.hidden, c_.accumulate, stream_));
+      CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(
+          c_.grad_x.data(), elem(c_.grad_x.dtype()), c_.hidden, dh_acc_, kern::Elem::kF32,
+          c_.hidden, p_.row.scale, c_.rows, c_.hidden, c_.accumulate, stream_));
     else if (dh_acc_)
       flush(c_.grad_x, dh_acc_);
     if (db_acc_) flush(c_.grad_bias, db_acc_);
@@ -253,8 +263,11 @@ class CudaTokenBackend final : public TokenBackend {
   // the rest, if any, holds a resident group's X rows side by side.
   void carve_staging(unsigned char* s, std::size_t bytes) {
     unsigned char* end = s + bytes;
-    if (s && c_.row_scales) {
-      const bool vocab_order = plan_.order == LoopOrder::kVocabBlock;
+    const bool vocab_order = plan_.order == LoopOrder::kVocabBlock;
+    in_tile_ = c_.row_scales && !vocab_order &&
+               staging_fits_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype());
+    free_offset_ = tile_free_offset(c_.vocab);
+    if (s && c_.row_scales && !in_tile_) {
       const std::int64_t rows = vocab_order ? c_.rows : plan_.chunk_rows;
       if (!vocab_order && c_.grad_x.defined()) {
         dh_stage_ = reinterpret_cast<float*>(s);
@@ -267,12 +280,18 @@ class CudaTokenBackend final : public TokenBackend {
     }
     if (s && s < end) x_stage_ = s;
   }
-  // dst rows = scale * X rows [r0, r1), in X's dtype.
-  void scale_x_rows(unsigned char* dst, std::int64_t r0, std::int64_t r1) {
+  // dst rows (leading dimension dst_ld) = scale * X rows [r0, r1), in X's dtype.
+  void scale_x_rows(void* dst, std::int64_t dst_ld, std::int64_t r0, std::int64_t r1) {
     const kern::Elem e = elem(c_.x.dtype());
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(
-        dst, e, static_cast<const unsigned char*>(c_.x.data()) + r0 * x_row_bytes(), e,
-        p_.row.scale + r0, r1 - r0, c_.hidden, false, stream_));
+        dst, e, dst_ld, static_cast<const unsigned char*>(c_.x.data()) + r0 * x_row_bytes(), e,
+        c_.hidden, p_.row.scale + r0, r1 - r0, c_.hidden, false, stream_));
+  }
+  // The scaled X rows kept in the free halves of `rows` fp32 tile rows from `tile`, after the
+  // fp32 dH rows (tile_staging.h).
+  gpu::Matrix scaled_x_in_tile(unsigned char* tile, std::int64_t rows) const {
+    return {tile + free_offset_ + static_cast<std::size_t>(c_.hidden) * 4, c_.x.dtype(), rows,
+            c_.hidden, 2 * c_.vocab};
   }
   gpu::Matrix x_rows(std::int64_t r0, std::int64_t r1) const {
     const std::int64_t h = c_.hidden;
@@ -294,10 +313,11 @@ class CudaTokenBackend final : public TokenBackend {
   }
   // dst [rows of op(a), H] = alpha op(a) b (+ dst unless `overwrite`); alpha is on the device.
   void grad_gemm(const gpu::Matrix& a, bool trans_a, const gpu::Matrix& b, void* dst,
-                 DType dst_dtype, bool overwrite) {
+                 DType dst_dtype, bool overwrite, std::int64_t ld_dst = 0) {
     const float* s = reinterpret_cast<const float*>(scalars_ + kern::kGemmScalarsOffset);
-    gpu::gemm_device_scalars(ctx_, a, trans_a, b, false, dst, dst_dtype, c_.hidden,
-                             s + kern::kAlpha, s + (overwrite ? kern::kZero : kern::kOne));
+    gpu::gemm_device_scalars(ctx_, a, trans_a, b, false, dst, dst_dtype,
+                             ld_dst ? ld_dst : c_.hidden, s + kern::kAlpha,
+                             s + (overwrite ? kern::kZero : kern::kOne));
   }
   void flush(const TensorView& dst, const float* acc) {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_store_f32(dst.data(), elem(dst.dtype()), acc, dst.numel(),
@@ -313,6 +333,8 @@ class CudaTokenBackend final : public TokenBackend {
   unsigned char* x_scaled_ = nullptr;
   float* dh_stage_ = nullptr;
   bool x_scaled_ready_ = false;
+  bool in_tile_ = false;  // row scales staged in the tile's free halves (tile_staging.h)
+  std::size_t free_offset_ = 0;
   std::vector<float> pow2_, mant_;
   float *dw_acc_ = nullptr, *dh_acc_ = nullptr, *db_acc_ = nullptr;
   double* scalars_ = nullptr;

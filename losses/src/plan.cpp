@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "chunkloss/core/error.h"
+#include "tile_staging.h"
 
 namespace chunkloss {
 
@@ -85,6 +86,9 @@ std::size_t staging_per_row(const PlanRequest& q, bool vocab_order) {
   const auto row = static_cast<std::size_t>(q.hidden) * 4;
   if (q.device != Device::kCpu) {
     if (!q.row_scales) return 0;
+    // Token-chunk rows stage in the logits tile's free halves when they fit (tile_staging.h).
+    if (!vocab_order && detail::staging_fits_tile(q.vocab, q.hidden, q.logits_dtype, q.input_dtype))
+      return 0;
     std::size_t b = !vocab_order && q.grad_hidden ? row : 0;
     if (q.grad_weight) b += static_cast<std::size_t>(q.hidden) * dtype_size(q.input_dtype);
     return b;
@@ -318,7 +322,8 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   // rows) fit the budget. On CUDA a pair group's X rows are staged side by side for its one
   // dW GEMM (see the CUDA backend's grad_w_ranges).
   const auto x_stage = [&](std::int64_t g) -> std::size_t {
-    const bool stage = q.device == Device::kCuda && q.grad_weight && L.unit_sequences > 1;
+    const bool stage = q.device == Device::kCuda && q.grad_weight && L.unit_sequences > 1 &&
+                       !detail::staging_fits_tile(q.vocab, q.hidden, q.logits_dtype, q.input_dtype);
     // (with row scales the staged rows are also scaled; one range uses the per-row staging)
     return stage ? static_cast<std::size_t>(g * t * L.unit_sequences * q.hidden) *
                        dtype_size(q.input_dtype)
