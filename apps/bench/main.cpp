@@ -1,6 +1,7 @@
 // chunkloss-bench: times a loss's forward+backward against the bare GEMMs it cannot avoid and a
 // naive materialised implementation in the same process, reports its extra memory and its error,
 // and prints a table, the plan and the command that reproduces each case (DESIGN.md section 5).
+#include <chunkloss/apps/app_main.h>
 #include <chunkloss/apps/cli.h>
 #include <chunkloss/core/error.h>
 #include <chunkloss/losses/preference.h>
@@ -9,6 +10,7 @@
 #include <cstdio>
 #include <exception>
 #include <iostream>
+#include <optional>
 #include <thread>
 
 #include "bench.h"
@@ -244,56 +246,47 @@ Cli parse(int argc, char** argv) {
   return cli;
 }
 
-std::string one_line(std::string s) {
-  for (char& ch : s)
-    if (ch == '\n' || ch == '\r') ch = ' ';
-  return s;
+// Runs every case of the command line, printing each case's details as it finishes, then the
+// table; with --json the records so far are rewritten after every case.
+int run(const Cli& cli, int argc, char** argv) {
+  const std::vector<std::string> words(argv, argv + argc);
+  const std::string invoked = apps::shell_join(words);
+  std::vector<CaseRecord> records;
+  nlohmann::json all = nlohmann::json::array();
+  std::cout << kProg << " " << apps::utc_now_iso() << "\n";
+  for (std::size_t i = 0; i < cli.cases.size(); ++i) {
+    const CaseConfig& c = cli.cases[i];
+    const std::string shape =
+        c.preference() ? std::to_string(c.pairs) + " pairs x T=" + std::to_string(c.seq_len) +
+                             " (N=" + std::to_string(c.rows) + "), reference " + c.reference +
+                             ", regime " + std::string(regime_name(c.regime))
+                       : "N=" + std::to_string(c.rows);
+    std::fprintf(stderr, "%s: case %zu/%zu: %s %s %s H=%lld V=%lld %s budget %g MiB\n", kProg,
+                 i + 1, cli.cases.size(), c.loss.c_str(), c.device.c_str(), shape.c_str(),
+                 static_cast<long long>(c.hidden), static_cast<long long>(c.vocab),
+                 std::string(dtype_name(c.dtype)).c_str(), c.budget_mib);
+    std::unique_ptr<BenchDevice> dev = make_cpu_device(c.threads);
+    CaseRecord rec{c, find_runner(c.loss, c.device)(c, *dev), case_command(argv[0], c),
+                   apps::utc_now_iso()};
+    std::cout << case_details(rec) << std::flush;
+    all.push_back(case_json(rec, invoked));
+    records.push_back(std::move(rec));
+    if (!cli.json.empty()) apps::write_file_atomic(cli.json, all.dump(2) + "\n");
+  }
+  std::cout << "\n" << table_markdown(records) << "\ncommand: " << invoked << "\n";
+  if (!cli.json.empty()) std::cout << "json: " << cli.json << "\n";
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  Cli cli;
-  try {
-    cli = parse(argc, argv);
-  } catch (const po::error& e) {
-    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, one_line(e.what()).c_str());
-    return apps::kExitUsage;
-  } catch (const apps::UsageError& e) {
-    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, one_line(e.what()).c_str());
-    return apps::kExitUsage;
-  }
-  if (cli.help) return 0;
-  try {
-    const std::vector<std::string> words(argv, argv + argc);
-    const std::string invoked = apps::shell_join(words);
-    std::vector<CaseRecord> records;
-    nlohmann::json all = nlohmann::json::array();
-    std::cout << kProg << " " << apps::utc_now_iso() << "\n";
-    for (std::size_t i = 0; i < cli.cases.size(); ++i) {
-      const CaseConfig& c = cli.cases[i];
-      const std::string shape =
-          c.preference() ? std::to_string(c.pairs) + " pairs x T=" + std::to_string(c.seq_len) +
-                               " (N=" + std::to_string(c.rows) + "), reference " + c.reference +
-                               ", regime " + std::string(regime_name(c.regime))
-                         : "N=" + std::to_string(c.rows);
-      std::fprintf(stderr, "%s: case %zu/%zu: %s %s %s H=%lld V=%lld %s budget %g MiB\n", kProg,
-                   i + 1, cli.cases.size(), c.loss.c_str(), c.device.c_str(), shape.c_str(),
-                   static_cast<long long>(c.hidden), static_cast<long long>(c.vocab),
-                   std::string(dtype_name(c.dtype)).c_str(), c.budget_mib);
-      std::unique_ptr<BenchDevice> dev = make_cpu_device(c.threads);
-      CaseRecord rec{c, find_runner(c.loss, c.device)(c, *dev), case_command(argv[0], c),
-                     apps::utc_now_iso()};
-      std::cout << case_details(rec) << std::flush;
-      all.push_back(case_json(rec, invoked));
-      records.push_back(std::move(rec));
-      if (!cli.json.empty()) apps::write_file_atomic(cli.json, all.dump(2) + "\n");
-    }
-    std::cout << "\n" << table_markdown(records) << "\ncommand: " << invoked << "\n";
-    if (!cli.json.empty()) std::cout << "json: " << cli.json << "\n";
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: error: %s\n", kProg, one_line(e.what()).c_str());
-    return apps::kExitFailure;
-  }
-  return 0;
+  return apps::guarded_main(
+      kProg,
+      [&]() -> std::optional<Cli> {
+        Cli cli = parse(argc, argv);
+        if (cli.help) return std::nullopt;
+        return cli;
+      },
+      [&](const Cli& cli) { return run(cli, argc, argv); });
 }

@@ -2,6 +2,7 @@
 // perplexity, preference accuracy (the model's own log-probs, and implicit rewards against a
 // reference), and greedy exact-match accuracy. Prints a table (one row per model); --json FILE
 // writes the same numbers for machines.
+#include <chunkloss/apps/app_main.h>
 #include <chunkloss/apps/cli.h>
 #include <chunkloss/apps/tuning.h>
 #include <chunkloss/core/error.h>
@@ -272,21 +273,6 @@ int run(const Settings& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::optional<Settings> s;
-  try {
-    s = parse(argc, argv);
-  } catch (const po::error& e) {
-    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, apps::one_line(e.what()).c_str());
-    return apps::kExitUsage;
-  } catch (const apps::UsageError& e) {
-    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, apps::one_line(e.what()).c_str());
-    return apps::kExitUsage;
-  }
-  if (!s) return 0;
-  try {
-    return run(*s);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: error: %s\n", kProg, apps::one_line(e.what()).c_str());
-    return apps::kExitFailure;
-  }
+  return apps::guarded_main(
+      kProg, [&] { return parse(argc, argv); }, [](const Settings& s) { return run(s); });
 }

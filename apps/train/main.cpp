@@ -2,6 +2,7 @@
 // library's losses: SFT with cross-entropy, or preference tuning (DPO, ORPO, SimPO, CPO, KTO)
 // from an SFT checkpoint. Options from the command line and/or an INI file; progress on stderr;
 // metrics appended to a JSONL file; an SVG chart of the curves at the end; exact resume.
+#include <chunkloss/apps/app_main.h>
 #include <chunkloss/apps/chart.h>
 #include <chunkloss/apps/cli.h>
 #include <chunkloss/apps/progress.h>
@@ -401,24 +402,9 @@ int run(const Settings& s, const std::string& invocation) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::optional<Settings> s;
-  try {
-    s = parse(argc, argv);
-  } catch (const po::error& e) {
-    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, apps::one_line(e.what()).c_str());
-    return apps::kExitUsage;
-  } catch (const apps::UsageError& e) {
-    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, apps::one_line(e.what()).c_str());
-    return apps::kExitUsage;
-  }
-  if (!s) return 0;
-  try {
-    return run(*s, apps::shell_join(std::vector<std::string>(argv, argv + argc)));
-  } catch (const apps::UsageError& e) {
-    std::fprintf(stderr, "%s: %s (see --help)\n", kProg, apps::one_line(e.what()).c_str());
-    return apps::kExitUsage;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: error: %s\n", kProg, apps::one_line(e.what()).c_str());
-    return apps::kExitFailure;
-  }
+  return apps::guarded_main(
+      kProg, [&] { return parse(argc, argv); },
+      [&](const Settings& s) {
+        return run(s, apps::shell_join(std::vector<std::string>(argv, argv + argc)));
+      });
 }

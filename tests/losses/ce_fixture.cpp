@@ -109,70 +109,8 @@ reference::CeProblem CeData::problem(const CrossEntropyOptions& o) const {
 }
 
 GradBuffers::GradBuffers(const CeData& d, const GradRequest& r, float fill)
-    : dtype_(r.dtype),
-      has_h_(r.hidden),
-      has_w_(r.weight),
-      has_b_(r.bias && d.spec.bias),
-      n_(d.spec.n),
-      h_(d.spec.h),
-      v_(d.spec.v) {
-  const std::int64_t n = n_, h = h_, v = v_;
-  if (dtype_ == DType::kBF16) {
-    if (has_h_) dh_bf_.assign(sz(n * h), BFloat16(fill));
-    if (has_w_) dw_bf_.assign(sz(v * h), BFloat16(fill));
-    if (has_b_) db_bf_.assign(sz(v), BFloat16(fill));
-  } else {
-    if (has_h_) dh_.assign(sz(n * h), fill);
-    if (has_w_) dw_.assign(sz(v * h), fill);
-    if (has_b_) db_.assign(sz(v), fill);
-  }
-}
-
-void GradBuffers::fill_random(std::uint64_t seed, double scale_h, double scale_w, double scale_b) {
-  auto fill = [&](std::vector<float>& f, std::vector<BFloat16>& b, std::uint64_t s, double sc) {
-    const std::size_t n = dtype_ == DType::kBF16 ? b.size() : f.size();
-    std::vector<float> r = normal_floats(n, static_cast<float>(sc), s);
-    round_to_bf16_inplace(r);
-    if (dtype_ == DType::kBF16)
-      b = to_bf16(r);
-    else
-      f = r;
-  };
-  fill(dh_, dh_bf_, seed + 1, scale_h);
-  fill(dw_, dw_bf_, seed + 2, scale_w);
-  fill(db_, db_bf_, seed + 3, scale_b);
-}
-
-CrossEntropyGrads GradBuffers::views(bool accumulate) {
-  CrossEntropyGrads g;
-  g.accumulate = accumulate;
-  auto view = [&](std::vector<float>& f, std::vector<BFloat16>& b,
-                  std::initializer_list<std::int64_t> shape) {
-    return dtype_ == DType::kBF16 ? TensorView::of(b.data(), shape)
-                                  : TensorView::of(f.data(), shape);
-  };
-  if (has_h_) g.hidden = view(dh_, dh_bf_, {n_, h_});
-  if (has_w_) g.weight = view(dw_, dw_bf_, {v_, h_});
-  if (has_b_) g.bias = view(db_, db_bf_, {v_});
-  return g;
-}
-
-std::vector<double> GradBuffers::hidden() const {
-  return dtype_ == DType::kBF16 ? to_double(dh_bf_) : to_double(dh_);
-}
-std::vector<double> GradBuffers::weight() const {
-  return dtype_ == DType::kBF16 ? to_double(dw_bf_) : to_double(dw_);
-}
-std::vector<double> GradBuffers::bias() const {
-  return dtype_ == DType::kBF16 ? to_double(db_bf_) : to_double(db_);
-}
-
-bool GradBuffers::bitwise_equal(const GradBuffers& o) const {
-  using test::bitwise_equal;
-  return bitwise_equal(dh_, o.dh_) && bitwise_equal(dw_, o.dw_) && bitwise_equal(db_, o.db_) &&
-         bitwise_equal(dh_bf_, o.dh_bf_) && bitwise_equal(dw_bf_, o.dw_bf_) &&
-         bitwise_equal(db_bf_, o.db_bf_);
-}
+    : GradStorage(r.dtype, r.hidden, r.weight, r.bias && d.spec.bias, d.spec.n, d.spec.h, d.spec.v,
+                  fill) {}
 
 OutBuffers::OutBuffers(std::int64_t n)
     : row_loss(sz(n), std::numeric_limits<float>::quiet_NaN()),

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "reference/cross_entropy_ref.h"
+#include "support/grad_buffers.h"
 
 namespace chunkloss::test {
 
@@ -60,30 +61,13 @@ struct GradRequest {
   DType dtype = DType::kF32;
 };
 
-/// Caller-owned gradient buffers of one dtype.
-class GradBuffers {
+/// Caller-owned gradient buffers of one dtype, viewed as CrossEntropyGrads.
+class GradBuffers : public GradStorage {
  public:
   GradBuffers(const CeData& d, const GradRequest& r, float fill = 0.0f);
-  /// Fills the buffers with bf16-exact N(0, scale^2) values, one scale per buffer (hidden,
-  /// weight, bias), for accumulate tests: scales near the gradients' own size keep the check
-  /// sensitive to a missing or doubled contribution.
-  void fill_random(std::uint64_t seed, double scale_h, double scale_w, double scale_b);
-  CrossEntropyGrads views(bool accumulate = false);
-  std::vector<double> hidden() const;
-  std::vector<double> weight() const;
-  std::vector<double> bias() const;
-  bool has_hidden() const { return has_h_; }
-  bool has_weight() const { return has_w_; }
-  bool has_bias() const { return has_b_; }
-  /// Byte-exact equality of every buffer.
-  bool bitwise_equal(const GradBuffers& o) const;
-
- private:
-  DType dtype_;
-  bool has_h_, has_w_, has_b_;
-  std::int64_t n_, h_, v_;
-  std::vector<float> dh_, dw_, db_;
-  std::vector<BFloat16> dh_bf_, dw_bf_, db_bf_;
+  CrossEntropyGrads views(bool accumulate = false) {
+    return views_as<CrossEntropyGrads>(accumulate);
+  }
 };
 
 /// Per-row output buffers, pre-filled with sentinels (NaN, 12345) to catch unwritten rows.

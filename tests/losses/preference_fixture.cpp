@@ -235,69 +235,8 @@ reference::PrefProblem PrefData::problem() const {
 }
 
 PrefGradBuffers::PrefGradBuffers(const PrefData& d, const PrefGradRequest& r, float fill)
-    : dtype_(r.dtype),
-      has_h_(r.hidden),
-      has_w_(r.weight),
-      has_b_(r.bias && d.spec.bias),
-      n_(d.rows()),
-      h_(d.spec.h),
-      v_(d.spec.v) {
-  if (dtype_ == DType::kBF16) {
-    if (has_h_) dh_bf_.assign(sz(n_ * h_), BFloat16(fill));
-    if (has_w_) dw_bf_.assign(sz(v_ * h_), BFloat16(fill));
-    if (has_b_) db_bf_.assign(sz(v_), BFloat16(fill));
-  } else {
-    if (has_h_) dh_.assign(sz(n_ * h_), fill);
-    if (has_w_) dw_.assign(sz(v_ * h_), fill);
-    if (has_b_) db_.assign(sz(v_), fill);
-  }
-}
-
-void PrefGradBuffers::fill_random(std::uint64_t seed, double scale) {
-  auto fill = [&](std::vector<float>& f, std::vector<BFloat16>& b, std::uint64_t s) {
-    const std::size_t n = dtype_ == DType::kBF16 ? b.size() : f.size();
-    std::vector<float> r = normal_floats(n, static_cast<float>(scale), s);
-    round_to_bf16_inplace(r);
-    if (dtype_ == DType::kBF16)
-      b = to_bf16(r);
-    else
-      f = r;
-  };
-  fill(dh_, dh_bf_, seed + 1);
-  fill(dw_, dw_bf_, seed + 2);
-  fill(db_, db_bf_, seed + 3);
-}
-
-PreferenceGrads PrefGradBuffers::views(bool accumulate) {
-  PreferenceGrads g;
-  g.accumulate = accumulate;
-  auto view = [&](std::vector<float>& f, std::vector<BFloat16>& b,
-                  std::initializer_list<std::int64_t> shape) {
-    return dtype_ == DType::kBF16 ? TensorView::of(b.data(), shape)
-                                  : TensorView::of(f.data(), shape);
-  };
-  if (has_h_) g.hidden = view(dh_, dh_bf_, {n_, h_});
-  if (has_w_) g.weight = view(dw_, dw_bf_, {v_, h_});
-  if (has_b_) g.bias = view(db_, db_bf_, {v_});
-  return g;
-}
-
-std::vector<double> PrefGradBuffers::hidden() const {
-  return dtype_ == DType::kBF16 ? to_double(dh_bf_) : to_double(dh_);
-}
-std::vector<double> PrefGradBuffers::weight() const {
-  return dtype_ == DType::kBF16 ? to_double(dw_bf_) : to_double(dw_);
-}
-std::vector<double> PrefGradBuffers::bias() const {
-  return dtype_ == DType::kBF16 ? to_double(db_bf_) : to_double(db_);
-}
-
-bool PrefGradBuffers::bitwise_equal(const PrefGradBuffers& o) const {
-  using test::bitwise_equal;
-  return bitwise_equal(dh_, o.dh_) && bitwise_equal(dw_, o.dw_) && bitwise_equal(db_, o.db_) &&
-         bitwise_equal(dh_bf_, o.dh_bf_) && bitwise_equal(dw_bf_, o.dw_bf_) &&
-         bitwise_equal(db_bf_, o.db_bf_);
-}
+    : GradStorage(r.dtype, r.hidden, r.weight, r.bias && d.spec.bias, d.rows(), d.spec.h, d.spec.v,
+                  fill) {}
 
 PrefRun run_library(const PrefData& d, const SequenceLoss& loss, const PrefGradRequest& g,
                     int threads) {

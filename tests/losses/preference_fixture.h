@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "reference/preference_ref.h"
+#include "support/grad_buffers.h"
 
 namespace chunkloss::test {
 
@@ -83,27 +84,15 @@ struct PrefGradRequest {
   static PrefGradRequest none() { return {false, false, false, DType::kF32}; }
 };
 
-/// Caller-owned gradient buffers of one dtype.
-class PrefGradBuffers {
+/// Caller-owned gradient buffers of one dtype, viewed as PreferenceGrads.
+class PrefGradBuffers : public GradStorage {
  public:
   PrefGradBuffers(const PrefData& d, const PrefGradRequest& r, float fill = 0.0f);
   /// bf16-exact N(0, scale^2) contents, for accumulate tests.
-  void fill_random(std::uint64_t seed, double scale);
-  PreferenceGrads views(bool accumulate = false);
-  std::vector<double> hidden() const;
-  std::vector<double> weight() const;
-  std::vector<double> bias() const;
-  bool has_hidden() const { return has_h_; }
-  bool has_weight() const { return has_w_; }
-  bool has_bias() const { return has_b_; }
-  bool bitwise_equal(const PrefGradBuffers& o) const;
-
- private:
-  DType dtype_;
-  bool has_h_, has_w_, has_b_;
-  std::int64_t n_, h_, v_;
-  std::vector<float> dh_, dw_, db_;
-  std::vector<BFloat16> dh_bf_, dw_bf_, db_bf_;
+  void fill_random(std::uint64_t seed, double scale) {
+    GradStorage::fill_random(seed, scale, scale, scale);
+  }
+  PreferenceGrads views(bool accumulate = false) { return views_as<PreferenceGrads>(accumulate); }
 };
 
 /// One library call and everything it produced.
