@@ -137,7 +137,8 @@ struct PreferenceResult {
   double loss = 0;  ///< mean over units of the objective's loss, plus the NLL term
   /// Metrics with TRL's names: rewards/chosen, rewards/rejected, rewards/accuracies (pairs),
   /// rewards/margins, logps/chosen, logps/rejected, logits/chosen, logits/rejected, nll_loss
-  /// (when the NLL term is on), the objective's extras, kl (KTO).
+  /// (when the NLL term is on), the objective's extras; unpaired losses also count/chosen,
+  /// count/rejected (sequences per label) and, with uses_kl(), kl.
   std::vector<std::pair<std::string, double>> metrics;
   std::vector<double> logps;         ///< [S] policy log-prob sums
   std::vector<double> ref_logps;     ///< [S] reference log-prob sums (0 without a reference)
