@@ -167,7 +167,7 @@ struct Checked {
   PlanRequest request;
   SequenceLayout layout;
   std::vector<std::int64_t> tokens;
-  std::vector<double> labels, ref_logps;
+  std::vector<double> labels;
   bool has_reference = false;
   // The KL batch (KTO): its heads' calls and plans.
   std::optional<detail::TokenCall> kl_policy, kl_reference;
@@ -299,9 +299,9 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Conte
     }
   }
   if (ref_given) {
-    c.ref_logps = read_vector(who, "reference_logps", *ctx, in.reference_logps, s, DType::kF32);
+    k.ref_logps = read_vector(who, "reference_logps", *ctx, in.reference_logps, s, DType::kF32);
     for (std::int64_t i = 0; i < s; ++i)
-      CHUNKLOSS_CHECK(std::isfinite(c.ref_logps[static_cast<std::size_t>(i)]), who,
+      CHUNKLOSS_CHECK(std::isfinite(k.ref_logps[static_cast<std::size_t>(i)]), who,
                       ": reference_logps[", i, "] is not finite");
   }
   if (kl_batch) {
@@ -469,11 +469,9 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
 
   detail::UnitsFn on_units = [&](std::int64_t u0, std::int64_t u1, const detail::SequenceSums& sums,
                                  std::vector<double>& coef) {
-    detail::SequenceSums view = sums;
-    if (!c.ref_logps.empty()) view.ref_logp = c.ref_logps;
     for (std::int64_t u = u0; u < u1; ++u) {
       SequenceStats st[2];
-      const std::size_t m = unit_stats(c, view, u, st);
+      const std::size_t m = unit_stats(c, sums, u, st);
       const auto ui = static_cast<std::size_t>(u);
       results[ui] = obj.evaluate(std::span<const SequenceStats>(st, m), batch, extras[ui]);
       for (std::size_t k = 0; k < m; ++k) {
@@ -489,8 +487,7 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
       }
     }
   };
-  detail::SequenceSums sums = detail::run_sequence_objective(ctx, c.call, plan, ws, on_units);
-  if (!c.ref_logps.empty()) sums.ref_logp = c.ref_logps;
+  const detail::SequenceSums sums = detail::run_sequence_objective(ctx, c.call, plan, ws, on_units);
 
   r.logps = sums.logp;
   r.ref_logps = sums.ref_logp;

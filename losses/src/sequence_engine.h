@@ -17,6 +17,7 @@ namespace chunkloss::detail {
 struct SequenceCall {
   TokenCall policy;
   std::optional<TokenCall> reference;
+  std::vector<double> ref_logps;  ///< [S] precomputed reference sums (no reference head)
   std::int64_t sequences = 0, seq_len = 0;
   std::int64_t unit_sequences = 1;  ///< 2: pairs (s, s + S/2)
   std::vector<std::uint8_t> valid;  ///< [S*T]: the row's target is not ignore_index
