@@ -45,17 +45,26 @@ constexpr std::int64_t kCpuWeightTile = 256;
 constexpr std::size_t kDeviceScalarBytes = 16 * sizeof(double);  // >= kern::kNumScalars + 3 floats
 
 /// Device constants of the cost model: GEMM rate saturating with the rows of the GEMM
-/// (rate = peak * m / (m + m_half)) and the bandwidth that read-modify-writes run at.
+/// (rate = peak * m / (m + m_half)), the bandwidth that read-modify-writes run at, and the depth
+/// panel of the device's GEMM (0: none), the rows of the reduction after which the GEMM itself
+/// re-reads and re-writes its output: a chunk longer than that saves no rewrite of dW, so the
+/// plan takes no more rows than that and leaves the rest of the budget unused.
 struct DeviceModel {
   double peak_flops;
   double m_half;
   double bandwidth;
+  std::int64_t panel_rows;
 };
 
 DeviceModel device_model(Device d) {
-  // CUDA: H200 cuBLAS bf16 (../shared/GPU.md: ~700 TFLOP/s at large C, ~450 at C=128, ~4 TB/s).
-  // CPU: two AVX-512 cores through Eigen; a GEMM saturates at a few dozen rows.
-  return d == Device::kCuda ? DeviceModel{7.0e14, 48.0, 3.5e12} : DeviceModel{1.0e11, 16.0, 1.0e10};
+  // CUDA: H200 cuBLAS bf16 (../shared/GPU.md: ~700 TFLOP/s at large C, ~450 at C=128, ~4 TB/s);
+  // its GEMMs hold the output tile across the whole reduction.
+  // CPU: two cores through Eigen; a GEMM saturates at a few dozen rows, and Eigen's blocking
+  // walks the reduction in panels of a few hundred rows (kc = 520 for fp32 at 512 KiB of L2),
+  // rewriting the output once per panel. Measured at 4096 x 1024 x 32768 fp32 on 2 cores:
+  // 192-row chunks ran at 0.92x the full-size GEMMs, 1984-row chunks at 1.04x.
+  return d == Device::kCuda ? DeviceModel{7.0e14, 48.0, 3.5e12, 0}
+                            : DeviceModel{1.0e11, 16.0, 1.0e10, 256};
 }
 
 std::size_t default_budget(Device d) {
@@ -145,6 +154,15 @@ double dw_bytes(const PlanRequest& q) {
          static_cast<double>(q.fp32_weight_grad_accumulator ? 4 : dtype_size(q.grad_weight_dtype));
 }
 
+// Time of the dW (V x H) read-modify-writes that `dw_gemms` GEMMs over the N rows add beyond
+// those one GEMM over all rows does itself (once per depth panel).
+double dw_rewrite_time(const PlanRequest& q, const DeviceModel& m, std::int64_t dw_gemms) {
+  if (!q.grad_weight) return 0.0;
+  const std::int64_t own = m.panel_rows > 0 ? (q.rows + m.panel_rows - 1) / m.panel_rows : 1;
+  return 2.0 * dw_bytes(q) * static_cast<double>(std::max<std::int64_t>(0, dw_gemms - own)) /
+         m.bandwidth;
+}
+
 // Slices of the plan's workspace once the order and chunking are known: a logits buffer of
 // `logits_bytes`, the row statistics, the accumulators and the backend's staging for
 // `staging_rows` rows of the GEMMs' row range plus `extra_staging` bytes.
@@ -165,6 +183,8 @@ void lay_out(Plan& p, const PlanRequest& q, std::size_t logits_bytes, std::size_
 
 }  // namespace
 
+std::int64_t max_chunk_rows(Device d) { return device_model(d).panel_rows; }
+
 Plan plan_token_objective(const PlanRequest& q) {
   CHUNKLOSS_CHECK(q.rows > 0 && q.hidden > 0 && q.vocab > 0,
                   "plan: rows, hidden and vocab must be > 0, got N=", q.rows, " H=", q.hidden,
@@ -180,12 +200,14 @@ Plan plan_token_objective(const PlanRequest& q) {
   Plan p;
   p.logits_dtype = q.logits_dtype;
 
-  // Chunk rows: the largest multiple of 64 (or all rows) whose chunk buffers fit the budget.
-  // The optional fp32 dW accumulator (V*H*4) is on top of the budget, as the option documents.
+  // Chunk rows: the largest multiple of 64 (or all rows) whose chunk buffers fit the budget, at
+  // most the device's GEMM panel. The optional fp32 dW accumulator (V*H*4) is on top of the
+  // budget, as the option documents.
   const std::size_t fixed = fixed_bytes(q);
   const std::size_t per_row = static_cast<std::size_t>(v) * lb + staging_per_row(q, false);
   std::int64_t c = 0;
   if (budget > fixed) c = static_cast<std::int64_t>((budget - fixed) / per_row);
+  if (const std::int64_t cap = max_chunk_rows(q.device)) c = std::min(c, cap);
   if (c >= n) {
     c = n;
   } else {
@@ -203,10 +225,8 @@ Plan plan_token_objective(const PlanRequest& q) {
   const double nhv = nhv_flops(q);
   const double gemms = gemm_count(q);
   const double epilogue = 3.0 * epilogue_pass_time(q, dm);
-  p.predicted_token_cost_s =
-      gemm_time(dm, gemms * nhv, static_cast<double>(c)) + epilogue +
-      (q.grad_weight ? 2.0 * dw_bytes(q) * static_cast<double>(p.num_chunks - 1) / dm.bandwidth
-                     : 0.0);
+  p.predicted_token_cost_s = gemm_time(dm, gemms * nhv, static_cast<double>(c)) + epilogue +
+                             dw_rewrite_time(q, dm, p.num_chunks);
 
   // Vocab-block order: pass 2 holds [N, Vb] logits for all rows (plus an fp32 dH accumulator
   // when dH is not fp32, and on the CPU fp32 copies of bf16 X for all rows).
@@ -346,11 +366,10 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   std::int64_t groups = 0;
   if (g > 0) {
     groups = (units + g - 1) / g;
-    const double chunks = static_cast<double>(groups);  // one dW GEMM per group
-    constexpr double kCudaSyncS = 3e-5;                 // two host round trips per group
+    constexpr double kCudaSyncS = 3e-5;  // two host round trips per group
     res_cost = gemm_time(dm, gemm_count(q) * nhv, static_cast<double>(g * t)) +
                3.0 * epilogue_pass_time(q, dm) +
-               (q.grad_weight ? 2.0 * dw_bytes(q) * (chunks - 1) / dm.bandwidth : 0.0) +
+               dw_rewrite_time(q, dm, groups) +  // a dW GEMM per group
                (q.device == Device::kCuda ? kCudaSyncS * static_cast<double>(groups) : 0.0);
   }
 

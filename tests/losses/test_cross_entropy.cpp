@@ -727,7 +727,7 @@ TEST_CASE("chunk-size invariance: every budget gives the same results to roundin
   for (const Setting st : {Setting{DType::kF32, false}, Setting{DType::kBF16, true}}) {
     for (LoopOrder order : kOrders) {
       CeSpec s;
-      s.n = 300;
+      s.n = 250;  // below the CPU's chunk cap: one chunk with an unbounded budget
       s.h = 48;
       s.v = 700;
       s.bias = true;
@@ -747,7 +747,7 @@ TEST_CASE("chunk-size invariance: every budget gives the same results to roundin
       CHECK(whole.plan.num_vocab_blocks == 1);
       const Tolerance tg = tolerance(st.dtype);
       std::int64_t blocks_seen = 1;
-      for (std::int64_t rows : {64, 128, 192, 256}) {
+      for (std::int64_t rows : {64, 128, 192}) {
         CAPTURE(rows);
         INFO(describe(s, o, g));
         const LibRun part = run_with_chunk_rows(d, o, g, rows);

@@ -94,7 +94,14 @@ struct Plan {
   std::string str() const;
 };
 
-/// Computes the plan for a token objective. Throws chunkloss::Error on invalid requests.
+/// The most rows a chunk gets on device `d` however large the budget (0: no such bound): the
+/// depth panel of the device's GEMM, beyond which a longer chunk saves no rewrite of dW and only
+/// takes memory. 256 on the CPU (Eigen), none on CUDA.
+std::int64_t max_chunk_rows(Device d);
+
+/// Computes the plan for a token objective: chunk rows are the largest multiple of 64 (or all
+/// rows) that fit the budget, at most max_chunk_rows(device); the loop order comes from the cost
+/// model unless requested. Throws chunkloss::Error on invalid requests.
 Plan plan_token_objective(const PlanRequest& req);
 
 /// Computes the plan for a sequence objective (req.rows == S * T): the regime and groups, then
