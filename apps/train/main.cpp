@@ -1,7 +1,8 @@
 // chunkloss-train: trains the shared-model layer's Llama-style decoder on the CPU with one of the
-// library's losses: SFT with cross-entropy, or preference tuning (DPO, ORPO, SimPO, CPO, KTO)
-// from an SFT checkpoint. Options from the command line and/or an INI file; progress on stderr;
-// metrics appended to a JSONL file; an SVG chart of the curves at the end; exact resume.
+// library's losses, run on the CPU or a CUDA device: SFT with cross-entropy, or preference tuning
+// (DPO, ORPO, SimPO, CPO, KTO) from an SFT checkpoint. Options from the command line and/or an INI
+// file; progress on stderr; metrics appended to a JSONL file; an SVG chart of the curves at the
+// end; exact resume.
 #include <chunkloss/apps/app_main.h>
 #include <chunkloss/apps/chart.h>
 #include <chunkloss/apps/cli.h>
@@ -43,6 +44,7 @@ struct Settings {
   LossSettings loss;
   model::LlamaConfig config;
   std::uint64_t seed = 0;
+  std::string device = "cpu";
   int threads = 1;
   std::string init, resume, save, metrics, chart;
   std::int64_t steps = 0, batch_size = 0, grad_accum = 1, log_every = 0, save_every = 0;
@@ -76,7 +78,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("help,h", "print this help and exit")
     ("config", po::value<std::string>()->default_value("", "none"), "read options from this INI file (key = value, keys are the long option names; the command line wins)")
     ("loss", po::value<std::string>()->default_value("ce"), "ce (SFT) | dpo | orpo | simpo | cpo | kto")
-    ("device", po::value<std::string>()->default_value("cpu"), "cpu | cuda (the model layer runs on the CPU only)")
+    ("device", po::value<std::string>()->default_value("cpu"), "where the loss runs: cpu | cuda (CUDA device 0; each step's hidden states and lm_head are copied there and the gradients back; the model layer runs on the CPU)")
     ("threads", po::value<int>()->default_value(1), "CPU threads for the model and the loss (0: all cores; the bundled model is too small to gain from more than 1)")
     ("seed", po::value<std::uint64_t>()->default_value(0), "seed of the model init and the data order");
   po::options_description data_opts("Data");
@@ -128,8 +130,8 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("log-every", po::value<std::int64_t>()->default_value(25), "plain progress line every this many steps when stderr is not a terminal");
   // clang-format on
   po::options_description all(std::string("Usage: ") + kProg +
-                              " [options]\nTrains a small Llama-style model with a chunkloss loss "
-                              "on the CPU.\nOptions");
+                              " [options]\nTrains a small Llama-style model (on the CPU) with a "
+                              "chunkloss loss (on the CPU or CUDA).\nOptions");
   all.add(general).add(data_opts).add(model_opts).add(optim).add(loss_opts).add(output);
 
   po::variables_map vm;
@@ -149,12 +151,9 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.loss.loss = vm["loss"].as<std::string>();
   if (std::find(kLosses.begin(), kLosses.end(), s.loss.loss) == kLosses.end())
     throw apps::UsageError("--loss: '" + s.loss.loss + "' is not ce, dpo, orpo, simpo, cpo or kto");
-  const std::string device = vm["device"].as<std::string>();
-  if (device == "cuda")
-    throw apps::UsageError(
-        "--device cuda: the model layer runs on the CPU only (the CUDA backend serves the loss "
-        "library); use --device cpu");
-  if (device != "cpu") throw apps::UsageError("--device: '" + device + "' is not cpu or cuda");
+  s.device = vm["device"].as<std::string>();
+  if (s.device != "cpu" && s.device != "cuda")
+    throw apps::UsageError("--device: '" + s.device + "' is not cpu or cuda");
   s.threads = in_range<int>(vm, "threads", 0, 4096);
   s.seed = vm["seed"].as<std::uint64_t>();
 
@@ -228,12 +227,11 @@ std::optional<Settings> parse(int argc, char** argv) {
   return s;
 }
 
-std::unique_ptr<Trainer> make_trainer(const Settings& s,
+std::unique_ptr<Trainer> make_trainer(const Settings& s, LossDevice& device,
                                       std::optional<model::LlamaModel> reference) {
-  if (s.loss.loss == "ce") return make_ce_trainer(s.data, s.loss, s.threads);
-  if (s.loss.loss == "kto")
-    return make_kto_trainer(s.data, s.loss, s.threads, std::move(*reference));
-  return make_pair_trainer(s.data, s.loss, s.threads, std::move(reference));
+  if (s.loss.loss == "ce") return make_ce_trainer(s.data, s.loss, device);
+  if (s.loss.loss == "kto") return make_kto_trainer(s.data, s.loss, device, std::move(*reference));
+  return make_pair_trainer(s.data, s.loss, device, std::move(reference));
 }
 
 // The chart's curves from every line of the metrics file (the last record of each step wins,
@@ -299,12 +297,14 @@ int run(const Settings& s, const std::string& invocation) {
   }
 
   std::fprintf(stderr, "%s: %s\n", kProg, policy->summary().c_str());
-  std::unique_ptr<Trainer> trainer = make_trainer(s, std::move(reference));
+  LossDevice device(s.device, s.threads);
+  std::unique_ptr<Trainer> trainer = make_trainer(s, device, std::move(reference));
   const data::BatchSampler sampler(trainer->size(), static_cast<std::size_t>(s.batch_size), s.seed);
   const std::int64_t per_epoch = static_cast<std::int64_t>(sampler.batches_per_epoch());
   std::fprintf(
-      stderr, "%s: --loss %s on %s: %zu examples, %lld micro-batches per epoch, steps %lld..%lld\n",
-      kProg, s.loss.loss.c_str(), s.data.file.c_str(), trainer->size(),
+      stderr,
+      "%s: --loss %s (on %s) on %s: %zu examples, %lld micro-batches per epoch, steps %lld..%lld\n",
+      kProg, s.loss.loss.c_str(), s.device.c_str(), s.data.file.c_str(), trainer->size(),
       static_cast<long long>(per_epoch), static_cast<long long>(start),
       static_cast<long long>(s.steps));
 

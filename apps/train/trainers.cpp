@@ -1,7 +1,6 @@
 // The per-loss trainers of chunkloss-train (see trainers.h).
 #include "trainers.h"
 
-#include <chunkloss/core/context.h>
 #include <chunkloss/data/jsonl.h>
 #include <chunkloss/losses/cross_entropy.h>
 #include <chunkloss/losses/preference.h>
@@ -32,7 +31,7 @@ class HiddenGrad {
 
 class CeTrainer final : public Trainer {
  public:
-  CeTrainer(const DataSettings& data, const LossSettings& loss, int threads) : ctx_(threads) {
+  CeTrainer(const DataSettings& data, const LossSettings& loss, LossDevice& device) : dev_(device) {
     const data::ByteTokenizer tok;
     seqs_ = data::encode_sft(tok, data::read_sft_jsonl(data.file), data.encode);
     CrossEntropyOptions o;
@@ -47,55 +46,77 @@ class CeTrainer final : public Trainer {
 
   MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples) override {
     const data::Batch batch = data::collate_sft(seqs_, examples);
+    const TensorView hidden = model.forward(batch.tokens_view());
+    const TensorView d_hidden = dh_.view(hidden);
+    dev_.begin();
     CrossEntropyInputs in;
-    in.hidden = model.forward(batch.tokens_view());
-    in.weight = model.lm_head_weight();
-    in.targets = batch.targets_view();
+    in.hidden = dev_.in(hidden);
+    in.weight = dev_.in(model.lm_head_weight());
+    in.targets = dev_.in(batch.targets_view());
     CrossEntropyGrads g;
-    g.hidden = dh_.view(in.hidden);
-    g.weight = model.lm_head_weight_grad();
+    g.hidden = dev_.inout(d_hidden);
+    g.weight = dev_.inout(model.lm_head_weight_grad());
     g.accumulate = true;
     const CrossEntropyResult r =
-        ce_.forward_backward(ctx_, in, g, {}, ws_.get(ce_.workspace_bytes(in, g)));
-    model.backward(g.hidden);
+        ce_.forward_backward(dev_.context(), in, g, {}, dev_.workspace(ce_.workspace_bytes(in, g)));
+    dev_.end();
+    model.backward(d_hidden);
     return {r.loss, {{"token_accuracy", r.accuracy}}, input_tokens(batch)};
   }
 
  private:
-  CpuContext ctx_;
+  LossDevice& dev_;
   std::vector<data::Sequence> seqs_;
   LinearCrossEntropy ce_;
-  apps::HostWorkspace ws_;
   HiddenGrad dh_;
 };
 
-// Per-sequence log-prob sums of a model on a batch as f32 (the loss's reference_logps dtype).
+// Per-sequence log-prob sums of a model on a batch as f32 (the loss's reference_logps dtype),
+// from SequenceLogProbs on the device.
 class LogProbs {
  public:
-  LogProbs(const LossSettings& loss, CpuContext& ctx) : ctx_(ctx), budget_(loss.budget_bytes) {}
+  LogProbs(const LossSettings& loss, LossDevice& device) : dev_(device), utility_(options(loss)) {}
   std::vector<float> operator()(model::LlamaModel& m, const data::Batch& b) {
-    const SequenceLogProbResult r = apps::sequence_logps(ctx_, m, b, budget_, ws_);
+    const TensorView hidden = m.forward(b.tokens_view());
+    dev_.begin();
+    const Head head{dev_.in(hidden), dev_.in(m.lm_head_weight()), {}};
+    const TensorView targets = dev_.in(apps::sequence_targets(b));
+    const SequenceLogProbResult r = utility_.compute(
+        dev_.context(), head, targets, dev_.workspace(utility_.workspace_bytes(head, targets)));
+    dev_.end();
     return {r.logps.begin(), r.logps.end()};
   }
 
  private:
-  CpuContext& ctx_;
-  std::size_t budget_;
-  apps::HostWorkspace ws_;
+  static SequenceOptions options(const LossSettings& loss) {
+    SequenceOptions o;
+    o.memory_budget_bytes = loss.budget_bytes;
+    return o;
+  }
+  LossDevice& dev_;
+  SequenceLogProbs utility_;
 };
 
-// One forward_backward of a sequence loss on the policy, then the model's backward.
-MicroStats policy_step(CpuContext& ctx, const SequenceLoss& loss, model::LlamaModel& model,
-                       const data::Batch& batch, PreferenceInputs in, HiddenGrad& dh,
-                       apps::HostWorkspace& ws) {
-  in.policy = {model.forward(batch.tokens_view()), model.lm_head_weight(), {}};
-  in.targets = apps::sequence_targets(batch);
+// One forward_backward of a sequence loss on the policy, then the model's backward. `host` holds
+// the call's per-sequence host inputs (reference_logps, labels, kl).
+MicroStats policy_step(LossDevice& dev, const SequenceLoss& loss, model::LlamaModel& model,
+                       const data::Batch& batch, const PreferenceInputs& host, HiddenGrad& dh) {
+  const TensorView hidden = model.forward(batch.tokens_view());
+  const TensorView d_hidden = dh.view(hidden);
+  dev.begin();
+  PreferenceInputs in = host;
+  in.policy = {dev.in(hidden), dev.in(model.lm_head_weight()), {}};
+  in.targets = dev.in(apps::sequence_targets(batch));
+  in.reference_logps = dev.in(host.reference_logps);
+  in.labels = dev.in(host.labels);
   PreferenceGrads g;
-  g.hidden = dh.view(in.policy.hidden);
-  g.weight = model.lm_head_weight_grad();
+  g.hidden = dev.inout(d_hidden);
+  g.weight = dev.inout(model.lm_head_weight_grad());
   g.accumulate = true;
-  const PreferenceResult r = loss.forward_backward(ctx, in, g, ws.get(loss.workspace_bytes(in, g)));
-  model.backward(g.hidden);
+  const PreferenceResult r =
+      loss.forward_backward(dev.context(), in, g, dev.workspace(loss.workspace_bytes(in, g)));
+  dev.end();
+  model.backward(d_hidden);
   return {r.loss, r.metrics, input_tokens(batch)};
 }
 
@@ -142,12 +163,12 @@ SequenceLoss make_pair_loss(const LossSettings& s) {
 
 class PairTrainer final : public Trainer {
  public:
-  PairTrainer(const DataSettings& data, const LossSettings& loss, int threads,
+  PairTrainer(const DataSettings& data, const LossSettings& loss, LossDevice& device,
               std::optional<model::LlamaModel> reference)
-      : ctx_(threads),
+      : dev_(device),
         loss_(make_pair_loss(loss)),
         reference_(std::move(reference)),
-        ref_logps_(loss, ctx_) {
+        ref_logps_(loss, device) {
     CHUNKLOSS_CHECK(reference_.has_value() == loss_.objective().uses_reference(), "--loss ",
                     loss.loss, reference_ ? " takes no reference model" : " needs a reference");
     const data::ByteTokenizer tok;
@@ -166,16 +187,15 @@ class PairTrainer final : public Trainer {
       ref = ref_logps_(*reference_, batch);
       in.reference_logps = TensorView::of(ref.data(), {batch.rows});
     }
-    return policy_step(ctx_, loss_, model, batch, in, dh_, ws_);
+    return policy_step(dev_, loss_, model, batch, in, dh_);
   }
 
  private:
-  CpuContext ctx_;
+  LossDevice& dev_;
   SequenceLoss loss_;
   std::optional<model::LlamaModel> reference_;
   LogProbs ref_logps_;
   std::vector<data::PreferenceSequences> pairs_;
-  apps::HostWorkspace ws_;
   HiddenGrad dh_;
 };
 
@@ -190,12 +210,12 @@ SequenceLoss make_kto_loss(const LossSettings& s) {
 
 class KtoTrainer final : public Trainer {
  public:
-  KtoTrainer(const DataSettings& data, const LossSettings& loss, int threads,
+  KtoTrainer(const DataSettings& data, const LossSettings& loss, LossDevice& device,
              model::LlamaModel reference)
-      : ctx_(threads),
+      : dev_(device),
         loss_(make_kto_loss(loss)),
         reference_(std::move(reference)),
-        logps_(loss, ctx_),
+        logps_(loss, device),
         encode_(data.encode) {
     examples_ = data::read_unpaired_jsonl(data.file);
     seqs_ = data::encode_unpaired(tok_, examples_, encode_);
@@ -231,11 +251,11 @@ class KtoTrainer final : public Trainer {
     std::vector<std::int32_t> labels(batch.labels.begin(), batch.labels.end());
     in.labels = TensorView::of(labels.data(), {batch.rows});
     in.kl = kl;
-    return policy_step(ctx_, loss_, model, batch, in, dh_, ws_);
+    return policy_step(dev_, loss_, model, batch, in, dh_);
   }
 
  private:
-  CpuContext ctx_;
+  LossDevice& dev_;
   SequenceLoss loss_;
   model::LlamaModel reference_;
   LogProbs logps_;
@@ -243,26 +263,25 @@ class KtoTrainer final : public Trainer {
   data::ByteTokenizer tok_;
   std::vector<data::UnpairedExample> examples_;
   std::vector<data::LabeledSequence> seqs_;
-  apps::HostWorkspace ws_;
   HiddenGrad dh_;
 };
 
 }  // namespace
 
 std::unique_ptr<Trainer> make_pair_trainer(const DataSettings& data, const LossSettings& loss,
-                                           int threads,
+                                           LossDevice& device,
                                            std::optional<model::LlamaModel> reference) {
-  return std::make_unique<PairTrainer>(data, loss, threads, std::move(reference));
+  return std::make_unique<PairTrainer>(data, loss, device, std::move(reference));
 }
 
 std::unique_ptr<Trainer> make_kto_trainer(const DataSettings& data, const LossSettings& loss,
-                                          int threads, model::LlamaModel reference) {
-  return std::make_unique<KtoTrainer>(data, loss, threads, std::move(reference));
+                                          LossDevice& device, model::LlamaModel reference) {
+  return std::make_unique<KtoTrainer>(data, loss, device, std::move(reference));
 }
 
 std::unique_ptr<Trainer> make_ce_trainer(const DataSettings& data, const LossSettings& loss,
-                                         int threads) {
-  return std::make_unique<CeTrainer>(data, loss, threads);
+                                         LossDevice& device) {
+  return std::make_unique<CeTrainer>(data, loss, device);
 }
 
 }  // namespace chunkloss::train

@@ -6,6 +6,8 @@
 #include <chunkloss/data/batch.h>
 #include <chunkloss/model/model.h>
 
+#include "loss_device.h"
+
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -55,18 +57,19 @@ struct DataSettings {
 
 /// SFT with LinearCrossEntropy on {"prompt", "completion"} / {"text"} lines.
 std::unique_ptr<Trainer> make_ce_trainer(const DataSettings& data, const LossSettings& loss,
-                                         int threads);
+                                         LossDevice& device);
 
 /// DPO, ORPO, SimPO or CPO (loss.loss) on {"prompt", "chosen", "rejected"} lines. DPO needs the
 /// frozen `reference` (its log-probs come from SequenceLogProbs on each batch); the others are
 /// reference-free and get none.
 std::unique_ptr<Trainer> make_pair_trainer(const DataSettings& data, const LossSettings& loss,
-                                           int threads, std::optional<model::LlamaModel> reference);
+                                           LossDevice& device,
+                                           std::optional<model::LlamaModel> reference);
 
 /// KTO on {"prompt", "completion", "label"} lines with the frozen `reference`. The KL reference
 /// point of each micro-batch is the mean policy-minus-reference log-prob of its mismatched pairs
 /// (prompt i with completion i + 1), detached, as TRL computes it.
 std::unique_ptr<Trainer> make_kto_trainer(const DataSettings& data, const LossSettings& loss,
-                                          int threads, model::LlamaModel reference);
+                                          LossDevice& device, model::LlamaModel reference);
 
 }  // namespace chunkloss::train

@@ -7,7 +7,8 @@ CASE is one of: sft (a few SFT steps from a new model: the loss goes down, the m
 one line per step, the chart is written), dpo|orpo|simpo|cpo|kto (a few steps from the sft
 case's checkpoint: the loss goes down), resume (12 steps straight == 7 steps, save, resume, 5
 more; bitwise), eval (chunkloss-eval --json on the sft checkpoint), usage (bad options: one line,
-exit code 2).
+exit code 2), cuda (ctest label gpu: SFT then DPO with the loss on the GPU, step by step equal to
+the CPU run to rounding; exits with 77, skipped, where there is no CUDA backend or device).
 """
 import json
 import os
@@ -28,6 +29,9 @@ def run(cmd, expect=0):
         fail("%s exited %d (expected %d)\nstdout:\n%s\nstderr:\n%s" %
              (" ".join(cmd), p.returncode, expect, p.stdout, p.stderr))
     return p
+
+
+SKIP = 77  # ctest's SKIP_RETURN_CODE for this script
 
 
 def losses(metrics_path):
@@ -115,7 +119,7 @@ def main():
             fail("the table has no sft row:\n" + p.stdout)
     elif case == "usage":
         for cmd in ([train, "--no-such-option"], [train, "--loss", "nope"],
-                    [train, "--steps", "0"], [train, "--device", "cuda"],
+                    [train, "--steps", "0"], [train, "--device", "tpu"],
                     [train, "--init", sft, "--hidden-size", "8"], [evaluate],
                     [evaluate, "--model", sft, "--beta", "-1"]):
             p = run(cmd, expect=2)
@@ -133,8 +137,52 @@ def main():
         p = run([evaluate, "--model", os.path.join(work, "missing")], expect=1)
         if "missing" not in p.stderr:
             fail("a missing checkpoint must be named:\n" + p.stderr)
+    elif case == "cuda":
+        cuda_case(train, work, small)
     else:
         fail("unknown case " + case)
+
+
+def close(a, b, rel):
+    return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+def cuda_case(train, work, small):
+    """The same runs with the loss on the CPU and on the GPU: the curves agree to rounding."""
+    runs = {}
+    for dev in ("cpu", "cuda"):
+        d = os.path.join(work, "cuda-check-" + dev)
+        shutil.rmtree(d, ignore_errors=True)
+        sft = os.path.join(d, "sft")
+        p = subprocess.run([train, "--device", dev, "--loss", "ce", "--steps", "40",
+                            "--warmup-steps", "4", "--lr", "1e-2", "--seed", "3", "--save", sft] +
+                           small, capture_output=True, text=True)
+        if dev == "cuda" and p.returncode != 0 and (
+                "no CUDA backend" in p.stderr or "no CUDA device" in p.stderr):
+            print("SKIP: " + p.stderr.strip())
+            sys.exit(SKIP)
+        if p.returncode != 0:
+            fail("--device %s sft exited %d:\n%s" % (dev, p.returncode, p.stderr))
+        # DPO from the CPU's SFT model on both, the reference's log-probs on the loss's device.
+        dpo = os.path.join(d, "dpo")
+        run([train, "--device", dev, "--loss", "dpo", "--init",
+             os.path.join(work, "cuda-check-cpu", "sft"), "--steps", "16",
+             "--warmup-steps", "0", "--lr", "3e-3", "--batch-size", "16", "--save", dpo])
+        runs[dev] = (losses(os.path.join(sft, "metrics.jsonl")),
+                     losses(os.path.join(dpo, "metrics.jsonl")))
+    check_went_down(os.path.join(work, "cuda-check-cuda", "sft", "metrics.jsonl"), 40)
+    check_went_down(os.path.join(work, "cuda-check-cuda", "dpo", "metrics.jsonl"), 16)
+    for stage, i in (("sft", 0), ("dpo", 1)):
+        cpu, gpu = runs["cpu"][i], runs["cuda"][i]
+        # Step 1 sees the same model on both: the loss agrees to fp32 summation order. Later steps
+        # drift apart only as far as the updates' rounding carries.
+        if not close(cpu[0], gpu[0], 1e-5):
+            fail("%s step 1: cpu loss %.9g, cuda %.9g" % (stage, cpu[0], gpu[0]))
+        worst = max(abs(a - b) / max(abs(a), 1e-3) for a, b in zip(cpu, gpu))
+        print("%s: %d steps, step 1 cpu %.9g cuda %.9g, worst relative difference %.2e" %
+              (stage, len(cpu), cpu[0], gpu[0], worst))
+        if worst > 1e-2:
+            fail("%s: the cpu and cuda curves differ by %.2e" % (stage, worst))
 
 
 if __name__ == "__main__":

@@ -59,6 +59,15 @@ class TensorView {
   std::int64_t numel() const;
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype_); }
 
+  /// The same shape and dtype over other memory (e.g. a device copy of a host view).
+  TensorView rebound(const void* data, Device device, int device_index = 0) const {
+    TensorView v = *this;
+    v.data_ = const_cast<void*>(data);
+    v.device_ = device;
+    v.device_index_ = device_index;
+    return v;
+  }
+
   /// "[4, 7] bf16 cpu", or "absent".
   std::string str() const;
 

@@ -1,0 +1,98 @@
+// The loss's device for chunkloss-train (see loss_device.h).
+#include "loss_device.h"
+
+#include <chunkloss/apps/tuning.h>
+#include <chunkloss/core/error.h>
+
+#include <utility>
+#include <vector>
+
+#if CHUNKLOSS_TRAIN_CUDA
+#include <chunkloss/gpu/context.h>
+#endif
+
+namespace chunkloss::train {
+
+struct LossDevice::Impl {
+  std::unique_ptr<CpuContext> cpu;
+  apps::HostWorkspace host_ws;
+#if CHUNKLOSS_TRAIN_CUDA
+  std::unique_ptr<gpu::Context> gpu;
+  std::vector<gpu::DeviceBuffer> buffers;  // one per in()/inout() of a call, reused
+  std::size_t next = 0;
+  gpu::DeviceBuffer ws;
+  std::vector<std::pair<TensorView, void*>> copy_back;  // host view, its device copy
+#endif
+
+  TensorView mirror(const TensorView& host, [[maybe_unused]] bool back) {
+#if CHUNKLOSS_TRAIN_CUDA
+    if (gpu && host.defined()) {
+      CHUNKLOSS_CHECK(host.device() == Device::kCpu, "LossDevice: ", host.str(),
+                      " is not a host view");
+      if (next == buffers.size()) buffers.emplace_back();
+      gpu::DeviceBuffer& b = buffers[next++];
+      if (b.bytes() < host.nbytes()) b = gpu::DeviceBuffer(host.nbytes());
+      gpu::copy_to_device(b.data(), host.data(), host.nbytes());
+      if (back) copy_back.emplace_back(host, b.data());
+      return host.rebound(b.data(), Device::kCuda, gpu->device_index());
+    }
+#endif
+    return host;
+  }
+};
+
+LossDevice::LossDevice(const std::string& device, int threads) : impl_(std::make_unique<Impl>()) {
+  if (device == "cuda") {
+#if CHUNKLOSS_TRAIN_CUDA
+    CHUNKLOSS_CHECK(gpu::device_count() > 0, "--device cuda: no CUDA device is visible");
+    impl_->gpu = std::make_unique<gpu::Context>(0);
+#else
+    CHUNKLOSS_CHECK(false,
+                    "--device cuda: this build has no CUDA backend (configure with "
+                    "-DCHUNKLOSS_WITH_CUDA=ON where the CUDA toolkit is installed)");
+#endif
+  } else {
+    CHUNKLOSS_CHECK(device == "cpu", "--device: '", device, "' is not cpu or cuda");
+    impl_->cpu = std::make_unique<CpuContext>(threads);
+  }
+}
+
+LossDevice::~LossDevice() = default;
+
+Context& LossDevice::context() {
+#if CHUNKLOSS_TRAIN_CUDA
+  if (impl_->gpu) return *impl_->gpu;
+#endif
+  return *impl_->cpu;
+}
+
+void LossDevice::begin() {
+#if CHUNKLOSS_TRAIN_CUDA
+  impl_->next = 0;
+  impl_->copy_back.clear();
+#endif
+}
+
+TensorView LossDevice::in(const TensorView& host) { return impl_->mirror(host, false); }
+
+TensorView LossDevice::inout(const TensorView& host) { return impl_->mirror(host, true); }
+
+Workspace LossDevice::workspace(std::size_t bytes) {
+#if CHUNKLOSS_TRAIN_CUDA
+  if (impl_->gpu) {
+    if (impl_->ws.bytes() < bytes) impl_->ws = gpu::DeviceBuffer(bytes);
+    return Workspace(impl_->ws.data(), bytes);
+  }
+#endif
+  return impl_->host_ws.get(bytes);
+}
+
+void LossDevice::end() {
+#if CHUNKLOSS_TRAIN_CUDA
+  for (const auto& [host, dev] : impl_->copy_back)
+    gpu::copy_to_host(host.data(), dev, host.nbytes());
+  impl_->copy_back.clear();
+#endif
+}
+
+}  // namespace chunkloss::train
