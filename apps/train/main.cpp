@@ -117,6 +117,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("dpo-loss-type", po::value<std::string>()->default_value("sigmoid"), "dpo: sigmoid, hinge, ipo, robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop")
     ("rpo-alpha", po::value<double>()->default_value(0, "0 = off"), "dpo: weight of the NLL term on chosen tokens (RPO)")
     ("gamma", po::value<double>()->default_value(0.5), "simpo: target margin in reward units")
+    ("simpo-alpha", po::value<double>()->default_value(0, "0 = off"), "simpo: weight of the NLL term on chosen tokens")
     ("cpo-alpha", po::value<double>()->default_value(1.0), "cpo: weight of the NLL term")
     ("desirable-weight", po::value<double>()->default_value(1.0), "kto: weight of desirable examples")
     ("undesirable-weight", po::value<double>()->default_value(1.0), "kto: weight of undesirable examples")
@@ -208,6 +209,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   }
   s.loss.rpo_alpha = in_range<double>(vm, "rpo-alpha", 0, 1e6);
   s.loss.gamma = in_range<double>(vm, "gamma", 0, 1e6);
+  s.loss.simpo_alpha = in_range<double>(vm, "simpo-alpha", 0, 1e6);
   s.loss.cpo_alpha = in_range<double>(vm, "cpo-alpha", 0, 1e6);
   s.loss.desirable_weight = in_range<double>(vm, "desirable-weight", 0, 1e6);
   s.loss.undesirable_weight = in_range<double>(vm, "undesirable-weight", 0, 1e6);

@@ -148,6 +148,7 @@ SequenceLoss make_pair_loss(const LossSettings& s) {
     SimpoOptions o;
     o.beta = beta_or(s.beta, o.beta);
     o.gamma = static_cast<float>(s.gamma);
+    o.nll_alpha = static_cast<float>(s.simpo_alpha);
     o.label_smoothing = ls;
     o.engine = engine;
     return Simpo(o);

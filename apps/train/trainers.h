@@ -33,6 +33,7 @@ struct LossSettings {
   std::string dpo_loss_type = "sigmoid";
   double rpo_alpha = 0;                                 ///< DPO's NLL term weight (0: off)
   double gamma = 0.5;                                   ///< SimPO
+  double simpo_alpha = 0;                               ///< SimPO's NLL term weight (0: off)
   double cpo_alpha = 1;                                 ///< CPO
   double desirable_weight = 1, undesirable_weight = 1;  ///< KTO
   std::size_t budget_bytes = 0;
