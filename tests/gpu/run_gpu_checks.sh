@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU machine's checks of a CUDA build, run from the source root: both GPU suites, the CUDA
+# smoke test of chunkloss-train (the loss on the GPU against the CPU run), compute-sanitizer
+# memcheck over the suites and a CUDA training run, and racecheck on the shape and preference
+# cases (cuBLAS's own nvjet GEMM kernels excluded). Test binaries run directly, not through CTest:
+# CTest files hold the build machine's paths. Writes OUT/NAME.txt per check and OUT/summary.txt.
+#
+#   tests/gpu/run_gpu_checks.sh BUILD_DIR OUT_DIR
+set -u
+build=${1:?usage: $0 BUILD_DIR OUT_DIR}
+out=${2:?usage: $0 BUILD_DIR OUT_DIR}
+mkdir -p "$out"
+ce=$build/tests/gpu/chunkloss_test_gpu
+pref=$build/tests/gpu/chunkloss_test_preference_gpu
+train=$build/apps/train/chunkloss-train
+summary=$out/summary.txt
+: >"$summary"
+
+check() {
+  local name=$1
+  shift
+  echo "== $name: $*"
+  "$@" >"$out/$name.txt" 2>&1
+  local rc=$?
+  echo "$name rc=$rc" >>"$summary"
+  grep -hE '^\[doctest\] (test cases|assertions)|ERROR SUMMARY|RACECHECK SUMMARY|^(sft|dpo): |^SKIP|^FAIL' \
+    "$out/$name.txt" >>"$summary"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$out/machine.txt"
+date -u >>"$out/machine.txt"
+
+check ce_suite "$ce"
+check pref_suite "$pref"
+check smoke_cuda python3 tests/apps/smoke.py "$train" "$build/apps/eval/chunkloss-eval" \
+  /tmp/chunkloss-smoke cuda
+# The sanitizers on the smaller cases (each under `timeout`: they run kernels many times slower).
+san=(timeout 120 compute-sanitizer --error-exitcode 9)
+check memcheck_train "${san[@]}" --tool memcheck "$train" --device cuda \
+  --loss dpo --init /tmp/chunkloss-smoke/cuda-check-cpu/sft --steps 2 --warmup-steps 0 \
+  --batch-size 4 --save /tmp/chunkloss-memcheck
+check memcheck_ce "${san[@]}" --tool memcheck "$ce" \
+  -tc='gpu: shapes*,gpu: all rows*,gpu: out-of-range*,gpu: results left*'
+check memcheck_pref "${san[@]}" --tool memcheck "$pref" \
+  -tc='gpu: P = 1*,gpu: accumulate*,gpu: bad targets*,gpu: SequenceLogProbs*'
+check racecheck_ce "${san[@]}" --tool racecheck --kernel-name-exclude kns=nvjet "$ce" \
+  -tc='gpu: shapes*'
+check racecheck_pref "${san[@]}" --tool racecheck --kernel-name-exclude kns=nvjet "$pref" \
+  -tc='gpu: P = 1*'
+cat "$summary"
