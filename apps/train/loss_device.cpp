@@ -81,7 +81,7 @@ Workspace LossDevice::workspace(std::size_t bytes) {
 #if CHUNKLOSS_TRAIN_CUDA
   if (impl_->gpu) {
     if (impl_->ws.bytes() < bytes) impl_->ws = gpu::DeviceBuffer(bytes);
-    return Workspace(impl_->ws.data(), bytes);
+    return Workspace(impl_->ws.data(), bytes, Device::kCuda, impl_->gpu->device_index());
   }
 #endif
   return impl_->host_ws.get(bytes);

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's checks of a CUDA build, run from the source root: both GPU suites, the CUDA
 # smoke test of chunkloss-train (the loss on the GPU against the CPU run), compute-sanitizer
-# memcheck over the suites and a CUDA training run, and racecheck on the shape and preference
-# cases (cuBLAS's own nvjet GEMM kernels excluded). Test binaries run directly, not through CTest:
+# memcheck over the suites and a CUDA training run, and racecheck of the project's kernels on the
+# shape and preference cases. Test binaries run directly, not through CTest:
 # CTest files hold the build machine's paths. Writes OUT/NAME.txt per check and OUT/summary.txt.
 #
 #   tests/gpu/run_gpu_checks.sh BUILD_DIR OUT_DIR
@@ -43,8 +43,11 @@ check memcheck_ce "${san[@]}" --tool memcheck "$ce" \
   -tc='gpu: shapes*,gpu: all rows*,gpu: out-of-range*,gpu: results left*'
 check memcheck_pref "${san[@]}" --tool memcheck "$pref" \
   -tc='gpu: P = 1*,gpu: accumulate*,gpu: bad targets*,gpu: SequenceLogProbs*'
-check racecheck_ce "${san[@]}" --tool racecheck --kernel-name-exclude kns=nvjet "$ce" \
+# racecheck checks the project's own kernels (namespace chunkloss::kern): with cuBLAS's Hopper
+# GEMMs in the run, excluded or not, the tool stops with "Internal Sanitizer Error: failed to
+# handle a hardware exception" (seen 2026-12-02 and 2026-12-03; memcheck of the same cases is clean).
+check racecheck_ce "${san[@]}" --tool racecheck --kernel-name kns=chunkloss "$ce" \
   -tc='gpu: shapes*'
-check racecheck_pref "${san[@]}" --tool racecheck --kernel-name-exclude kns=nvjet "$pref" \
+check racecheck_pref "${san[@]}" --tool racecheck --kernel-name kns=chunkloss "$pref" \
   -tc='gpu: P = 1*'
 cat "$summary"
