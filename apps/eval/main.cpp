@@ -34,6 +34,7 @@ struct Settings {
   double beta = 0.1;
   std::int64_t batch_size = 64, max_new_tokens = 8, limit = 0;
   int threads = 1;
+  std::string device = "cpu";
   std::size_t budget_bytes = 0;
 };
 
@@ -55,6 +56,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("limit", po::value<std::int64_t>()->default_value(0, "0 = all"), "evaluate only the first this many examples of each file")
     ("batch-size", po::value<std::int64_t>()->default_value(64), "sequences per forward pass")
     ("threads", po::value<int>()->default_value(1), "CPU threads (0: all cores)")
+    ("device", po::value<std::string>()->default_value("cpu"), "where the loss passes run: cpu | cuda (CUDA device 0; the model runs on the CPU)")
     ("budget-mib", po::value<double>()->default_value(0, "0 = the library's default, 256"), "the losses' workspace budget in MiB")
     ("json", po::value<std::string>()->default_value("", "none"), "also write the results as a JSON array to this file (atomically)");
   // clang-format on
@@ -93,6 +95,11 @@ std::optional<Settings> parse(int argc, char** argv) {
   if (s.batch_size < 1 || s.batch_size > (1 << 20))
     throw apps::UsageError("--batch-size: must be in [1, 1048576]");
   s.threads = vm["threads"].as<int>();
+  s.device = vm["device"].as<std::string>();
+  if (s.device != "cpu" && s.device != "cuda")
+    throw apps::UsageError("--device: '" + s.device + "' is not cpu or cuda");
+  if (s.device == "cuda" && !apps::LossDevice::cuda_built())
+    throw apps::UsageError("--device cuda: this build has no CUDA backend");
   if (s.threads < 0 || s.threads > 4096) throw apps::UsageError("--threads: must be in [0, 4096]");
   const double mib = vm["budget-mib"].as<double>();
   if (!(mib >= 0 && mib <= (1 << 20))) throw apps::UsageError("--budget-mib: must be in [0, 2^20]");
@@ -126,27 +133,25 @@ struct Data {
 };
 
 // Per-sequence log-probs of every pair: [pair] -> (chosen, rejected).
-std::vector<std::pair<double, double>> pair_logps(CpuContext& ctx, model::LlamaModel& m,
-                                                  const Data& d, const Settings& s,
-                                                  apps::HostWorkspace& ws) {
+std::vector<std::pair<double, double>> pair_logps(apps::LossDevice& dev, model::LlamaModel& m,
+                                                  const Data& d, const Settings& s) {
   std::vector<std::pair<double, double>> out;
   for (const auto& idx : batches(d.pairs.size(), s.batch_size)) {
     const data::Batch b = data::collate_preference(d.pairs, idx);
-    const SequenceLogProbResult r = apps::sequence_logps(ctx, m, b, s.budget_bytes, ws);
+    const SequenceLogProbResult r = apps::sequence_logps(dev, m, b, s.budget_bytes);
     for (std::size_t i = 0; i < idx.size(); ++i)
       out.emplace_back(r.logps[i], r.logps[i + idx.size()]);
   }
   return out;
 }
 
-nlohmann::json evaluate(CpuContext& ctx, model::LlamaModel& m, const Data& d, const Settings& s,
-                        const std::vector<std::pair<double, double>>* ref,
-                        apps::HostWorkspace& ws) {
+nlohmann::json evaluate(apps::LossDevice& dev, model::LlamaModel& m, const Data& d,
+                        const Settings& s, const std::vector<std::pair<double, double>>* ref) {
   nlohmann::json r;
   double loss_sum = 0, acc_sum = 0, rows = 0;
   for (const auto& idx : batches(d.sft_seqs.size(), s.batch_size)) {
     const CrossEntropyResult ce =
-        apps::batch_cross_entropy(ctx, m, data::collate_sft(d.sft_seqs, idx), s.budget_bytes, ws);
+        apps::batch_cross_entropy(dev, m, data::collate_sft(d.sft_seqs, idx), s.budget_bytes);
     const auto n = static_cast<double>(ce.valid_rows);
     loss_sum += ce.loss * n;
     acc_sum += ce.accuracy * n;
@@ -156,7 +161,7 @@ nlohmann::json evaluate(CpuContext& ctx, model::LlamaModel& m, const Data& d, co
   r["perplexity"] = std::exp(loss_sum / rows);
   r["token_accuracy"] = acc_sum / rows;
 
-  const auto lp = pair_logps(ctx, m, d, s, ws);
+  const auto lp = pair_logps(dev, m, d, s);
   double logp_acc = 0, logp_margin = 0;
   for (const auto& [c, rj] : lp) {
     logp_acc += c > rj ? 1 : 0;
@@ -243,8 +248,7 @@ void print_table(const std::vector<nlohmann::json>& rows, const Settings& s) {
 
 int run(const Settings& s) {
   if (s.threads > 0) omp_set_num_threads(s.threads);
-  CpuContext ctx(s.threads);
-  apps::HostWorkspace ws;
+  apps::LossDevice dev(s.device, s.threads);
   const data::ByteTokenizer tok;
   Data d;
   d.sft = first(data::read_sft_jsonl(s.sft_file), s.limit);
@@ -254,12 +258,12 @@ int run(const Settings& s) {
   std::optional<std::vector<std::pair<double, double>>> ref;
   if (!s.reference.empty()) {
     model::LlamaModel r = model::load_model(s.reference);
-    ref = pair_logps(ctx, r, d, s, ws);
+    ref = pair_logps(dev, r, d, s);
   }
   std::vector<nlohmann::json> rows;
   for (std::size_t i = 0; i < s.models.size(); ++i) {
     model::LlamaModel m = model::load_model(s.models[i]);
-    nlohmann::json r = evaluate(ctx, m, d, s, ref ? &*ref : nullptr, ws);
+    nlohmann::json r = evaluate(dev, m, d, s, ref ? &*ref : nullptr);
     r["name"] = s.names[i];
     r["model"] = s.models[i];
     if (!s.reference.empty()) r["reference"] = s.reference;

@@ -155,6 +155,8 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.device = vm["device"].as<std::string>();
   if (s.device != "cpu" && s.device != "cuda")
     throw apps::UsageError("--device: '" + s.device + "' is not cpu or cuda");
+  if (s.device == "cuda" && !LossDevice::cuda_built())
+    throw apps::UsageError("--device cuda: this build has no CUDA backend");
   s.threads = in_range<int>(vm, "threads", 0, 4096);
   s.seed = vm["seed"].as<std::uint64_t>();
 
@@ -270,7 +272,7 @@ int run(const Settings& s, const std::string& invocation) {
   if (!s.resume.empty()) {
     policy.emplace(model::load_model(s.resume));
     opt.emplace(policy->params().size(), s.adam);
-    const model::TrainerState st = model::load_training_state(s.resume, *policy, *opt);
+    model::TrainerState st = model::load_training_state(s.resume, *policy, *opt);
     const auto expect = [&](const char* key, const std::string& now) {
       const auto it = st.strings.find(key);
       CHUNKLOSS_CHECK(it != st.strings.end() && it->second == now, "--resume ", s.resume,
@@ -284,6 +286,9 @@ int run(const Settings& s, const std::string& invocation) {
     expect("batch_size", std::to_string(s.batch_size));
     expect("grad_accum", std::to_string(s.grad_accum));
     expect("steps", std::to_string(s.steps));
+    // (saved since --device exists; older runs were on the CPU)
+    if (!st.strings.count("device")) st.strings["device"] = "cpu";
+    expect("device", s.device);
     if (init.empty() && st.strings.count("init")) init = st.strings.at("init");
     start = st.global_step;
   } else if (!init.empty()) {
@@ -324,6 +329,7 @@ int run(const Settings& s, const std::string& invocation) {
                    {"batch_size", std::to_string(s.batch_size)},
                    {"grad_accum", std::to_string(s.grad_accum)},
                    {"steps", std::to_string(s.steps)},
+                   {"device", s.device},
                    {"command", invocation}};
   if (!init.empty()) state.strings["init"] = init;
   const auto save = [&](std::int64_t step, const std::string& dir) {

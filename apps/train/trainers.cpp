@@ -72,43 +72,35 @@ class CeTrainer final : public Trainer {
 };
 
 // Per-sequence log-prob sums of a model on a batch as f32 (the loss's reference_logps dtype),
-// from SequenceLogProbs on the device.
+// from SequenceLogProbs on the loss's device.
 class LogProbs {
  public:
-  LogProbs(const LossSettings& loss, LossDevice& device) : dev_(device), utility_(options(loss)) {}
+  LogProbs(const LossSettings& loss, LossDevice& device)
+      : dev_(device), budget_(loss.budget_bytes) {}
   std::vector<float> operator()(model::LlamaModel& m, const data::Batch& b) {
-    const TensorView hidden = m.forward(b.tokens_view());
-    dev_.begin();
-    const Head head{dev_.in(hidden), dev_.in(m.lm_head_weight()), {}};
-    const TensorView targets = dev_.in(apps::sequence_targets(b));
-    const SequenceLogProbResult r = utility_.compute(
-        dev_.context(), head, targets, dev_.workspace(utility_.workspace_bytes(head, targets)));
-    dev_.end();
+    const SequenceLogProbResult r = apps::sequence_logps(dev_, m, b, budget_);
     return {r.logps.begin(), r.logps.end()};
   }
 
  private:
-  static SequenceOptions options(const LossSettings& loss) {
-    SequenceOptions o;
-    o.memory_budget_bytes = loss.budget_bytes;
-    return o;
-  }
   LossDevice& dev_;
-  SequenceLogProbs utility_;
+  std::size_t budget_;
 };
 
-// One forward_backward of a sequence loss on the policy, then the model's backward. `host` holds
-// the call's per-sequence host inputs (reference_logps, labels, kl).
+// One forward_backward of a sequence loss on the policy, then the model's backward. Of `host`
+// the per-sequence inputs reference_logps, labels and kl are used (host views: the loss reads
+// them on the host on either device).
 MicroStats policy_step(LossDevice& dev, const SequenceLoss& loss, model::LlamaModel& model,
                        const data::Batch& batch, const PreferenceInputs& host, HiddenGrad& dh) {
   const TensorView hidden = model.forward(batch.tokens_view());
   const TensorView d_hidden = dh.view(hidden);
   dev.begin();
-  PreferenceInputs in = host;
+  PreferenceInputs in;
   in.policy = {dev.in(hidden), dev.in(model.lm_head_weight()), {}};
   in.targets = dev.in(apps::sequence_targets(batch));
-  in.reference_logps = dev.in(host.reference_logps);
-  in.labels = dev.in(host.labels);
+  in.reference_logps = host.reference_logps;
+  in.labels = host.labels;
+  in.kl = host.kl;
   PreferenceGrads g;
   g.hidden = dev.inout(d_hidden);
   g.weight = dev.inout(model.lm_head_weight_grad());

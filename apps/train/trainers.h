@@ -2,11 +2,10 @@
 // micro-batch (model forward, the loss's forward_backward, model backward) on given examples.
 #pragma once
 
+#include <chunkloss/apps/loss_device.h>
 #include <chunkloss/apps/tuning.h>
 #include <chunkloss/data/batch.h>
 #include <chunkloss/model/model.h>
-
-#include "loss_device.h"
 
 #include <cstdint>
 #include <memory>
@@ -17,6 +16,8 @@
 #include <vector>
 
 namespace chunkloss::train {
+
+using apps::LossDevice;
 
 /// The result of one micro-batch.
 struct MicroStats {

@@ -61,8 +61,9 @@ DeviceModel device_model(Device d) {
   // its GEMMs hold the output tile across the whole reduction.
   // CPU: two cores through Eigen; a GEMM saturates at a few dozen rows, and Eigen's blocking
   // walks the reduction in panels of a few hundred rows (kc = 520 for fp32 at 512 KiB of L2),
-  // rewriting the output once per panel. Measured at 4096 x 1024 x 32768 fp32 on 2 cores:
-  // 192-row chunks ran at 0.92x the full-size GEMMs, 1984-row chunks at 1.04x.
+  // rewriting the output once per panel. The model takes 256 rows, at most one such panel, which
+  // measurement backs: at 4096 x 1024 x 32768 fp32 on 2 cores, 192-row chunks ran at 0.92x the
+  // full-size GEMMs and 1984-row chunks at 1.04x (the machine's run-to-run noise is larger).
   return d == Device::kCuda ? DeviceModel{7.0e14, 48.0, 3.5e12, 0}
                             : DeviceModel{1.0e11, 16.0, 1.0e10, 256};
 }

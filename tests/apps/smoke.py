@@ -7,8 +7,8 @@ CASE is one of: sft (a few SFT steps from a new model: the loss goes down, the m
 one line per step, the chart is written), dpo|orpo|simpo|cpo|kto (a few steps from the sft
 case's checkpoint: the loss goes down), resume (12 steps straight == 7 steps, save, resume, 5
 more; bitwise), eval (chunkloss-eval --json on the sft checkpoint), usage (bad options: one line,
-exit code 2), cuda (ctest label gpu: SFT then DPO with the loss on the GPU, step by step equal to
-the CPU run to rounding; exits with 77, skipped, where there is no CUDA backend or device).
+exit code 2), cuda (ctest label gpu: SFT then DPO with the loss on the GPU, step by step within
+1e-4 of the CPU run; exits with 77, skipped, where there is no CUDA backend or device).
 """
 import json
 import os
@@ -138,7 +138,7 @@ def main():
         if "missing" not in p.stderr:
             fail("a missing checkpoint must be named:\n" + p.stderr)
     elif case == "cuda":
-        cuda_case(train, work, small)
+        cuda_case(train, evaluate, work, small)
     else:
         fail("unknown case " + case)
 
@@ -147,10 +147,11 @@ def close(a, b, rel):
     return abs(a - b) <= rel * max(abs(a), abs(b))
 
 
-def cuda_case(train, work, small):
-    """The same runs with the loss on the CPU and on the GPU: the curves agree to rounding."""
+def cuda_case(train, evaluate, work, small):
+    """The same runs with the loss on the CPU and on the GPU: the curves agree to rounding; so do
+    chunkloss-eval's numbers."""
     runs = {}
-    for dev in ("cpu", "cuda"):
+    for dev in ("cuda", "cpu"):  # cuda first: a build or machine without it skips at once
         d = os.path.join(work, "cuda-check-" + dev)
         shutil.rmtree(d, ignore_errors=True)
         sft = os.path.join(d, "sft")
@@ -163,26 +164,39 @@ def cuda_case(train, work, small):
             sys.exit(SKIP)
         if p.returncode != 0:
             fail("--device %s sft exited %d:\n%s" % (dev, p.returncode, p.stderr))
-        # DPO from the CPU's SFT model on both, the reference's log-probs on the loss's device.
-        dpo = os.path.join(d, "dpo")
+        runs[dev] = [losses(os.path.join(sft, "metrics.jsonl"))]
+    # DPO from the CPU's SFT model on both, the reference's log-probs on the loss's device.
+    for dev in ("cuda", "cpu"):
+        dpo = os.path.join(work, "cuda-check-" + dev, "dpo")
         run([train, "--device", dev, "--loss", "dpo", "--init",
              os.path.join(work, "cuda-check-cpu", "sft"), "--steps", "16",
              "--warmup-steps", "0", "--lr", "3e-3", "--batch-size", "16", "--save", dpo])
-        runs[dev] = (losses(os.path.join(sft, "metrics.jsonl")),
-                     losses(os.path.join(dpo, "metrics.jsonl")))
+        runs[dev].append(losses(os.path.join(dpo, "metrics.jsonl")))
     check_went_down(os.path.join(work, "cuda-check-cuda", "sft", "metrics.jsonl"), 40)
     check_went_down(os.path.join(work, "cuda-check-cuda", "dpo", "metrics.jsonl"), 16)
     for stage, i in (("sft", 0), ("dpo", 1)):
         cpu, gpu = runs["cpu"][i], runs["cuda"][i]
         # Step 1 sees the same model on both: the loss agrees to fp32 summation order. Later steps
-        # drift apart only as far as the updates' rounding carries.
+        # drift apart only as far as the updates' rounding carries (1.3e-7 seen on an H200).
         if not close(cpu[0], gpu[0], 1e-5):
             fail("%s step 1: cpu loss %.9g, cuda %.9g" % (stage, cpu[0], gpu[0]))
         worst = max(abs(a - b) / max(abs(a), 1e-3) for a, b in zip(cpu, gpu))
         print("%s: %d steps, step 1 cpu %.9g cuda %.9g, worst relative difference %.2e" %
               (stage, len(cpu), cpu[0], gpu[0], worst))
-        if worst > 1e-2:
+        if worst > 1e-4:
             fail("%s: the cpu and cuda curves differ by %.2e" % (stage, worst))
+    sft, dpo = (os.path.join(work, "cuda-check-cpu", x) for x in ("sft", "dpo"))
+    rows = {}
+    for dev in ("cuda", "cpu"):
+        out = os.path.join(work, "cuda-check-eval-%s.json" % dev)
+        run([evaluate, "--device", dev, "--model", dpo, "--reference", sft, "--limit", "32",
+             "--json", out])
+        with open(out) as f:
+            rows[dev] = json.load(f)[0]
+    for k, v in rows["cpu"].items():
+        if isinstance(v, float) and not close(v, rows["cuda"][k], 1e-5):
+            fail("chunkloss-eval %s: cpu %.9g, cuda %.9g" % (k, v, rows["cuda"][k]))
+    print("eval: %d values agree between cpu and cuda to 1e-5" % len(rows["cpu"]))
 
 
 if __name__ == "__main__":

@@ -36,9 +36,11 @@ check smoke_cuda python3 tests/apps/smoke.py "$train" "$build/apps/eval/chunklos
   /tmp/chunkloss-smoke cuda
 # The sanitizers on the smaller cases (each under `timeout`: they run kernels many times slower).
 san=(timeout 120 compute-sanitizer --error-exitcode 9)
+init=/tmp/chunkloss-smoke/cuda-check-cpu/sft  # the smoke test's SFT model, or a quick one
+[ -d "$init" ] || "$train" --loss ce --steps 5 --hidden-size 32 --intermediate-size 64 \
+  --save "$init" >/dev/null 2>&1
 check memcheck_train "${san[@]}" --tool memcheck "$train" --device cuda \
-  --loss dpo --init /tmp/chunkloss-smoke/cuda-check-cpu/sft --steps 2 --warmup-steps 0 \
-  --batch-size 4 --save /tmp/chunkloss-memcheck
+  --loss dpo --init "$init" --steps 2 --warmup-steps 0 --batch-size 4 --save /tmp/chunkloss-memcheck
 check memcheck_ce "${san[@]}" --tool memcheck "$ce" \
   -tc='gpu: shapes*,gpu: all rows*,gpu: out-of-range*,gpu: results left*'
 check memcheck_pref "${san[@]}" --tool memcheck "$pref" \

@@ -1,50 +1,46 @@
 // Glue shared by the training and evaluation apps (see tuning.h).
 #include "chunkloss/apps/tuning.h"
 
-#include <memory>
-
 namespace chunkloss::apps {
-
-Workspace HostWorkspace::get(std::size_t bytes) {
-  if (bytes > capacity_ || !storage_) {
-    storage_ = std::make_unique<std::byte[]>(bytes + kWorkspaceAlignment);
-    capacity_ = bytes;
-  }
-  void* p = storage_.get();
-  std::size_t space = capacity_ + kWorkspaceAlignment;
-  return Workspace(std::align(kWorkspaceAlignment, capacity_, p, space), bytes);
-}
 
 std::string bundled_data(const std::string& name) {
   return std::string(CHUNKLOSS_BUNDLED_DATA_DIR) + "/" + name;
 }
 
-CrossEntropyResult batch_cross_entropy(Context& ctx, model::LlamaModel& model,
-                                       const data::Batch& batch, std::size_t budget_bytes,
-                                       HostWorkspace& workspace) {
+CrossEntropyResult batch_cross_entropy(LossDevice& device, model::LlamaModel& model,
+                                       const data::Batch& batch, std::size_t budget_bytes) {
   CrossEntropyOptions o;
   o.memory_budget_bytes = budget_bytes;
   const LinearCrossEntropy ce(o);
+  const TensorView hidden = model.forward(batch.tokens_view());
+  device.begin();
   CrossEntropyInputs in;
-  in.hidden = model.forward(batch.tokens_view());
-  in.weight = model.lm_head_weight();
-  in.targets = batch.targets_view();
-  return ce.forward(ctx, in, {}, workspace.get(ce.workspace_bytes(in)));
+  in.hidden = device.in(hidden);
+  in.weight = device.in(model.lm_head_weight());
+  in.targets = device.in(batch.targets_view());
+  const CrossEntropyResult r =
+      ce.forward(device.context(), in, {}, device.workspace(ce.workspace_bytes(in)));
+  device.end();
+  return r;
 }
 
 TensorView sequence_targets(const data::Batch& batch) {
   return TensorView::of(batch.targets.data(), {batch.rows, batch.length});
 }
 
-SequenceLogProbResult sequence_logps(Context& ctx, model::LlamaModel& model,
-                                     const data::Batch& batch, std::size_t budget_bytes,
-                                     HostWorkspace& workspace) {
+SequenceLogProbResult sequence_logps(LossDevice& device, model::LlamaModel& model,
+                                     const data::Batch& batch, std::size_t budget_bytes) {
   SequenceOptions o;
   o.memory_budget_bytes = budget_bytes;
   const SequenceLogProbs utility(o);
-  const Head head{model.forward(batch.tokens_view()), model.lm_head_weight(), {}};
-  const TensorView targets = sequence_targets(batch);
-  return utility.compute(ctx, head, targets, workspace.get(utility.workspace_bytes(head, targets)));
+  const TensorView hidden = model.forward(batch.tokens_view());
+  device.begin();
+  const Head head{device.in(hidden), device.in(model.lm_head_weight()), {}};
+  const TensorView targets = device.in(sequence_targets(batch));
+  const SequenceLogProbResult r = utility.compute(
+      device.context(), head, targets, device.workspace(utility.workspace_bytes(head, targets)));
+  device.end();
+  return r;
 }
 
 }  // namespace chunkloss::apps

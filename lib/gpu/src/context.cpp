@@ -79,6 +79,9 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
 
 void copy_to_device(void* dst, const void* src, std::size_t bytes) {
   CHUNKLOSS_GPU_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  // From pageable memory cudaMemcpy returns once the data is staged; the DMA into `dst` finishes
+  // later on the default stream, which the contexts' non-blocking streams do not wait for.
+  CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(nullptr));
 }
 
 void copy_to_host(void* dst, const void* src, std::size_t bytes) {

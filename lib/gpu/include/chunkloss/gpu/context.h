@@ -65,7 +65,9 @@ class DeviceBuffer {
   std::size_t bytes_ = 0;
 };
 
-/// Synchronous copies between host and device memory.
+/// Synchronous copies between host and device memory: copy_to_device returns once `dst` holds
+/// the data (work on any stream may read it), copy_to_host once `dst` does. copy_to_host does not
+/// wait for work still running on a context's stream: synchronise that first.
 void copy_to_device(void* dst, const void* src, std::size_t bytes);
 void copy_to_host(void* dst, const void* src, std::size_t bytes);
 /// Free and total device memory in bytes (cudaMemGetInfo) of the current device.

@@ -1,6 +1,6 @@
-// Where chunkloss-train runs its loss objects: on the CPU, or (--device cuda) on a CUDA device,
-// with each call's hidden states, lm_head, targets and gradient buffers mirrored to the device.
-// The model layer itself runs on the CPU either way.
+// Where the apps run their loss objects: on the CPU, or (--device cuda) on a CUDA device, with
+// each call's hidden states, lm_head, targets and gradient buffers mirrored to the device. The
+// model layer itself runs on the CPU either way.
 #pragma once
 
 #include <chunkloss/core/context.h>
@@ -11,12 +11,13 @@
 #include <memory>
 #include <string>
 
-namespace chunkloss::train {
+namespace chunkloss::apps {
 
 /// The loss's device and one call's staging. Between begin() and end(), in() and inout() return
 /// views the loss object can take on context(): the host views themselves on the CPU; device
-/// copies on CUDA, whose inout() buffers end() copies back into the host views. Device buffers
-/// are reused from call to call and only grow. Not thread-safe.
+/// copies on CUDA, whose inout() buffers end() copies back into the host views. Buffers (and the
+/// workspace) are reused from call to call and only grow; a call that throws leaves its inout()
+/// views unspecified. Objects that keep a LossDevice& must not outlive it. Not thread-safe.
 class LossDevice {
  public:
   /// `device` is "cpu" (`threads` CPU threads, 0 = all cores) or "cuda" (device 0). Throws
@@ -25,6 +26,9 @@ class LossDevice {
   ~LossDevice();
   LossDevice(const LossDevice&) = delete;
   LossDevice& operator=(const LossDevice&) = delete;
+
+  /// Whether this build has the CUDA backend (so "cuda" can be asked for).
+  static bool cuda_built();
 
   Context& context();
 
@@ -44,4 +48,4 @@ class LossDevice {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace chunkloss::train
+}  // namespace chunkloss::apps

@@ -1,22 +1,42 @@
-// The loss's device for chunkloss-train (see loss_device.h).
-#include "loss_device.h"
+// The apps' loss device (see loss_device.h).
+#include "chunkloss/apps/loss_device.h"
 
-#include <chunkloss/apps/tuning.h>
 #include <chunkloss/core/error.h>
 
 #include <utility>
 #include <vector>
 
-#if CHUNKLOSS_TRAIN_CUDA
+#if CHUNKLOSS_APPS_CUDA
 #include <chunkloss/gpu/context.h>
 #endif
 
-namespace chunkloss::train {
+namespace chunkloss::apps {
+namespace {
+
+// A host block for loss workspaces, aligned to kWorkspaceAlignment, grown on demand and reused.
+class HostWorkspace {
+ public:
+  Workspace get(std::size_t bytes) {
+    if (bytes > capacity_ || !storage_) {
+      storage_ = std::make_unique<std::byte[]>(bytes + kWorkspaceAlignment);
+      capacity_ = bytes;
+    }
+    void* p = storage_.get();
+    std::size_t space = capacity_ + kWorkspaceAlignment;
+    return Workspace(std::align(kWorkspaceAlignment, capacity_, p, space), bytes);
+  }
+
+ private:
+  std::unique_ptr<std::byte[]> storage_;
+  std::size_t capacity_ = 0;
+};
+
+}  // namespace
 
 struct LossDevice::Impl {
   std::unique_ptr<CpuContext> cpu;
-  apps::HostWorkspace host_ws;
-#if CHUNKLOSS_TRAIN_CUDA
+  HostWorkspace host_ws;
+#if CHUNKLOSS_APPS_CUDA
   std::unique_ptr<gpu::Context> gpu;
   std::vector<gpu::DeviceBuffer> buffers;  // one per in()/inout() of a call, reused
   std::size_t next = 0;
@@ -25,7 +45,7 @@ struct LossDevice::Impl {
 #endif
 
   TensorView mirror(const TensorView& host, [[maybe_unused]] bool back) {
-#if CHUNKLOSS_TRAIN_CUDA
+#if CHUNKLOSS_APPS_CUDA
     if (gpu && host.defined()) {
       CHUNKLOSS_CHECK(host.device() == Device::kCpu, "LossDevice: ", host.str(),
                       " is not a host view");
@@ -43,7 +63,7 @@ struct LossDevice::Impl {
 
 LossDevice::LossDevice(const std::string& device, int threads) : impl_(std::make_unique<Impl>()) {
   if (device == "cuda") {
-#if CHUNKLOSS_TRAIN_CUDA
+#if CHUNKLOSS_APPS_CUDA
     CHUNKLOSS_CHECK(gpu::device_count() > 0, "--device cuda: no CUDA device is visible");
     impl_->gpu = std::make_unique<gpu::Context>(0);
 #else
@@ -59,15 +79,17 @@ LossDevice::LossDevice(const std::string& device, int threads) : impl_(std::make
 
 LossDevice::~LossDevice() = default;
 
+bool LossDevice::cuda_built() { return CHUNKLOSS_APPS_CUDA != 0; }
+
 Context& LossDevice::context() {
-#if CHUNKLOSS_TRAIN_CUDA
+#if CHUNKLOSS_APPS_CUDA
   if (impl_->gpu) return *impl_->gpu;
 #endif
   return *impl_->cpu;
 }
 
 void LossDevice::begin() {
-#if CHUNKLOSS_TRAIN_CUDA
+#if CHUNKLOSS_APPS_CUDA
   impl_->next = 0;
   impl_->copy_back.clear();
 #endif
@@ -78,7 +100,7 @@ TensorView LossDevice::in(const TensorView& host) { return impl_->mirror(host, f
 TensorView LossDevice::inout(const TensorView& host) { return impl_->mirror(host, true); }
 
 Workspace LossDevice::workspace(std::size_t bytes) {
-#if CHUNKLOSS_TRAIN_CUDA
+#if CHUNKLOSS_APPS_CUDA
   if (impl_->gpu) {
     if (impl_->ws.bytes() < bytes) impl_->ws = gpu::DeviceBuffer(bytes);
     return Workspace(impl_->ws.data(), bytes, Device::kCuda, impl_->gpu->device_index());
@@ -88,11 +110,11 @@ Workspace LossDevice::workspace(std::size_t bytes) {
 }
 
 void LossDevice::end() {
-#if CHUNKLOSS_TRAIN_CUDA
+#if CHUNKLOSS_APPS_CUDA
   for (const auto& [host, dev] : impl_->copy_back)
     gpu::copy_to_host(host.data(), dev, host.nbytes());
   impl_->copy_back.clear();
 #endif
 }
 
-}  // namespace chunkloss::train
+}  // namespace chunkloss::apps
