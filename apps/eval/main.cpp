@@ -96,10 +96,8 @@ std::optional<Settings> parse(int argc, char** argv) {
     throw apps::UsageError("--batch-size: must be in [1, 1048576]");
   s.threads = vm["threads"].as<int>();
   s.device = vm["device"].as<std::string>();
-  if (s.device != "cpu" && s.device != "cuda")
-    throw apps::UsageError("--device: '" + s.device + "' is not cpu or cuda");
-  if (s.device == "cuda" && !apps::LossDevice::cuda_built())
-    throw apps::UsageError("--device cuda: this build has no CUDA backend");
+  if (const std::string bad = apps::LossDevice::usage_error(s.device); !bad.empty())
+    throw apps::UsageError(bad);
   if (s.threads < 0 || s.threads > 4096) throw apps::UsageError("--threads: must be in [0, 4096]");
   const double mib = vm["budget-mib"].as<double>();
   if (!(mib >= 0 && mib <= (1 << 20))) throw apps::UsageError("--budget-mib: must be in [0, 2^20]");

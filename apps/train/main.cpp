@@ -153,10 +153,8 @@ std::optional<Settings> parse(int argc, char** argv) {
   if (std::find(kLosses.begin(), kLosses.end(), s.loss.loss) == kLosses.end())
     throw apps::UsageError("--loss: '" + s.loss.loss + "' is not ce, dpo, orpo, simpo, cpo or kto");
   s.device = vm["device"].as<std::string>();
-  if (s.device != "cpu" && s.device != "cuda")
-    throw apps::UsageError("--device: '" + s.device + "' is not cpu or cuda");
-  if (s.device == "cuda" && !LossDevice::cuda_built())
-    throw apps::UsageError("--device cuda: this build has no CUDA backend");
+  if (const std::string bad = LossDevice::usage_error(s.device); !bad.empty())
+    throw apps::UsageError(bad);
   s.threads = in_range<int>(vm, "threads", 0, 4096);
   s.seed = vm["seed"].as<std::uint64_t>();
 

@@ -62,24 +62,27 @@ struct LossDevice::Impl {
 };
 
 LossDevice::LossDevice(const std::string& device, int threads) : impl_(std::make_unique<Impl>()) {
-  if (device == "cuda") {
+  const std::string bad = usage_error(device);
+  CHUNKLOSS_CHECK(bad.empty(), bad);
 #if CHUNKLOSS_APPS_CUDA
+  if (device == "cuda") {
     CHUNKLOSS_CHECK(gpu::device_count() > 0, "--device cuda: no CUDA device is visible");
     impl_->gpu = std::make_unique<gpu::Context>(0);
-#else
-    CHUNKLOSS_CHECK(false,
-                    "--device cuda: this build has no CUDA backend (configure with "
-                    "-DCHUNKLOSS_WITH_CUDA=ON where the CUDA toolkit is installed)");
-#endif
-  } else {
-    CHUNKLOSS_CHECK(device == "cpu", "--device: '", device, "' is not cpu or cuda");
-    impl_->cpu = std::make_unique<CpuContext>(threads);
+    return;
   }
+#endif
+  impl_->cpu = std::make_unique<CpuContext>(threads);
 }
 
 LossDevice::~LossDevice() = default;
 
-bool LossDevice::cuda_built() { return CHUNKLOSS_APPS_CUDA != 0; }
+std::string LossDevice::usage_error(const std::string& device) {
+  if (device != "cpu" && device != "cuda") return "--device: '" + device + "' is not cpu or cuda";
+  if (device == "cuda" && !CHUNKLOSS_APPS_CUDA)
+    return "--device cuda: this build has no CUDA backend (configure with "
+           "-DCHUNKLOSS_WITH_CUDA=ON where the CUDA toolkit is installed)";
+  return "";
+}
 
 Context& LossDevice::context() {
 #if CHUNKLOSS_APPS_CUDA

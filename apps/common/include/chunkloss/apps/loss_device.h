@@ -27,8 +27,9 @@ class LossDevice {
   LossDevice(const LossDevice&) = delete;
   LossDevice& operator=(const LossDevice&) = delete;
 
-  /// Whether this build has the CUDA backend (so "cuda" can be asked for).
-  static bool cuda_built();
+  /// What is wrong with `device` as a --device value in this build ("" when nothing is): not
+  /// cpu or cuda, or cuda in a build without the CUDA backend.
+  static std::string usage_error(const std::string& device);
 
   Context& context();
 
