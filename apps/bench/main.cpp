@@ -50,9 +50,9 @@ LoopOrder parse_order(const std::string& s) {
 }
 
 Regime parse_regime(const std::string& s) {
-  for (Regime r : {Regime::kAuto, Regime::kResident, Regime::kRecompute})
+  for (Regime r : {Regime::kAuto, Regime::kResident, Regime::kRecompute, Regime::kDeferred})
     if (s == regime_name(r)) return r;
-  throw apps::UsageError("--regime: '" + s + "' is not auto, resident or recompute");
+  throw apps::UsageError("--regime: '" + s + "' is not auto, resident, recompute or deferred");
 }
 
 std::string fmt_g(double v) {
@@ -105,7 +105,7 @@ Cli parse(int argc, char** argv) {
     ("reference", po::value<std::string>()->default_value("", "head for dpo and kto, none otherwise"), "dpo, kto: head (a reference head with its own hidden and weight, run through pass 1 without gradients) | logps (its per-sequence log-probs precomputed, untimed) | none")
     ("dpo-loss", po::value<std::string>()->default_value("sigmoid"), "dpo: loss type (TRL names: sigmoid, hinge, ipo, robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop)")
     ("label-smoothing", po::value<double>()->default_value(0.0), "dpo (sigmoid, robust, exo_pair), simpo, cpo: label smoothing eps")
-    ("regime", po::value<std::string>()->default_value("auto"), "preference losses: auto|resident|recompute; list")
+    ("regime", po::value<std::string>()->default_value("auto"), "preference losses: auto|resident|recompute|deferred; list")
     ("hidden", po::value<std::string>()->default_value("1024"), "H, hidden size; list")
     ("vocab", po::value<std::string>()->default_value("32768"), "V, vocabulary size; list")
     ("dtype", po::value<std::string>()->default_value("f32"), "f32|bf16: the loss's hidden, weight and gradient buffers (the floor and the naive run in fp32 on the same values); list")

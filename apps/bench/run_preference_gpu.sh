@@ -57,6 +57,12 @@ run dpo-2x1024-1.5g-regimes --loss dpo --pairs 2 --seq-len 1024 --budget-mib 153
   --regime resident,recompute --no-naive "${bf16[@]}"
 run dpo-4x2048-3.9g-regimes --loss dpo --pairs 4 --seq-len 2048 --budget-mib 3993.6 \
   --regime resident,recompute --no-naive "${bf16[@]}"
+# The 1 GiB rows where one pair does not fit: recompute against deferred (the first pair at 3
+# GEMMs per token, the others recomputed).
+run dpo-4x2048-1g-regimes --loss dpo --pairs 4 --seq-len 2048 --budget-mib 1024 \
+  --regime recompute,deferred --no-naive "${bf16[@]}"
+run dpo-1x16384-1g-regimes --loss dpo --pairs 1 --seq-len 16384 --budget-mib 1024 \
+  --regime recompute,deferred --no-naive "${bf16[@]}"
 # The 1 GiB rows with the opt-in bf16 logits chunk (one 4x2048 pair's bf16 logits fit 1 GiB, so
 # that case can stay resident; the naive check shows the error it costs).
 run dpo-4x2048-1g-bf16logits --loss dpo --pairs 4 --seq-len 2048 --budget-mib 1024 \
@@ -68,11 +74,11 @@ run dpo-logps-4x2048-3.9g --loss dpo --reference logps --pairs 4 --seq-len 2048 
   --budget-mib 3993.6 --no-naive "${bf16[@]}"
 
 # Exactness against float64 on the same input values (targets: bf16 <= 2.0e-3, fp32 <= 1e-5),
-# in both regimes.
+# in every regime.
 run exact-dpo-bf16-2x1024 --loss dpo --pairs 2 --seq-len 1024 --budget-mib 1536 \
-  --regime resident,recompute --exact "${bf16[@]}"
+  --regime resident,recompute,deferred --exact "${bf16[@]}"
 run exact-dpo-f32-2x1024 --loss dpo --pairs 2 --seq-len 1024 --budget-mib 1536 \
-  --regime resident,recompute --exact "${shape[@]}" --dtype f32
+  --regime resident,recompute,deferred --exact "${shape[@]}" --dtype f32
 run exact-kto-bf16-2x1024 --loss kto --pairs 2 --seq-len 1024 --budget-mib 1536 --exact \
   "${bf16[@]}"
 run exact-orpo-bf16-2x1024 --loss orpo --pairs 2 --seq-len 1024 --budget-mib 1536 --exact \

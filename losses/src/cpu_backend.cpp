@@ -29,16 +29,16 @@ void to_f32(const TensorView& t, std::int64_t offset, std::int64_t count, float*
   }
 }
 
-// dst[offset + i] = (add ? dst : 0) + src[i], in dst's float dtype.
+// dst[offset + i] = factor ((add ? dst : 0) + src[i]), in dst's float dtype.
 void store_f32(const TensorView& dst, std::int64_t offset, std::int64_t count, const float* src,
-               bool add) {
+               bool add, float factor = 1.0f) {
   if (dst.dtype() == DType::kF32) {
     float* d = dst.data_as<float>() + offset;
-    for (std::int64_t i = 0; i < count; ++i) d[i] = add ? d[i] + src[i] : src[i];
+    for (std::int64_t i = 0; i < count; ++i) d[i] = factor * (add ? d[i] + src[i] : src[i]);
   } else {
     BFloat16* d = dst.data_as<BFloat16>() + offset;
     for (std::int64_t i = 0; i < count; ++i)
-      d[i] = BFloat16(add ? static_cast<float>(d[i]) + src[i] : src[i]);
+      d[i] = BFloat16(factor * (add ? static_cast<float>(d[i]) + src[i] : src[i]));
   }
 }
 
@@ -205,27 +205,15 @@ class CpuTokenBackend final : public TokenBackend {
 
   void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
               bool first) override {
-    const std::int64_t rows = r1 - r0, cols = v1 - v0;
-    CMatMap gm(tile_, rows, cols);
-    if (db_acc_) Eigen::Map<Eigen::RowVectorXf>(db_acc_ + v0, cols) += gm.colwise().sum();
-    if (!c_.grad_w.defined()) return;
-    CMatMap xm(x_rows(r0, r1), rows, h_);
-    if (dw_acc_ || c_.grad_w.dtype() == DType::kF32) {
-      float* base = dw_acc_ ? dw_acc_ : c_.grad_w.data_as<float>();
-      MatMap d(base + v0 * h_, cols, h_);
-      if (first && (dw_acc_ || !c_.accumulate))
-        d.noalias() = gm.transpose() * xm;
-      else
-        d.noalias() += gm.transpose() * xm;
-      return;
-    }
-    // bf16 dW without an fp32 accumulator: a tile of rows at a time through fp32 scratch.
-    for (std::int64_t t0 = v0; t0 < v1; t0 += kWeightTile) {
-      const std::int64_t t1 = std::min(v1, t0 + kWeightTile);
-      MatMap d(dw_tile_, t1 - t0, h_);
-      d.noalias() = gm.middleCols(t0 - v0, t1 - t0).transpose() * xm;
-      store_f32(c_.grad_w, t0 * h_, (t1 - t0) * h_, dw_tile_, !first || c_.accumulate);
-    }
+    weight_grad(r0, r1, v0, v1, first, 1.0f);
+  }
+
+  void grad_w_rescaled(std::int64_t r0, std::int64_t r1, bool first, float factor) override {
+    weight_grad(r0, r1, 0, v_, first, factor);
+  }
+
+  void scale_grad_x_rows(std::int64_t r0, std::int64_t r1, float factor) override {
+    if (dh_acc_) ArrMap(dh_acc_ + r0 * h_, (r1 - r0) * h_) *= factor;
   }
 
   void select_tile(std::int64_t row_offset) override { tile_ = tile_base_ + row_offset * v_; }
@@ -278,6 +266,32 @@ class CpuTokenBackend final : public TokenBackend {
   }
 
  private:
+  // dw[v0:v1] = factor ((first ? 0 : dw[v0:v1]) + tile^T x[r0:r1]); db[v0:v1] += colsum(tile).
+  void weight_grad(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1, bool first,
+                   float factor) {
+    const std::int64_t rows = r1 - r0, cols = v1 - v0;
+    CMatMap gm(tile_, rows, cols);
+    if (db_acc_) Eigen::Map<Eigen::RowVectorXf>(db_acc_ + v0, cols) += gm.colwise().sum();
+    if (!c_.grad_w.defined()) return;
+    CMatMap xm(x_rows(r0, r1), rows, h_);
+    if (dw_acc_ || c_.grad_w.dtype() == DType::kF32) {
+      float* base = dw_acc_ ? dw_acc_ : c_.grad_w.data_as<float>();
+      MatMap d(base + v0 * h_, cols, h_);
+      if (first && (dw_acc_ || !c_.accumulate))
+        d.noalias() = gm.transpose() * xm;
+      else
+        d.noalias() += gm.transpose() * xm;
+      if (factor != 1.0f) d *= factor;
+      return;
+    }
+    // bf16 dW without an fp32 accumulator: a tile of rows at a time through fp32 scratch.
+    for (std::int64_t t0 = v0; t0 < v1; t0 += kWeightTile) {
+      const std::int64_t t1 = std::min(v1, t0 + kWeightTile);
+      MatMap d(dw_tile_, t1 - t0, h_);
+      d.noalias() = gm.middleCols(t0 - v0, t1 - t0).transpose() * xm;
+      store_f32(c_.grad_w, t0 * h_, (t1 - t0) * h_, dw_tile_, !first || c_.accumulate, factor);
+    }
+  }
   std::int64_t call_vocab() const override { return v_; }
   std::int64_t target(std::int64_t t) const {
     return c_.targets.dtype() == DType::kI32 ? c_.targets.data_as<const std::int32_t>()[t]

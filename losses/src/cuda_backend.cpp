@@ -118,27 +118,22 @@ class CudaTokenBackend final : public TokenBackend {
 
   void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
               bool first) override {
+    weight_grad(r0, r1, v0, v1, first, nullptr);
+  }
+
+  void grad_w_rescaled(std::int64_t r0, std::int64_t r1, bool first, float factor) override {
     if (!c_.grad_w.defined()) return;
-    const gpu::Matrix g = grad_tile(r0, r1, v0, v1);
-    const std::int64_t h = c_.hidden;
-    gpu::Matrix x = x_rows(r0, r1);
-    if (in_tile_) {  // row scales: dW = G^T (scale * X), the chunk's X rows scaled in the tile
-      x = scaled_x_in_tile(tile_, r1 - r0);
-      scale_x_rows(const_cast<void*>(x.data), x.ld, r0, r1);
-    } else if (x_scaled_) {  // the same in staging; in vocab-block order once for all rows
-      const bool vocab_order = plan_.order == LoopOrder::kVocabBlock;
-      if (!vocab_order || !x_scaled_ready_)
-        scale_x_rows(x_scaled_, c_.hidden, vocab_order ? 0 : r0, vocab_order ? c_.rows : r1);
-      x_scaled_ready_ = vocab_order;
-      x.data = x_scaled_ + (vocab_order ? r0 * x_row_bytes() : 0);
-    }
-    if (dw_acc_) {
-      grad_gemm(g, true, x, dw_acc_ + v0 * h, DType::kF32, first);
-      return;
-    }
-    auto* dst =
-        static_cast<unsigned char*>(c_.grad_w.data()) + v0 * h * dtype_size(c_.grad_w.dtype());
-    grad_gemm(g, true, x, dst, c_.grad_w.dtype(), first && !c_.accumulate);
+    weight_grad(r0, r1, 0, c_.vocab, first, set_factor(factor));
+  }
+
+  // In place, the rows as one contiguous run scaled by the device factor.
+  void scale_grad_x_rows(std::int64_t r0, std::int64_t r1, float factor) override {
+    if (!dh_acc_) return;
+    float* rows = dh_acc_ + r0 * c_.hidden;
+    const std::int64_t n = (r1 - r0) * c_.hidden;
+    CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(rows, kern::Elem::kF32, n, rows,
+                                                   kern::Elem::kF32, n, set_factor(factor), 1, n,
+                                                   false, stream_));
   }
 
   // Several ranges (a resident group's chosen and rejected rows): their X rows are copied
@@ -255,6 +250,37 @@ class CudaTokenBackend final : public TokenBackend {
 
  private:
   std::int64_t call_vocab() const override { return c_.vocab; }
+  // dw[v0:v1] = f tile^T x[r0:r1] + (first ? 0 : f dw[v0:v1]), f the device factor (nullptr:
+  // alpha, the plain accumulation); with row scales the X rows are the scaled copies.
+  void weight_grad(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1, bool first,
+                   const float* factor) {
+    if (!c_.grad_w.defined()) return;
+    const gpu::Matrix g = grad_tile(r0, r1, v0, v1);
+    const std::int64_t h = c_.hidden;
+    gpu::Matrix x = x_rows(r0, r1);
+    if (in_tile_) {  // row scales: dW = G^T (scale * X), the chunk's X rows scaled in the tile
+      x = scaled_x_in_tile(tile_, r1 - r0);
+      scale_x_rows(const_cast<void*>(x.data), x.ld, r0, r1);
+    } else if (x_scaled_) {  // the same in staging; in vocab-block order once for all rows
+      const bool vocab_order = plan_.order == LoopOrder::kVocabBlock;
+      if (!vocab_order || !x_scaled_ready_)
+        scale_x_rows(x_scaled_, c_.hidden, vocab_order ? 0 : r0, vocab_order ? c_.rows : r1);
+      x_scaled_ready_ = vocab_order;
+      x.data = x_scaled_ + (vocab_order ? r0 * x_row_bytes() : 0);
+    }
+    const float* alpha = factor ? factor : gemm_scalar(kern::kAlpha);
+    const float* keep = factor ? factor : gemm_scalar(kern::kOne);
+    if (dw_acc_) {
+      gpu::gemm_device_scalars(ctx_, g, true, x, false, dw_acc_ + v0 * h, DType::kF32, h, alpha,
+                               first ? gemm_scalar(kern::kZero) : keep);
+      return;
+    }
+    auto* dst =
+        static_cast<unsigned char*>(c_.grad_w.data()) + v0 * h * dtype_size(c_.grad_w.dtype());
+    gpu::gemm_device_scalars(ctx_, g, true, x, false, dst, c_.grad_w.dtype(), h, alpha,
+                             first && !c_.accumulate ? gemm_scalar(kern::kZero) : keep);
+  }
+
   std::size_t x_row_bytes() const {
     return static_cast<std::size_t>(c_.hidden) * dtype_size(c_.x.dtype());
   }
@@ -311,13 +337,24 @@ class CudaTokenBackend final : public TokenBackend {
         static_cast<std::int64_t>(cols * dtype_size(plan_.logits_dtype) / dtype_size(c_.x.dtype()));
     return {tile_, c_.x.dtype(), r1 - r0, cols, ld};
   }
+  const float* gemm_scalar(kern::GemmScalar i) const {
+    return reinterpret_cast<const float*>(scalars_ + kern::kGemmScalarsOffset) + i;
+  }
+  // Puts `factor` in the device slot kFactor (from pageable memory: the copy has staged it when
+  // it returns) and returns the slot.
+  const float* set_factor(float factor) {
+    const float* slot = gemm_scalar(kern::kFactor);
+    CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(const_cast<float*>(slot), &factor, sizeof factor,
+                                        cudaMemcpyHostToDevice,
+                                        static_cast<cudaStream_t>(stream_)));
+    return slot;
+  }
   // dst [rows of op(a), H] = alpha op(a) b (+ dst unless `overwrite`); alpha is on the device.
   void grad_gemm(const gpu::Matrix& a, bool trans_a, const gpu::Matrix& b, void* dst,
                  DType dst_dtype, bool overwrite, std::int64_t ld_dst = 0) {
-    const float* s = reinterpret_cast<const float*>(scalars_ + kern::kGemmScalarsOffset);
     gpu::gemm_device_scalars(ctx_, a, trans_a, b, false, dst, dst_dtype,
-                             ld_dst ? ld_dst : c_.hidden, s + kern::kAlpha,
-                             s + (overwrite ? kern::kZero : kern::kOne));
+                             ld_dst ? ld_dst : c_.hidden, gemm_scalar(kern::kAlpha),
+                             gemm_scalar(overwrite ? kern::kZero : kern::kOne));
   }
   void flush(const TensorView& dst, const float* acc) {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_store_f32(dst.data(), elem(dst.dtype()), acc, dst.numel(),

@@ -81,6 +81,11 @@ class TokenBackend {
       offset += r.r1 - r.r0;
     }
   }
+  /// The deferred regime's last chunk: dw = factor (dw + tile^T x[r0:r1]) over the full
+  /// vocabulary (dw = factor tile^T x[r0:r1] when `first`), in one GEMM (alpha = beta = factor).
+  virtual void grad_w_rescaled(std::int64_t r0, std::int64_t r1, bool first, float factor) = 0;
+  /// The deferred regime: multiplies rows [r0, r1) of the fp32 dH accumulator by `factor`.
+  virtual void scale_grad_x_rows(std::int64_t r0, std::int64_t r1, float factor) = 0;
   /// Points the logits tile `row_offset` rows (of V columns) into the logits slice, so a
   /// resident group keeps several chunks' logits between the passes.
   virtual void select_tile(std::int64_t row_offset) = 0;

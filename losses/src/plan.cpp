@@ -31,6 +31,8 @@ std::string_view regime_name(Regime r) {
       return "resident";
     case Regime::kRecompute:
       return "recompute";
+    case Regime::kDeferred:
+      return "deferred";
     case Regime::kNone:
       return "none";
   }
@@ -173,13 +175,57 @@ void lay_out(Plan& p, const PlanRequest& q, std::size_t logits_bytes, std::size_
   p.logits = p.layout.add(logits_bytes);
   p.row_stats = p.layout.add(row_stats_bytes(q));
   if (dw_accum_bytes(q)) p.dw_accum = p.layout.add(dw_accum_bytes(q));
-  if (vocab_order && dh_acc) p.dh_accum = p.layout.add(dh_acc);
+  if (dh_acc) p.dh_accum = p.layout.add(dh_acc);
   if (db_accum_bytes(q)) p.db_accum = p.layout.add(db_accum_bytes(q));
   const std::size_t staging =
       cpu_staging_fixed(q) +
       static_cast<std::size_t>(staging_rows) * staging_per_row(q, vocab_order) + extra_staging;
   if (staging) p.staging = p.layout.add(staging);
   if (q.device == Device::kCuda) p.scalars = p.layout.add(kDeviceScalarBytes);
+}
+
+// The deferred regime's plan (see Regime::kDeferred): token chunks from the budget left after an
+// fp32 [N, H] dH block (the first pair's unscaled rows, and the other pairs' recomputed ones);
+// the first pair at 3 GEMMs per token, the rest at 4.
+Plan deferred_plan(const PlanRequest& q, const SequenceLayout& L) {
+  const DeviceModel dm = device_model(q.device);
+  const std::size_t budget = budget_of(q), lb = dtype_size(q.logits_dtype);
+  const std::int64_t n = q.rows, v = q.vocab, pair = 2 * L.seq_len;
+  const std::size_t dh = q.grad_hidden ? static_cast<std::size_t>(n * q.hidden) * 4 : 0;
+  const std::size_t fixed = fixed_bytes(q) + dh;
+  const std::size_t per_row = static_cast<std::size_t>(v) * lb + staging_per_row(q, false);
+  Plan p;
+  p.regime = Regime::kDeferred;
+  p.order = LoopOrder::kTokenChunk;
+  p.logits_dtype = q.logits_dtype;
+  std::int64_t c = budget > fixed ? static_cast<std::int64_t>((budget - fixed) / per_row) : 0;
+  if (const std::int64_t cap = max_chunk_rows(q.device)) c = std::min(c, cap);
+  if (c >= n) {
+    c = n;
+  } else {
+    c = c / kRowGranule * kRowGranule;
+    if (c == 0) {
+      c = std::min(n, kRowGranule);
+      p.over_budget = true;
+    }
+  }
+  const auto chunks = [c](std::int64_t rows) { return (rows + c - 1) / c; };
+  p.chunk_rows = c;
+  p.num_chunks = chunks(pair) + chunks(n - pair);
+  p.vocab_block = v;
+  p.num_vocab_blocks = 1;
+  const double frac = static_cast<double>(pair) / static_cast<double>(n);
+  const double gemms = gemm_count(q), nhv = nhv_flops(q), pass = epilogue_pass_time(q, dm);
+  p.predicted_token_cost_s =
+      gemm_time(dm, (gemms * frac + (gemms + 1.0) * (1.0 - frac)) * nhv, static_cast<double>(c)) +
+      (3.0 * frac + 4.0 * (1.0 - frac)) * pass + dw_rewrite_time(q, dm, p.num_chunks);
+  std::ostringstream why;
+  why << "the first pair (" << pair << " rows) scaled when its statistics are complete";
+  if (n > pair) why << ", the other " << n - pair << " rows recomputed";
+  if (p.over_budget) why << "; budget " << mib(budget) << " is below one " << c << "-row chunk";
+  p.reason = why.str();
+  lay_out(p, q, static_cast<std::size_t>(c * v) * lb, dh, c);
+  return p;
 }
 
 }  // namespace
@@ -296,7 +342,7 @@ Plan plan_token_objective(const PlanRequest& q) {
   }
   std::size_t logits_bytes = static_cast<std::size_t>(c) * v * lb;
   if (vocab_order) logits_bytes = std::max(logits_bytes, static_cast<std::size_t>(n * vb) * lb);
-  lay_out(p, q, logits_bytes, dh_acc, vocab_order ? n : c);
+  lay_out(p, q, logits_bytes, vocab_order ? dh_acc : 0, vocab_order ? n : c);
   p.reason = why.str();
   return p;
 }
@@ -374,27 +420,42 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
                (q.device == Device::kCuda ? kCudaSyncS * static_cast<double>(groups) : 0.0);
   }
 
+  Plan def;
+  if (L.deferrable && L.unit_sequences == 2) def = deferred_plan(q, L);
+  const double def_cost = def.predicted_token_cost_s;  // 0: not applicable
+
   std::ostringstream why;
-  bool resident = false;
+  Regime pick = Regime::kRecompute;
   if (L.regime == Regime::kResident) {
     CHUNKLOSS_CHECK(g > 0, "plan: regime resident needs one unit's logits (", L.unit_sequences * t,
                     " rows x V=", v, ") within the budget of ", budget, " bytes");
-    resident = true;
+    pick = Regime::kResident;
     why << "resident requested";
   } else if (L.regime == Regime::kRecompute) {
     why << "recompute requested";
-  } else if (g > 0 && res_cost <= rec_cost) {
-    resident = true;
-    why << "cost model: resident " << res_cost * 1e3 << " ms <= recompute " << rec_cost * 1e3
-        << " ms";
+  } else if (L.regime == Regime::kDeferred) {
+    CHUNKLOSS_CHECK(def_cost > 0,
+                    "plan: regime deferred needs pairs of a pair-antisymmetric objective without "
+                    "an NLL term, dW overwritten rather than accumulated, and no bias gradient");
+    pick = Regime::kDeferred;
+    why << "deferred requested";
   } else {
-    why << "cost model: recompute " << rec_cost * 1e3 << " ms";
+    double best = rec_cost;
+    why << "cost model: ";
+    if (g > 0 && res_cost <= best) pick = Regime::kResident, best = res_cost;
+    if (def_cost > 0 && def_cost < best) pick = Regime::kDeferred, best = def_cost;
+    why << regime_name(pick) << " " << best * 1e3 << " ms; recompute " << rec_cost * 1e3 << " ms";
     if (g > 0)
-      why << " < resident " << res_cost * 1e3 << " ms";
+      why << ", resident " << res_cost * 1e3 << " ms";
     else
-      why << " (one unit's logits do not fit the budget)";
+      why << ", resident does not fit (one unit's logits exceed the budget)";
+    if (def_cost > 0) why << ", deferred " << def_cost * 1e3 << " ms";
   }
-  if (!resident) {
+  if (pick == Regime::kDeferred) {
+    def.reason = why.str() + "; " + def.reason;
+    return def;
+  }
+  if (pick == Regime::kRecompute) {
     rec.reason = why.str() + "; " + rec.reason;
     return rec;
   }

@@ -101,6 +101,20 @@ class DpoObjective final : public SequenceObjective {
     return o_.average_log_prob || o_.loss_type == DpoLoss::kIpo;
   }
   bool uses_reference() const override { return true; }
+  // The losses written through the margin d (and ipo's, on the averages).
+  bool pair_antisymmetric() const override {
+    switch (o_.loss_type) {
+      case DpoLoss::kSigmoid:
+      case DpoLoss::kHinge:
+      case DpoLoss::kIpo:
+      case DpoLoss::kRobust:
+      case DpoLoss::kExoPair:
+      case DpoLoss::kDiscoPop:
+        return true;
+      default:
+        return false;
+    }
+  }
 
   UnitResult evaluate(std::span<const SequenceStats> s, const BatchConstants&,
                       std::span<double>) const override {
@@ -233,6 +247,7 @@ class MarginLogisticObjective final : public SequenceObjective {
   Unit unit() const override { return Unit::kPair; }
   double nll_weight() const override { return nll_; }
   bool averages_log_probs() const override { return average_; }
+  bool pair_antisymmetric() const override { return true; }
   UnitResult evaluate(std::span<const SequenceStats> s, const BatchConstants&,
                       std::span<double>) const override {
     const Values x = pair_values(s, average_);

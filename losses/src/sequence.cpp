@@ -256,6 +256,8 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Conte
   c.layout.unit_sequences = k.unit_sequences;
   c.layout.reference_head = ref_head;
   c.layout.regime = o.regime;
+  c.layout.deferrable = pairs && obj.pair_antisymmetric() && obj.nll_weight() == 0 &&
+                        !gr.bias.defined() && !(gr.weight.defined() && gr.accumulate);
 
   if (kl_batch) {
     const auto& kb = in.kl_batch;
@@ -291,6 +293,13 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Conte
                     o.ignore_index, ")");
   k.valid = std::move(ht.valid);
   c.tokens = std::move(ht.tokens);
+  if (c.layout.deferrable) {
+    k.objective = obj.name();
+    for (std::int64_t i = 0; i < s; ++i) {
+      const double n_i = static_cast<double>(c.tokens[static_cast<std::size_t>(i)]);
+      k.kappa.push_back((i < s / 2 ? 1.0 : -1.0) / (obj.averages_log_probs() ? n_i : 1.0));
+    }
+  }
   if (!pairs) {
     c.labels = read_vector(who, "labels", *ctx, in.labels, s, DType::kI32);
     for (std::int64_t i = 0; i < s; ++i) {

@@ -4,6 +4,9 @@
 #include "sequence_engine.h"
 
 #include <algorithm>
+#include <cmath>
+
+#include "chunkloss/core/error.h"
 
 namespace chunkloss::detail {
 namespace {
@@ -38,8 +41,23 @@ void for_chunks(const std::vector<RowRange>& ranges, std::int64_t chunk, bool re
     }
 }
 
-// Pass 1 over `ranges`: logits, row statistics, and the rows' log-probs (and logit sums when
-// `logit_sum` is given) added into the per-sequence sums.
+// Logits and row statistics of rows [r0, r1) (the current tile), their log-probs (and logit
+// sums when `logit_sum` is given) added into the per-sequence sums.
+void chunk_sums(TokenBackend& b, const SequenceCall& c, std::int64_t r0, std::int64_t r1,
+                std::vector<float>& loss, std::vector<float>& zsum, std::vector<double>& logp,
+                std::vector<double>* logit_sum) {
+  b.logits(r0, r1, 0, c.policy.vocab);
+  b.row_stats(r0, r1);
+  b.fetch_rows(r0, r1, loss.data(), zsum.data());
+  for (std::int64_t t = r0; t < r1; ++t) {
+    if (!c.valid[static_cast<std::size_t>(t)]) continue;
+    const auto s = static_cast<std::size_t>(t / c.seq_len);
+    logp[s] -= loss[static_cast<std::size_t>(t - r0)];
+    if (logit_sum) (*logit_sum)[s] += zsum[static_cast<std::size_t>(t - r0)];
+  }
+}
+
+// Pass 1 over `ranges`: chunk_sums per chunk, resident chunks at successive tile offsets.
 void pass_one(TokenBackend& b, const SequenceCall& c, const std::vector<RowRange>& ranges,
               const Plan& plan, bool resident, std::vector<double>& logp,
               std::vector<double>* logit_sum) {
@@ -48,15 +66,7 @@ void pass_one(TokenBackend& b, const SequenceCall& c, const std::vector<RowRange
   for_chunks(ranges, plan.chunk_rows, resident,
              [&](std::int64_t r0, std::int64_t r1, std::int64_t offset) {
                b.select_tile(offset);
-               b.logits(r0, r1, 0, c.policy.vocab);
-               b.row_stats(r0, r1);
-               b.fetch_rows(r0, r1, loss.data(), zsum.data());
-               for (std::int64_t t = r0; t < r1; ++t) {
-                 if (!c.valid[static_cast<std::size_t>(t)]) continue;
-                 const auto s = static_cast<std::size_t>(t / c.seq_len);
-                 logp[s] -= loss[static_cast<std::size_t>(t - r0)];
-                 if (logit_sum) (*logit_sum)[s] += zsum[static_cast<std::size_t>(t - r0)];
-               }
+               chunk_sums(b, c, r0, r1, loss, zsum, logp, logit_sum);
              });
 }
 
@@ -73,6 +83,55 @@ void upload_coefficients(TokenBackend& b, const SequenceCall& c,
               : 0.0f;
     b.set_coefficients(r.r0, r.r1, rows.data());
   }
+}
+
+// The pair's coefficient gamma with coef[s] = gamma * kappa[s] for its two sequences, checked
+// against the objective's pair_antisymmetric() declaration.
+float pair_coefficient(const SequenceCall& c, const std::vector<double>& coef, std::size_t chosen,
+                       std::size_t rejected) {
+  const double gamma = coef[chosen] / c.kappa[chosen];
+  const double expect = gamma * c.kappa[rejected];
+  CHUNKLOSS_CHECK(
+      std::abs(coef[rejected] - expect) <= 1e-9 * std::abs(expect) + 1e-300, c.objective,
+      " declares pair_antisymmetric() but its derivatives for the deferred pair are "
+      "not equal and opposite (coefficients ",
+      coef[chosen], " and ", coef[rejected], "); the gradient buffers hold unspecified values");
+  return static_cast<float>(gamma);
+}
+
+// The deferred regime's first pair: each chunk's gradient is formed with the sequences' shares
+// kappa and goes through both GEMMs at once; the last chunk completes the pair's statistics,
+// so the objective gives gamma, which that chunk's dW GEMM and the dH rows' scaling apply.
+void deferred_pair(TokenBackend& b, const SequenceCall& c, const Plan& plan, SequenceSums& sums,
+                   const UnitsFn& on_units, std::vector<double>& coef) {
+  const std::vector<RowRange> ranges = unit_ranges(c, 0, 1, plan.chunk_rows);
+  std::vector<RowRange> chunks;
+  for_chunks(ranges, plan.chunk_rows, false, [&](std::int64_t r0, std::int64_t r1, std::int64_t) {
+    chunks.push_back({r0, r1});
+  });
+  std::vector<float> loss(static_cast<std::size_t>(plan.chunk_rows)),
+      zsum(static_cast<std::size_t>(plan.chunk_rows));
+  const std::int64_t v = c.policy.vocab;
+  const auto rejected = static_cast<std::size_t>(c.sequences / 2);
+  float gamma = 0;
+  b.select_tile(0);
+  for (std::size_t i = 0; i < chunks.size(); ++i) {
+    const auto [r0, r1] = chunks[i];
+    chunk_sums(b, c, r0, r1, loss, zsum, sums.logp, &sums.logit_sum);
+    upload_coefficients(b, c, {{r0, r1}}, c.kappa);
+    const bool last = i + 1 == chunks.size();
+    if (last) {
+      on_units(0, 1, sums, coef);
+      gamma = pair_coefficient(c, coef, 0, rejected);
+    }
+    b.grad_epilogue(r0, r1, 0, v);
+    b.grad_x(r0, r1, 0, v, true);
+    if (last)
+      b.grad_w_rescaled(r0, r1, i == 0, gamma);
+    else
+      b.grad_w(r0, r1, 0, v, i == 0);
+  }
+  for (const RowRange& r : ranges) b.scale_grad_x_rows(r.r0, r.r1, gamma);
 }
 
 }  // namespace
@@ -131,9 +190,18 @@ SequenceSums run_sequence_objective(Context& ctx, const SequenceCall& c, const P
     return sums;
   }
 
-  const std::vector<RowRange> all = {{0, n}};
+  // Recompute (all units, or after the deferred first pair the others).
+  const bool deferred = plan.regime == Regime::kDeferred && grads;
+  if (deferred) deferred_pair(*b, c, plan, sums, on_units, coef);
+  const std::int64_t u0 = deferred ? 1 : 0;
+  if (u0 == units) {
+    b->finish();
+    return sums;
+  }
+  const std::vector<RowRange> all =
+      deferred ? unit_ranges(c, u0, units, n) : std::vector<RowRange>{{0, n}};
   pass_one(*b, c, all, plan, false, sums.logp, &sums.logit_sum);
-  on_units(0, units, sums, coef);
+  on_units(u0, units, sums, coef);
   if (grads) {
     upload_coefficients(*b, c, all, coef);
     b->select_tile(0);
@@ -146,11 +214,13 @@ SequenceSums run_sequence_objective(Context& ctx, const SequenceCall& c, const P
         b->grad_x(0, n, v0, v1, v0 == 0);
       }
     } else {
+      bool first = !deferred;
       for_chunks(all, plan.chunk_rows, false, [&](std::int64_t r0, std::int64_t r1, std::int64_t) {
         b->logits(r0, r1, 0, v);
         b->grad_epilogue(r0, r1, 0, v);
         b->grad_x(r0, r1, 0, v, true);
-        b->grad_w(r0, r1, 0, v, r0 == 0);
+        b->grad_w(r0, r1, 0, v, first);
+        first = false;
       });
     }
   }

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 #include "engine.h"
@@ -21,6 +22,10 @@ struct SequenceCall {
   std::int64_t sequences = 0, seq_len = 0;
   std::int64_t unit_sequences = 1;  ///< 2: pairs (s, s + S/2)
   std::vector<std::uint8_t> valid;  ///< [S*T]: the row's target is not ignore_index
+  /// Regime::kDeferred: the objective's name (errors) and each sequence's share kappa[s] of its
+  /// pair's coefficient, coef[s] = gamma * kappa[s] (+-1, or +-1/tokens when averaging).
+  std::string_view objective;
+  std::vector<double> kappa;
 };
 
 /// Per-sequence sums from pass 1 over the policy (logp, logit_sum) and the reference (ref_logp).

@@ -1,6 +1,7 @@
 // GPU suite of the preference losses: the CUDA path against the CPU path (itself checked against
 // the float64 oracle) and against the oracle, on the same generated problems: every DPO loss
-// type, ORPO, SimPO, CPO, KTO (KL given and computed), fp32 and bf16, resident and recompute,
+// type, ORPO, SimPO, CPO, KTO (KL given and computed), fp32 and bf16, resident and recompute (and
+// deferred for the pair-antisymmetric losses),
 // several budgets, accumulation, forward only, SequenceLogProbs, bitwise run-to-run equality,
 // host-side per-sequence vectors, and bad input. Skips itself, with a message, without a device.
 #include <doctest/doctest.h>
@@ -314,6 +315,53 @@ TEST_CASE("gpu: budgets and regimes agree on a larger problem, with several grou
       check_runs_close(run, ref, dtype == DType::kF32 ? 1e-5 : 1e-2);
     }
     CHECK(several >= 2);
+  }
+}
+
+TEST_CASE("gpu: the deferred regime matches the CPU path and the oracle") {
+  if (!have_gpu()) return;
+  // Budgets small enough for several chunks in the first pair (and, with P = 3, recomputed
+  // pairs after it); the sum losses carry +-1 per sequence in the tile, the averaged ones
+  // (ipo, SimPO) +-1/tokens through the row scales.
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (std::int64_t pairs : {1, 3}) {
+      PrefSpec s = gpu_spec();
+      s.bias = false;
+      s.s = 2 * pairs;
+      s.t = 257;
+      s.dtype = dtype;
+      const std::size_t budget = std::size_t{1} << 20;
+      for (DpoLoss t : {DpoLoss::kSigmoid, DpoLoss::kIpo, DpoLoss::kHinge}) {
+        CAPTURE(dpo_loss_name(t));
+        DpoOptions o;
+        o.loss_type = t;
+        o.engine.regime = Regime::kDeferred;
+        o.engine.memory_budget_bytes = budget;
+        for (DType grad : {DType::kF32, dtype}) {
+          const PrefRun run = compare(s, o, grad);
+          CHECK(run.plan.num_chunks > 2);
+          CHECK(run.plan.workspace_bytes() <= budget);
+        }
+      }
+      PrefSpec free = s;
+      free.ref = RefMode::kNone;
+      SimpoOptions simpo;
+      simpo.engine.regime = Regime::kDeferred;
+      simpo.engine.memory_budget_bytes = budget;
+      compare(free, simpo, dtype);
+      CpoOptions cpo;
+      cpo.alpha = 0.0f;
+      cpo.engine = simpo.engine;
+      compare(free, cpo, dtype);
+      // Bitwise run to run on the device.
+      DpoOptions o;
+      o.engine.regime = Regime::kDeferred;
+      o.engine.memory_budget_bytes = budget;
+      const PrefData d(s);
+      PrefGradRequest g;
+      g.dtype = dtype;
+      CHECK(runs_bitwise_equal(run_gpu(d, Dpo(o), g), run_gpu(d, Dpo(o), g)));
+    }
   }
 }
 

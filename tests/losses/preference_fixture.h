@@ -127,4 +127,33 @@ bool runs_bitwise_equal(const PrefRun& a, const PrefRun& b);
 
 std::string describe(const PrefSpec& s);
 
+/// Whether the options' objective may run in Regime::kDeferred: pair-antisymmetric (DPO's loss
+/// types written through the margin, SimPO, CPO) and without an NLL term.
+inline bool deferrable(const DpoOptions& o) {
+  switch (o.loss_type) {
+    case DpoLoss::kSigmoid:
+    case DpoLoss::kHinge:
+    case DpoLoss::kIpo:
+    case DpoLoss::kRobust:
+    case DpoLoss::kExoPair:
+    case DpoLoss::kDiscoPop:
+      return !o.nll;
+    default:
+      return false;
+  }
+}
+inline bool deferrable(const SimpoOptions& o) { return o.nll_alpha == 0.0f; }
+inline bool deferrable(const CpoOptions& o) { return o.alpha == 0.0f; }
+inline bool deferrable(const OrpoOptions&) { return false; }
+inline bool deferrable(const KtoOptions&) { return false; }
+
+/// The regimes a test runs `o` in on problem `s`: resident, recompute, and deferred when the
+/// objective and the request allow it (no bias gradient, no accumulation).
+template <typename Options>
+std::vector<Regime> regimes_for(const Options& o, const PrefSpec& s, bool accumulate = false) {
+  std::vector<Regime> r = {Regime::kResident, Regime::kRecompute};
+  if (deferrable(o) && !s.bias && !accumulate) r.push_back(Regime::kDeferred);
+  return r;
+}
+
 }  // namespace chunkloss::test

@@ -112,7 +112,8 @@ std::size_t min_budget(const PrefData& d, Options o, Regime regime, const PrefGr
 
 // One loss setting against the oracle over input dtype {f32, bf16 with bf16 gradients, bf16
 // with f32 gradients} x shape {one group/chunk, several (P = 3 pairs of T = 29, N = 174 rows)}
-// x regime {resident, recompute}, checking that the plan honours the requested regime.
+// x regime {resident, recompute, deferred where it applies}, checking that the plan honours the
+// requested regime.
 template <typename Options>
 void check_matrix(const PrefSpec& base, const Options& base_opts) {
   const PrefConfig cfg = PrefConfig::from(base_opts);
@@ -131,7 +132,7 @@ void check_matrix(const PrefSpec& base, const Options& base_opts) {
       const reference::PrefResult ref = oracle(d, cfg);
       PrefGradRequest g;
       g.dtype = grad_dtype;
-      for (Regime regime : kRegimes) {
+      for (Regime regime : regimes_for(base_opts, s)) {
         Options o = base_opts;
         o.engine.regime = regime;
         if (multi) o.engine.memory_budget_bytes = min_budget(d, o, regime, g);
@@ -141,7 +142,7 @@ void check_matrix(const PrefSpec& base, const Options& base_opts) {
         CHECK(run.plan.regime == regime);
         const std::int64_t units = cfg.paired() ? s.s / 2 : s.s;
         if (multi && regime == Regime::kResident && units > 1) CHECK(run.plan.num_groups > 1);
-        if (multi && regime == Regime::kRecompute && d.rows() > 64) CHECK(run.plan.num_chunks > 1);
+        if (multi && regime != Regime::kResident && d.rows() > 64) CHECK(run.plan.num_chunks > 1);
         check_against_oracle(run, ref, PrefTol::of(dtype, grad_dtype), cfg.paired());
       }
     }
@@ -607,7 +608,8 @@ TEST_CASE("finite differences: the library's fp32 gradients against its own fp32
     if (t == DpoLoss::kExoPair) o.label_smoothing = 0.2f;
     if (t == DpoLoss::kSigmoid) o.nll = true;
     if (t == DpoLoss::kApoZero) o.average_log_prob = true;
-    for (Regime r : kRegimes) {
+    if (t == DpoLoss::kHinge) o.average_log_prob = true;
+    for (Regime r : regimes_for(o, fd_spec())) {
       o.engine.regime = r;
       check_fd(fd_spec(), o);
     }
@@ -695,7 +697,8 @@ TEST_CASE("plan: the requested regime, whole units per group, workspace within t
   CHECK(kp.num_groups > 1);
 }
 
-TEST_CASE("regime invariance: resident and recompute agree to rounding, and with the oracle") {
+TEST_CASE(
+    "regime invariance: resident, recompute and deferred agree to rounding, and with the oracle") {
   for (DType dtype : {DType::kF32, DType::kBF16}) {
     PrefSpec s = big_spec();
     s.dtype = dtype;
@@ -711,18 +714,20 @@ TEST_CASE("regime invariance: resident and recompute agree to rounding, and with
     auto both = [&](const PrefData& d, auto o) {
       INFO(describe(d.spec), " | ", describe(o));
       std::vector<PrefRun> runs;
-      for (Regime r : kRegimes) {
+      for (Regime r : regimes_for(o, d.spec)) {
+        CAPTURE(regime_name(r));
         o.engine.regime = r;
         runs.push_back(run_library(d, make_loss(o), g));
         CHECK(runs.back().plan.regime == r);
         check_against_oracle(runs.back(), oracle(d, PrefConfig::from(o)), PrefTol::of(dtype, dtype),
                              PrefConfig::from(o).paired());
+        check_runs_close(runs[0], runs.back(), tol);
       }
-      check_runs_close(runs[0], runs[1], tol);
     };
     DpoOptions dpo_o;
     dpo_o.nll = true;
     both(with_ref, dpo_o);
+    both(with_ref, DpoOptions{});
     both(with_ref, dpo(DpoLoss::kIpo));
     both(no_ref, OrpoOptions{});
     both(no_ref, SimpoOptions{});
@@ -840,6 +845,51 @@ TEST_CASE("bitwise run-to-run equality in both regimes, i32 vs i64 targets, two 
         const PrefRun c = run_library(d, Dpo(o), g, 2), e = run_library(d, Dpo(o), g, 2);
         CHECK(runs_bitwise_equal(c, e));
         check_runs_close(a, c, tolerance(dtype).chunking);
+      }
+    }
+  }
+}
+
+TEST_CASE("deferred regime: one long pair beyond resident's budget, several pairs, reruns") {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    // One pair of T = 301 at V = 300: its fp32 logits (722 KB) do not fit 512 KiB, so resident
+    // cannot run and the cost model weighs deferred (3 GEMMs per token) against recompute (4).
+    PrefSpec s;
+    s.s = 2;
+    s.t = 301;
+    s.h = 40;
+    s.v = 300;
+    s.ref = RefMode::kHead;
+    s.dtype = dtype;
+    s.seed = 9;
+    const PrefData one(s);
+    s.s = 6;
+    s.t = 97;
+    const PrefData three(s);
+    PrefGradRequest g;
+    g.dtype = dtype;
+    const std::size_t budget = std::size_t{512} << 10;
+    for (const PrefData* d : {&one, &three}) {
+      for (DpoOptions o : {DpoOptions{}, dpo(DpoLoss::kIpo), dpo(DpoLoss::kHinge)}) {
+        o.engine.memory_budget_bytes = budget;
+        INFO(describe(d->spec), " | ", describe(o));
+        const PrefRun run = run_library(*d, Dpo(o), g);
+        INFO("plan: ", run.plan.str());
+        if (d == &one) CHECK(run.plan.regime == Regime::kDeferred);  // auto's choice
+        o.engine.regime = Regime::kDeferred;
+        const PrefRun def = run_library(*d, Dpo(o), g);
+        CHECK(def.plan.regime == Regime::kDeferred);
+        CHECK(def.plan.num_chunks > 2);
+        CHECK(def.plan.workspace_bytes() <= budget);
+        CHECK(def.plan.reason.find("first pair") != std::string::npos);
+        const reference::PrefResult ref = oracle(*d, PrefConfig::from(o));
+        check_against_oracle(def, ref, PrefTol::of(dtype, dtype), true);
+        CHECK(runs_bitwise_equal(def, run_library(*d, Dpo(o), g)));
+        // Recompute's bf16 dW rounds at other chunk boundaries: both against the oracle.
+        o.engine.regime = Regime::kRecompute;
+        const PrefRun rec = run_library(*d, Dpo(o), g);
+        check_against_oracle(rec, ref, PrefTol::of(dtype, dtype), true);
+        if (dtype == DType::kF32) check_runs_close(def, rec, tolerance(dtype).chunking);
       }
     }
   }
@@ -1583,6 +1633,71 @@ TEST_CASE("extension point: an objective returning NaN raises Error naming it") 
     }
   }
   CHECK_THROWS_AS(SequenceLoss(nullptr), Error);
+}
+
+// Declares pair_antisymmetric() but weighs the rejected sequence twice.
+class LopsidedObjective final : public SequenceObjective {
+ public:
+  std::string_view name() const override { return "LopsidedObjective"; }
+  Unit unit() const override { return Unit::kPair; }
+  bool pair_antisymmetric() const override { return true; }
+  UnitResult evaluate(std::span<const SequenceStats> seqs, const BatchConstants&,
+                      std::span<double>) const override {
+    const double d = 0.1 * (seqs[0].logp - 2.0 * seqs[1].logp);
+    UnitResult u;
+    u.loss = -reference::log_sigmoid(d);
+    u.dlogp = {-0.1 * reference::sigmoid(-d), 0.2 * reference::sigmoid(-d)};
+    return u;
+  }
+};
+
+TEST_CASE("bad input: the deferred regime where it does not apply") {
+  PrefSpec s = big_spec();
+  s.bias = false;
+  s.ref = RefMode::kNone;
+  const PrefData d(s);
+  s.labels = true;
+  s.s = 7;
+  const PrefData labelled(s);
+  PrefGradBuffers g(d, {}), kg(labelled, {});
+  auto refused = [](const SequenceLoss& loss, const PrefData& data, const PreferenceGrads& gr) {
+    CHECK_THROWS_WITH_AS(loss.plan(data.inputs(), gr), doctest::Contains("regime deferred"), Error);
+  };
+  auto deferred = [](auto o) {
+    o.engine.regime = Regime::kDeferred;
+    return o;
+  };
+  DpoOptions with_nll;
+  with_nll.nll = true;
+  refused(Dpo(deferred(with_nll)), d, g.views());
+  refused(Dpo(deferred(dpo(DpoLoss::kNcaPair))), d, g.views());
+  refused(Orpo(deferred(OrpoOptions{})), d, g.views());
+  refused(Cpo(deferred(CpoOptions{})), d, g.views());  // alpha 1: an NLL term
+  refused(Kto(deferred(KtoOptions{})), labelled, kg.views());
+  refused(Dpo(deferred(DpoOptions{})), d, g.views(true));  // dW accumulated
+  PrefSpec b = big_spec();
+  b.ref = RefMode::kNone;
+  const PrefData biased(b);
+  PrefGradBuffers bg(biased, {});
+  refused(Dpo(deferred(DpoOptions{})), biased, bg.views());  // a bias gradient
+  PrefGradRequest no_bias;
+  no_bias.bias = false;
+  PrefGradBuffers nb(biased, no_bias);
+  CHECK(Dpo(deferred(DpoOptions{})).plan(biased.inputs(), nb.views()).regime == Regime::kDeferred);
+  CpoOptions cpo;
+  cpo.alpha = 0.0f;
+  CHECK(Cpo(deferred(cpo)).plan(d.inputs(), g.views()).regime == Regime::kDeferred);
+
+  // A user objective whose declaration is wrong is caught on the deferred pair, by name.
+  SequenceOptions o;
+  o.regime = Regime::kDeferred;
+  const SequenceLoss lopsided(std::make_shared<LopsidedObjective>(), o);
+  AlignedBuffer ws(lopsided.workspace_bytes(d.inputs(), g.views()));
+  CpuContext ctx;
+  const std::string what =
+      error_message([&] { lopsided.forward_backward(ctx, d.inputs(), g.views(), ws.workspace()); });
+  CHECK_MESSAGE(what.find("LopsidedObjective") != std::string::npos, what);
+  CHECK_MESSAGE(what.find("pair_antisymmetric") != std::string::npos, what);
 }
 
 TEST_CASE("bad input: a too-small workspace, and a failed call in the middle writes nothing") {

@@ -28,8 +28,14 @@ std::string_view loop_order_name(LoopOrder o);
 ///   in the workspace and pass 2 turns them into the gradient: 3 GEMMs per token.
 /// - kRecompute: pass 1 keeps row statistics only; pass 2 recomputes each chunk's logits (4
 ///   GEMMs per token), so memory does not depend on the sequence length.
+/// - kDeferred: the first pair's gradient is written in pass 1, before its coefficient is
+///   known (dH rows unscaled in an fp32 workspace block, dW unscaled in the caller's buffer), and
+///   scaled by it once the pair's last chunk has its statistics: 3 GEMMs per token for that pair
+///   with memory independent of T; the other pairs recompute. Needs a pair-antisymmetric
+///   objective without an NLL term, dW overwritten (not accumulated) and no bias gradient
+///   (SequenceLayout::deferrable).
 /// - kAuto: the cost model picks; kNone: token objectives.
-enum class Regime : std::uint8_t { kAuto, kResident, kRecompute, kNone };
+enum class Regime : std::uint8_t { kAuto, kResident, kRecompute, kDeferred, kNone };
 
 std::string_view regime_name(Regime r);
 
@@ -61,6 +67,9 @@ struct SequenceLayout {
   std::int64_t seq_len = 0;         ///< T (rows = S * T)
   std::int64_t unit_sequences = 1;  ///< 2 for pairs (i, i + S/2), 1 for single sequences
   bool reference_head = false;      ///< a reference head is run through pass 1 first
+  /// The deferred regime applies: pairs of a pair-antisymmetric objective without an NLL term,
+  /// dW (if requested) overwritten rather than accumulated, no bias gradient.
+  bool deferrable = false;
   Regime regime = Regime::kAuto;
 };
 
@@ -84,7 +93,8 @@ struct Plan {
   WorkspaceSlice logits;     ///< [C, V] (token) or max([C, V], [N, Vb]) (vocab) logits buffer
   WorkspaceSlice row_stats;  ///< per-row statistics and coefficients, all N rows
   WorkspaceSlice dw_accum;   ///< [V, H] fp32 dW accumulator, when used
-  WorkspaceSlice dh_accum;   ///< [N, H] fp32 dH accumulator (vocab order, non-fp32 dH)
+  WorkspaceSlice dh_accum;   ///< [N, H] fp32 dH accumulator (vocab order with non-fp32 dH;
+                             ///< the deferred regime)
   WorkspaceSlice db_accum;   ///< [V] fp32 bias-gradient accumulator, when db is requested
   WorkspaceSlice staging;    ///< backend scratch (CPU: fp32 copies of bf16 operand tiles)
   WorkspaceSlice scalars;    ///< device-side scalar results (CUDA)

@@ -79,6 +79,11 @@ class SequenceObjective {
   virtual double nll_weight() const { return 0; }
   /// Whether the objective works on length-averaged log-probs (for the logps/* metrics).
   virtual bool averages_log_probs() const { return false; }
+  /// Pairs only: whether the loss sees a pair only through value(chosen) - value(rejected), with
+  /// value the log-prob sum (or, with averages_log_probs(), the length average), so that its
+  /// derivatives in the two values are equal and opposite. This enables Regime::kDeferred, which
+  /// checks it on the pair it defers.
+  virtual bool pair_antisymmetric() const { return false; }
   /// Whether a reference (head or precomputed log-probs) is allowed.
   virtual bool uses_reference() const { return false; }
   /// Whether the objective uses BatchConstants::kl (KTO); enables the KL inputs.
