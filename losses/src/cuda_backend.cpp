@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "chunkloss/core/error.h"
@@ -118,12 +119,11 @@ class CudaTokenBackend final : public TokenBackend {
 
   void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
               bool first) override {
-    weight_grad(r0, r1, v0, v1, first, nullptr);
+    weight_grad(r0, r1, v0, v1, first, std::nullopt);
   }
 
   void grad_w_rescaled(std::int64_t r0, std::int64_t r1, bool first, float factor) override {
-    if (!c_.grad_w.defined()) return;
-    weight_grad(r0, r1, 0, c_.vocab, first, set_factor(factor));
+    weight_grad(r0, r1, 0, c_.vocab, first, factor);
   }
 
   // In place, the rows as one contiguous run scaled by the device factor.
@@ -131,44 +131,49 @@ class CudaTokenBackend final : public TokenBackend {
     if (!dh_acc_) return;
     float* rows = dh_acc_ + r0 * c_.hidden;
     const std::int64_t n = (r1 - r0) * c_.hidden;
-    CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(rows, kern::Elem::kF32, n, rows,
-                                                   kern::Elem::kF32, n, set_factor(factor), 1, n,
-                                                   false, stream_));
+    CHUNKLOSS_LAUNCH_CHECK(
+        kern::launch_scale_rows(rows, kern::Elem::kF32, n, rows, kern::Elem::kF32, n,
+                                set_scalar(kern::kFactor, factor), 1, n, false, stream_));
   }
 
   // Several ranges (a resident group's chosen and rejected rows): their X rows are copied
-  // side by side into the staging slice (scaled, with row scales) so dW gets one GEMM over all
-  // the group's rows, which reads and writes dW once per group instead of once per range.
+  // side by side into the staging slice (scaled, with row scales of several mantissas) so dW
+  // gets one GEMM over all the group's rows, which reads and writes dW once per group instead
+  // of once per range.
   void grad_w_ranges(const std::vector<RowRange>& ranges, bool first) override {
     std::int64_t total = 0;
     for (const RowRange& r : ranges) total += r.r1 - r.r0;
     const std::int64_t h = c_.hidden;
-    gpu::Matrix x{ranges.size() == 1 && c_.row_scales ? x_scaled_ : x_stage_, c_.x.dtype(), total,
-                  h, h};
+    const float m = shared_mantissa();
+    const bool scale = c_.row_scales && m == 0.0f;
+    gpu::Matrix x{ranges.size() == 1 && scale ? x_scaled_ : x_stage_, c_.x.dtype(), total, h, h};
     if (in_tile_) x = scaled_x_in_tile(tile_base_, total);
     auto* stage = static_cast<unsigned char*>(const_cast<void*>(x.data));
-    if ((ranges.size() == 1 && !c_.row_scales) || !stage || !c_.grad_w.defined())
+    if ((ranges.size() == 1 && !scale) || !stage || !c_.grad_w.defined())
       return TokenBackend::grad_w_ranges(ranges, first);
-    const std::size_t row_bytes = static_cast<std::size_t>(x.ld) * dtype_size(c_.x.dtype());
+    const std::size_t elt = dtype_size(c_.x.dtype());
     const auto s = static_cast<cudaStream_t>(stream_);
     std::int64_t rows = 0;
     for (const RowRange& r : ranges) {
-      if (c_.row_scales)
-        scale_x_rows(stage + rows * row_bytes, x.ld, r.r0, r.r1);
+      unsigned char* dst = stage + static_cast<std::size_t>(rows * x.ld) * elt;
+      if (scale)
+        scale_x_rows(dst, x.ld, r.r0, r.r1);
       else
-        CHUNKLOSS_GPU_CHECK(
-            cudaMemcpyAsync(stage + rows * row_bytes,
-                            static_cast<const unsigned char*>(c_.x.data()) + r.r0 * row_bytes,
-                            (r.r1 - r.r0) * row_bytes, cudaMemcpyDeviceToDevice, s));
+        CHUNKLOSS_GPU_CHECK(cudaMemcpy2DAsync(
+            dst, static_cast<std::size_t>(x.ld) * elt,
+            static_cast<const unsigned char*>(c_.x.data()) + r.r0 * x_row_bytes(), x_row_bytes(),
+            x_row_bytes(), static_cast<std::size_t>(r.r1 - r.r0), cudaMemcpyDeviceToDevice, s));
       rows += r.r1 - r.r0;
     }
+    coef_consumed_ = true;
     select_tile(0);
     const gpu::Matrix g = grad_tile(0, rows, 0, c_.vocab);
-    if (dw_acc_) {
-      grad_gemm(g, true, x, dw_acc_, DType::kF32, first);
-      return;
-    }
-    grad_gemm(g, true, x, c_.grad_w.data(), c_.grad_w.dtype(), first && !c_.accumulate);
+    const float* alpha = m != 0.0f ? set_scalar(kern::kWeightAlpha, m) : gemm_scalar(kern::kAlpha);
+    void* dst = dw_acc_ ? static_cast<void*>(dw_acc_) : c_.grad_w.data();
+    const bool overwrite = dw_acc_ ? first : first && !c_.accumulate;
+    gpu::gemm_device_scalars(ctx_, g, true, x, false, dst,
+                             dw_acc_ ? DType::kF32 : c_.grad_w.dtype(), h, alpha,
+                             gemm_scalar(overwrite ? kern::kZero : kern::kOne));
   }
 
   void select_tile(std::int64_t row_offset) override {
@@ -186,19 +191,28 @@ class CudaTokenBackend final : public TokenBackend {
 
   // Pageable host memory: each copy returns once its source is staged, so the host vectors
   // may be reused at once. The stats epilogue left g = 0 (no smoothing under the plain rule).
-  // With row scales c = scale * 2^e: the tile gets the exact power of two, the mantissa is
-  // applied to the dH rows and the X rows of the dW GEMM.
+  // With row scales c = +-2^e * m: the tile gets the signed power of two exactly, the mantissa
+  // m in [0.5, 1) scales the dH rows, and the dW GEMM's alpha when every row since the last dW
+  // GEMM shares it (as a pair of an antisymmetric sum objective does), else the X rows.
   void set_coefficients(std::int64_t r0, std::int64_t r1, const float* c) override {
     const auto s = static_cast<cudaStream_t>(stream_);
     const std::size_t bytes = static_cast<std::size_t>(r1 - r0) * sizeof(float);
     const float* ab = c;
     if (c_.row_scales) {
+      if (coef_consumed_) {
+        mantissa_ = 0.0f;
+        mixed_mantissas_ = false;
+        coef_consumed_ = false;
+      }
       pow2_.resize(static_cast<std::size_t>(r1 - r0));
       mant_.resize(pow2_.size());
       for (std::size_t i = 0; i < pow2_.size(); ++i) {
         int e = 0;
-        mant_[i] = std::frexp(c[i], &e);
-        pow2_[i] = c[i] == 0.0f ? 0.0f : std::ldexp(1.0f, e);
+        mant_[i] = std::abs(std::frexp(c[i], &e));
+        pow2_[i] = c[i] == 0.0f ? 0.0f : std::copysign(std::ldexp(1.0f, e), c[i]);
+        if (c[i] == 0.0f) continue;
+        if (mantissa_ == 0.0f) mantissa_ = mant_[i];
+        mixed_mantissas_ = mixed_mantissas_ || mant_[i] != mantissa_;
       }
       ab = pow2_.data();
       CHUNKLOSS_GPU_CHECK(
@@ -250,15 +264,21 @@ class CudaTokenBackend final : public TokenBackend {
 
  private:
   std::int64_t call_vocab() const override { return c_.vocab; }
-  // dw[v0:v1] = f tile^T x[r0:r1] + (first ? 0 : f dw[v0:v1]), f the device factor (nullptr:
-  // alpha, the plain accumulation); with row scales the X rows are the scaled copies.
+  // dw[v0:v1] = f tile^T x[r0:r1] + (first ? 0 : f dw[v0:v1]) with f = factor (1 without);
+  // with row scales the mantissas go into alpha when the rows share one, else into scaled
+  // copies of the X rows.
   void weight_grad(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1, bool first,
-                   const float* factor) {
+                   std::optional<float> factor) {
     if (!c_.grad_w.defined()) return;
+    coef_consumed_ = true;
     const gpu::Matrix g = grad_tile(r0, r1, v0, v1);
     const std::int64_t h = c_.hidden;
     gpu::Matrix x = x_rows(r0, r1);
-    if (in_tile_) {  // row scales: dW = G^T (scale * X), the chunk's X rows scaled in the tile
+    const float* keep = factor ? set_scalar(kern::kFactor, *factor) : gemm_scalar(kern::kOne);
+    const float* alpha = factor ? keep : gemm_scalar(kern::kAlpha);
+    if (const float m = shared_mantissa(); m != 0.0f) {
+      alpha = set_scalar(kern::kWeightAlpha, factor ? m * *factor : m);
+    } else if (in_tile_) {  // the chunk's X rows scaled in the tile
       x = scaled_x_in_tile(tile_, r1 - r0);
       scale_x_rows(const_cast<void*>(x.data), x.ld, r0, r1);
     } else if (x_scaled_) {  // the same in staging; in vocab-block order once for all rows
@@ -268,8 +288,6 @@ class CudaTokenBackend final : public TokenBackend {
       x_scaled_ready_ = vocab_order;
       x.data = x_scaled_ + (vocab_order ? r0 * x_row_bytes() : 0);
     }
-    const float* alpha = factor ? factor : gemm_scalar(kern::kAlpha);
-    const float* keep = factor ? factor : gemm_scalar(kern::kOne);
     if (dw_acc_) {
       gpu::gemm_device_scalars(ctx_, g, true, x, false, dw_acc_ + v0 * h, DType::kF32, h, alpha,
                                first ? gemm_scalar(kern::kZero) : keep);
@@ -280,7 +298,8 @@ class CudaTokenBackend final : public TokenBackend {
     gpu::gemm_device_scalars(ctx_, g, true, x, false, dst, c_.grad_w.dtype(), h, alpha,
                              first && !c_.accumulate ? gemm_scalar(kern::kZero) : keep);
   }
-
+  // The coefficient mantissa every row set since the last dW GEMM shares (0: none, or several).
+  float shared_mantissa() const { return c_.row_scales && !mixed_mantissas_ ? mantissa_ : 0.0f; }
   std::size_t x_row_bytes() const {
     return static_cast<std::size_t>(c_.hidden) * dtype_size(c_.x.dtype());
   }
@@ -340,11 +359,11 @@ class CudaTokenBackend final : public TokenBackend {
   const float* gemm_scalar(kern::GemmScalar i) const {
     return reinterpret_cast<const float*>(scalars_ + kern::kGemmScalarsOffset) + i;
   }
-  // Puts `factor` in the device slot kFactor (from pageable memory: the copy has staged it when
-  // it returns) and returns the slot.
-  const float* set_factor(float factor) {
-    const float* slot = gemm_scalar(kern::kFactor);
-    CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(const_cast<float*>(slot), &factor, sizeof factor,
+  // Puts `value` in device slot `i` (from pageable memory: the copy has staged it when it
+  // returns) and returns the slot.
+  const float* set_scalar(kern::GemmScalar i, float value) {
+    const float* slot = gemm_scalar(i);
+    CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(const_cast<float*>(slot), &value, sizeof value,
                                         cudaMemcpyHostToDevice,
                                         static_cast<cudaStream_t>(stream_)));
     return slot;
@@ -373,6 +392,8 @@ class CudaTokenBackend final : public TokenBackend {
   bool in_tile_ = false;  // row scales staged in the tile's free halves (tile_staging.h)
   std::size_t free_offset_ = 0;
   std::vector<float> pow2_, mant_;
+  float mantissa_ = 0.0f;  // row scales: the mantissa of the rows set so far (0: none yet)
+  bool mixed_mantissas_ = false, coef_consumed_ = true;
   float *dw_acc_ = nullptr, *dh_acc_ = nullptr, *db_acc_ = nullptr;
   double* scalars_ = nullptr;
   kern::TokenParams p_;

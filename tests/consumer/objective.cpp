@@ -38,6 +38,7 @@ class CalibratedHinge final : public SequenceObjective {
   }
   double nll_weight() const override { return nll_; }
   bool averages_log_probs() const override { return average_; }
+  bool pair_antisymmetric() const override { return true; }  // a function of the margin
   std::vector<std::string> extra_metrics() const override { return {"hinge_active"}; }
 
  private:
@@ -145,7 +146,9 @@ int main() {
   };
   for (const Config c : {Config{1.0, 0.5, false, 0.3}, Config{0.4, 1.5, true, 0.0}}) {
     const Oracle want = oracle(x, w, y, s, t, h, v, c.delta, c.beta, c.average, c.nll);
-    for (Regime regime : {Regime::kResident, Regime::kRecompute}) {
+    std::vector<Regime> regimes = {Regime::kResident, Regime::kRecompute};
+    if (c.nll == 0) regimes.push_back(Regime::kDeferred);  // no NLL term: deferred applies
+    for (Regime regime : regimes) {
       SequenceOptions opts;
       opts.regime = regime;
       const SequenceLoss loss(std::make_shared<CalibratedHinge>(c.delta, c.beta, c.average, c.nll),
