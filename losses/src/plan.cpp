@@ -184,6 +184,19 @@ void lay_out(Plan& p, const PlanRequest& q, std::size_t logits_bytes, std::size_
   if (q.device == Device::kCuda) p.scalars = p.layout.add(kDeviceScalarBytes);
 }
 
+// Token-chunk rows: the largest multiple of 64 (or all N rows) whose `per_row` bytes fit `room`,
+// at most the device's GEMM panel; when not even 64 rows fit, 64 rows and p.over_budget.
+std::int64_t token_chunk_rows(const PlanRequest& q, std::size_t room, std::size_t per_row,
+                              Plan& p) {
+  std::int64_t c = static_cast<std::int64_t>(room / per_row);
+  if (const std::int64_t cap = max_chunk_rows(q.device)) c = std::min(c, cap);
+  if (c >= q.rows) return q.rows;
+  c = c / kRowGranule * kRowGranule;
+  if (c > 0) return c;
+  p.over_budget = true;
+  return std::min(q.rows, kRowGranule);
+}
+
 // The deferred regime's plan (see Regime::kDeferred): token chunks from the budget left after an
 // fp32 [N, H] dH block (the first pair's unscaled rows, and the other pairs' recomputed ones);
 // the first pair at 3 GEMMs per token, the rest at 4.
@@ -198,17 +211,7 @@ Plan deferred_plan(const PlanRequest& q, const SequenceLayout& L) {
   p.regime = Regime::kDeferred;
   p.order = LoopOrder::kTokenChunk;
   p.logits_dtype = q.logits_dtype;
-  std::int64_t c = budget > fixed ? static_cast<std::int64_t>((budget - fixed) / per_row) : 0;
-  if (const std::int64_t cap = max_chunk_rows(q.device)) c = std::min(c, cap);
-  if (c >= n) {
-    c = n;
-  } else {
-    c = c / kRowGranule * kRowGranule;
-    if (c == 0) {
-      c = std::min(n, kRowGranule);
-      p.over_budget = true;
-    }
-  }
+  const std::int64_t c = token_chunk_rows(q, budget - std::min(budget, fixed), per_row, p);
   const auto chunks = [c](std::int64_t rows) { return (rows + c - 1) / c; };
   p.chunk_rows = c;
   p.num_chunks = chunks(pair) + chunks(n - pair);
@@ -252,18 +255,7 @@ Plan plan_token_objective(const PlanRequest& q) {
   // budget, as the option documents.
   const std::size_t fixed = fixed_bytes(q);
   const std::size_t per_row = static_cast<std::size_t>(v) * lb + staging_per_row(q, false);
-  std::int64_t c = 0;
-  if (budget > fixed) c = static_cast<std::int64_t>((budget - fixed) / per_row);
-  if (const std::int64_t cap = max_chunk_rows(q.device)) c = std::min(c, cap);
-  if (c >= n) {
-    c = n;
-  } else {
-    c = c / kRowGranule * kRowGranule;
-    if (c == 0) {
-      c = std::min(n, kRowGranule);
-      p.over_budget = true;
-    }
-  }
+  std::int64_t c = token_chunk_rows(q, budget - std::min(budget, fixed), per_row, p);
   p.chunk_rows = c;
   p.num_chunks = (n + c - 1) / c;
 

@@ -8,7 +8,9 @@
 #include <chunkloss/core/error.h>
 #include <chunkloss/losses/preference.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <vector>
@@ -130,17 +132,10 @@ std::string describe(const PrefSpec& s);
 /// Whether the options' objective may run in Regime::kDeferred: pair-antisymmetric (DPO's loss
 /// types written through the margin, SimPO, CPO) and without an NLL term.
 inline bool deferrable(const DpoOptions& o) {
-  switch (o.loss_type) {
-    case DpoLoss::kSigmoid:
-    case DpoLoss::kHinge:
-    case DpoLoss::kIpo:
-    case DpoLoss::kRobust:
-    case DpoLoss::kExoPair:
-    case DpoLoss::kDiscoPop:
-      return !o.nll;
-    default:
-      return false;
-  }
+  constexpr DpoLoss kMargin[] = {DpoLoss::kSigmoid, DpoLoss::kHinge,   DpoLoss::kIpo,
+                                 DpoLoss::kRobust,  DpoLoss::kExoPair, DpoLoss::kDiscoPop};
+  return !o.nll &&
+         std::find(std::begin(kMargin), std::end(kMargin), o.loss_type) != std::end(kMargin);
 }
 inline bool deferrable(const SimpoOptions& o) { return o.nll_alpha == 0.0f; }
 inline bool deferrable(const CpoOptions& o) { return o.alpha == 0.0f; }
