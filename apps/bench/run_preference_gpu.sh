@@ -79,6 +79,10 @@ run exact-dpo-bf16-2x1024 --loss dpo --pairs 2 --seq-len 1024 --budget-mib 1536 
   --regime resident,recompute,deferred --exact "${bf16[@]}"
 run exact-dpo-f32-2x1024 --loss dpo --pairs 2 --seq-len 1024 --budget-mib 1536 \
   --regime resident,recompute,deferred --exact "${shape[@]}" --dtype f32
+# The long pair: its bf16 dW is accumulated over 32 chunks in the caller's buffer.
+run exact-dpo-bf16-1x16384-1g --loss dpo --pairs 1 --seq-len 16384 --budget-mib 1024 --exact \
+  --no-naive --device cuda --hidden 4096 --vocab 128256 --prompt-frac 0.25 --dtype bf16 \
+  --repeats 1
 run exact-kto-bf16-2x1024 --loss kto --pairs 2 --seq-len 1024 --budget-mib 1536 --exact \
   "${bf16[@]}"
 run exact-orpo-bf16-2x1024 --loss orpo --pairs 2 --seq-len 1024 --budget-mib 1536 --exact \

@@ -3,6 +3,7 @@
 // synchronisation until finish(), which copies the scalar results once.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -119,11 +120,11 @@ class CudaTokenBackend final : public TokenBackend {
 
   void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
               bool first) override {
-    weight_grad(r0, r1, v0, v1, first, std::nullopt);
+    weight_grad(r0, r1, v0, v1, first, std::nullopt, shared_mantissa());
   }
 
   void grad_w_rescaled(std::int64_t r0, std::int64_t r1, bool first, float factor) override {
-    weight_grad(r0, r1, 0, c_.vocab, first, factor);
+    weight_grad(r0, r1, 0, c_.vocab, first, factor, shared_mantissa());
   }
 
   // In place, the rows as one contiguous run scaled by the device factor.
@@ -141,6 +142,17 @@ class CudaTokenBackend final : public TokenBackend {
   // gets one GEMM over all the group's rows, which reads and writes dW once per group instead
   // of once per range.
   void grad_w_ranges(const std::vector<RowRange>& ranges, bool first) override {
+    if (const std::vector<float> m = range_mantissas(ranges); !m.empty()) {
+      // Each range's rows share a mantissa but the ranges differ: one GEMM per range with its
+      // mantissa as alpha keeps the X rows exact, for one more dW rewrite per range.
+      std::int64_t offset = 0;
+      for (std::size_t i = 0; i < ranges.size(); ++i) {
+        select_tile(offset);
+        weight_grad(ranges[i].r0, ranges[i].r1, 0, c_.vocab, first && i == 0, std::nullopt, m[i]);
+        offset += ranges[i].r1 - ranges[i].r0;
+      }
+      return;
+    }
     std::int64_t total = 0;
     for (const RowRange& r : ranges) total += r.r1 - r.r0;
     const std::int64_t h = c_.hidden;
@@ -202,8 +214,10 @@ class CudaTokenBackend final : public TokenBackend {
       if (coef_consumed_) {
         mantissa_ = 0.0f;
         mixed_mantissas_ = false;
+        set_ranges_.clear();
         coef_consumed_ = false;
       }
+      float range_mantissa = 0.0f;  // the rows' shared mantissa; -1: several
       pow2_.resize(static_cast<std::size_t>(r1 - r0));
       mant_.resize(pow2_.size());
       for (std::size_t i = 0; i < pow2_.size(); ++i) {
@@ -213,7 +227,10 @@ class CudaTokenBackend final : public TokenBackend {
         if (c[i] == 0.0f) continue;
         if (mantissa_ == 0.0f) mantissa_ = mant_[i];
         mixed_mantissas_ = mixed_mantissas_ || mant_[i] != mantissa_;
+        if (range_mantissa == 0.0f) range_mantissa = mant_[i];
+        if (mant_[i] != range_mantissa) range_mantissa = -1.0f;
       }
+      set_ranges_.push_back({{r0, r1}, range_mantissa});
       ab = pow2_.data();
       CHUNKLOSS_GPU_CHECK(
           cudaMemcpyAsync(p_.row.scale + r0, mant_.data(), bytes, cudaMemcpyHostToDevice, s));
@@ -268,7 +285,7 @@ class CudaTokenBackend final : public TokenBackend {
   // with row scales the mantissas go into alpha when the rows share one, else into scaled
   // copies of the X rows.
   void weight_grad(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1, bool first,
-                   std::optional<float> factor) {
+                   std::optional<float> factor, float mantissa) {
     if (!c_.grad_w.defined()) return;
     coef_consumed_ = true;
     const gpu::Matrix g = grad_tile(r0, r1, v0, v1);
@@ -276,8 +293,8 @@ class CudaTokenBackend final : public TokenBackend {
     gpu::Matrix x = x_rows(r0, r1);
     const float* keep = factor ? set_scalar(kern::kFactor, *factor) : gemm_scalar(kern::kOne);
     const float* alpha = factor ? keep : gemm_scalar(kern::kAlpha);
-    if (const float m = shared_mantissa(); m != 0.0f) {
-      alpha = set_scalar(kern::kWeightAlpha, factor ? m * *factor : m);
+    if (mantissa != 0.0f) {
+      alpha = set_scalar(kern::kWeightAlpha, factor ? mantissa * *factor : mantissa);
     } else if (in_tile_) {  // the chunk's X rows scaled in the tile
       x = scaled_x_in_tile(tile_, r1 - r0);
       scale_x_rows(const_cast<void*>(x.data), x.ld, r0, r1);
@@ -300,6 +317,22 @@ class CudaTokenBackend final : public TokenBackend {
   }
   // The coefficient mantissa every row set since the last dW GEMM shares (0: none, or several).
   float shared_mantissa() const { return c_.row_scales && !mixed_mantissas_ ? mantissa_ : 0.0f; }
+  // When the rows set since the last dW GEMM have several mantissas but each of `ranges` (set
+  // by one call each, at least kSplitRows rows: dW GEMMs long enough to pay their rewrite) has
+  // one: those mantissas; else none.
+  std::vector<float> range_mantissas(const std::vector<RowRange>& ranges) const {
+    constexpr std::int64_t kSplitRows = 1024;
+    if (!c_.row_scales || !mixed_mantissas_ || ranges.size() < 2) return {};
+    std::vector<float> m;
+    for (const RowRange& r : ranges) {
+      const auto it = std::find_if(set_ranges_.begin(), set_ranges_.end(), [&](const auto& s) {
+        return s.first.r0 == r.r0 && s.first.r1 == r.r1;
+      });
+      if (it == set_ranges_.end() || it->second <= 0.0f || r.r1 - r.r0 < kSplitRows) return {};
+      m.push_back(it->second);
+    }
+    return m;
+  }
   std::size_t x_row_bytes() const {
     return static_cast<std::size_t>(c_.hidden) * dtype_size(c_.x.dtype());
   }
@@ -394,6 +427,7 @@ class CudaTokenBackend final : public TokenBackend {
   std::vector<float> pow2_, mant_;
   float mantissa_ = 0.0f;  // row scales: the mantissa of the rows set so far (0: none yet)
   bool mixed_mantissas_ = false, coef_consumed_ = true;
+  std::vector<std::pair<RowRange, float>> set_ranges_;  // per set_coefficients call: its mantissa
   float *dw_acc_ = nullptr, *dh_acc_ = nullptr, *db_acc_ = nullptr;
   double* scalars_ = nullptr;
   kern::TokenParams p_;

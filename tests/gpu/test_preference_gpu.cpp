@@ -365,6 +365,33 @@ TEST_CASE("gpu: the deferred regime matches the CPU path and the oracle") {
   }
 }
 
+TEST_CASE("gpu: resident pairs of sequences of 1024+ rows with different coefficients") {
+  if (!have_gpu()) return;
+  // ORPO's chosen rows carry the NLL term and its rejected rows do not, so a resident pair's
+  // two sequences have different coefficient mantissas: at 1024 rows or more each gets its own
+  // dW GEMM with its mantissa as alpha (below, the X rows are scaled instead).
+  PrefSpec s = gpu_spec();
+  s.bias = false;
+  s.ref = RefMode::kNone;
+  s.s = 4;
+  s.t = 1100;
+  s.h = 64;
+  s.v = 515;
+  s.max_prompt_frac = 0.05;
+  s.dtype = DType::kBF16;
+  OrpoOptions o;
+  o.engine.regime = Regime::kResident;
+  o.engine.memory_budget_bytes = std::size_t{5} << 20;  // one pair per group
+  for (DType grad : {DType::kF32, DType::kBF16}) {
+    const PrefRun run = compare(s, o, grad);
+    CHECK(run.plan.num_groups == 2);
+  }
+  DpoOptions dpo;  // sums: chosen and rejected share a mantissa, one GEMM per group
+  dpo.engine = o.engine;
+  s.ref = RefMode::kHead;
+  compare(s, dpo, DType::kBF16);
+}
+
 TEST_CASE("gpu: bitwise run-to-run equality in both regimes") {
   if (!have_gpu()) return;
   PrefSpec s = gpu_spec();
