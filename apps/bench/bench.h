@@ -61,6 +61,9 @@ struct CaseResult {
   double ratio = 0;     ///< time_ms / floor_ms
   std::vector<std::pair<std::string, double>> gemm_ms;  ///< each floor GEMM's median
   std::optional<double> chunked_floor_ms;               ///< floor GEMMs at the plan's chunk rows
+  /// Preference losses: the same floor GEMMs over the valid rows only (the engine skips each
+  /// sequence's prompt and padding), median of per-run sums.
+  std::optional<double> valid_floor_ms;
   std::vector<double> times_ms, floor_times_ms, naive_times_ms;
 
   std::size_t extra_bytes = 0;  ///< the loss's workspace: plan.workspace_bytes()

@@ -178,6 +178,15 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
           grad_w();
         },
         &res.floor_times_ms);
+    // The same GEMMs over the valid rows only: the work left when prompt and padding rows are
+    // skipped.
+    const int nv = static_cast<int>(b.valid_rows);
+    res.valid_floor_ms = time_ms(s, c.repeats, [&] {
+      gm.logits(x.data(), w.data(), z.data(), nv, hi, vi, ct, CUBLAS_COMPUTE_32F);
+      if (ref_head) gm.logits(xr.data(), wr.data(), z.data(), nv, hi, vi, ct, CUBLAS_COMPUTE_32F);
+      gm.dx(z.data(), w.data(), dx.data(), nv, hi, vi, ct, ct, ct, CUBLAS_COMPUTE_32F);
+      gm.dw(z.data(), x.data(), dw.data(), nv, hi, vi, ct, ct, ct, CUBLAS_COMPUTE_32F);
+    });
   }
   res.floor_what = std::to_string(preference_floor_gemms(c)) +
                    " cuBLAS GEMMs at full size (logits" + (ref_head ? ", reference logits" : "") +

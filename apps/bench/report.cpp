@@ -52,6 +52,10 @@ std::string case_details(const CaseRecord& rec) {
   for (std::size_t i = 0; i < r.gemm_ms.size(); ++i)
     os << (i ? " +" : "") << " " << r.gemm_ms[i].first << " " << fmt("%.2f", r.gemm_ms[i].second);
   os << " (" << r.floor_what << ")\n";
+  if (r.valid_floor_ms)
+    os << "  floor over the " << r.valid_rows
+       << " valid rows only: " << fmt("%.2f", *r.valid_floor_ms) << " ms (ratio "
+       << fmt("%.3f", r.time_ms / *r.valid_floor_ms) << " of the loss over it)\n";
   if (r.chunked_floor_ms)
     os << "  floor at the plan's " << r.plan.chunk_rows
        << "-row chunks: " << fmt("%.2f", *r.chunked_floor_ms) << " ms (ratio "
@@ -173,6 +177,8 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   j["floor_times_ms"] = r.floor_times_ms;
   for (const auto& [name, ms] : r.gemm_ms) j["gemm_" + name + "_ms"] = ms;
   j["chunked_floor_ms"] = opt(r.chunked_floor_ms);
+  j["valid_floor_ms"] = opt(r.valid_floor_ms);
+  j["ratio_valid"] = r.valid_floor_ms ? nlohmann::json(r.time_ms / *r.valid_floor_ms) : nullptr;
   j["extra_measured_bytes"] = r.extra_measured.bytes;
   j["extra_measured_method"] = r.extra_measured.method;
   j["floor_measured_bytes"] = r.floor_measured ? nlohmann::json(r.floor_measured->bytes) : nullptr;

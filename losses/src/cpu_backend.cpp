@@ -212,6 +212,13 @@ class CpuTokenBackend final : public TokenBackend {
     weight_grad(r0, r1, 0, v_, first, factor);
   }
 
+  void clear_grad_x() override {
+    if (dh_acc_)
+      std::fill_n(dh_acc_, c_.rows * h_, 0.0f);
+    else if (c_.grad_x.defined() && !c_.accumulate)
+      std::fill_n(static_cast<unsigned char*>(c_.grad_x.data()), c_.grad_x.nbytes(), 0);
+  }
+
   void scale_grad_x_rows(std::int64_t r0, std::int64_t r1, float factor) override {
     if (dh_acc_) ArrMap(dh_acc_ + r0 * h_, (r1 - r0) * h_) *= factor;
   }

@@ -127,6 +127,18 @@ class CudaTokenBackend final : public TokenBackend {
     weight_grad(r0, r1, 0, c_.vocab, first, factor, shared_mantissa());
   }
 
+  void clear_grad_x() override {
+    const auto s = static_cast<cudaStream_t>(stream_);
+    if (dh_acc_)
+      CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(
+          dh_acc_, 0, static_cast<std::size_t>(c_.rows * c_.hidden) * sizeof(float), s));
+    else if (c_.grad_x.defined() && !c_.accumulate)
+      CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(c_.grad_x.data(), 0, c_.grad_x.nbytes(), s));
+    if (c_.row_scales)
+      CHUNKLOSS_GPU_CHECK(
+          cudaMemsetAsync(p_.row.scale, 0, static_cast<std::size_t>(c_.rows) * sizeof(float), s));
+  }
+
   // In place, the rows as one contiguous run scaled by the device factor.
   void scale_grad_x_rows(std::int64_t r0, std::int64_t r1, float factor) override {
     if (!dh_acc_) return;

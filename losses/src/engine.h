@@ -84,6 +84,9 @@ class TokenBackend {
   /// The deferred regime's last chunk: dw = factor (dw + tile^T x[r0:r1]) over the full
   /// vocabulary (dw = factor tile^T x[r0:r1] when `first`), in one GEMM (alpha = beta = factor).
   virtual void grad_w_rescaled(std::int64_t r0, std::int64_t r1, bool first, float factor) = 0;
+  /// Sets dH to zero for every row before a sequence objective that skips some rows: the
+  /// caller's dH (kept when accumulating), or the fp32 dH accumulator and the rows' scales.
+  virtual void clear_grad_x() = 0;
   /// The deferred regime: multiplies rows [r0, r1) of the fp32 dH accumulator by `factor`.
   virtual void scale_grad_x_rows(std::int64_t r0, std::int64_t r1, float factor) = 0;
   /// Points the logits tile `row_offset` rows (of V columns) into the logits slice, so a

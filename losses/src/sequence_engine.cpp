@@ -13,19 +13,52 @@
 namespace chunkloss::detail {
 namespace {
 
-// The contiguous row ranges holding units [u0, u1): one per sequence position in the unit,
-// merged when they touch and the merged range is still one chunk (a group of all the units
-// is then the single chunk [0, N)). Every range is at most `chunk` rows.
+// A sequence's leading and trailing ignored rows are skipped; a run of fewer ignored rows than
+// this between two sequences' valid rows is computed (with zero gradient) instead, since
+// splitting a GEMM around it would waste about as many rows of its last tile.
+constexpr std::int64_t kSkipRows = 64;
+
+// Sequence s's rows from its first to its last valid target (empty when it has none); all T
+// rows when not trimming.
+RowRange sequence_span(const SequenceCall& c, std::int64_t s, bool trim) {
+  const std::int64_t t = c.seq_len, base = s * t;
+  std::int64_t a = 0, b = t;
+  const auto valid = [&](std::int64_t i) { return c.valid[static_cast<std::size_t>(base + i)]; };
+  while (trim && a < t && !valid(a)) ++a;
+  while (trim && b > a && !valid(b - 1)) --b;
+  return {base + a, base + b};
+}
+
+// Whether rows [r0, r1) are all ignored (they may then join a range: zero gradient, no sums).
+bool ignored(const SequenceCall& c, std::int64_t r0, std::int64_t r1) {
+  const auto first = c.valid.begin();
+  return std::find(first + r0, first + r1, 1) == first + r1;
+}
+
+// The row ranges that units [u0, u1) compute: each sequence's span (trimmed of its leading and
+// trailing ignored rows), merged with the previous range across fewer than kSkipRows rows when
+// both belong to one sequence position (chosen or rejected) or the merged range is still one
+// chunk. Sequence-position order keeps a position's units in one range (a group of all the
+// units without ignored rows is then the single chunk [0, N)); unit order lists a pair's two
+// sequences one after the other.
 std::vector<RowRange> unit_ranges(const SequenceCall& c, std::int64_t u0, std::int64_t u1,
-                                  std::int64_t chunk) {
-  const std::int64_t t = c.seq_len, units = c.sequences / c.unit_sequences;
+                                  std::int64_t chunk, bool trim, bool unit_order = false) {
+  const std::int64_t units = c.sequences / c.unit_sequences, per = c.unit_sequences;
   std::vector<RowRange> r;
-  for (std::int64_t k = 0; k < c.unit_sequences; ++k) {
-    const RowRange next{(k * units + u0) * t, (k * units + u1) * t};
-    if (!r.empty() && r.back().r1 == next.r0 && next.r1 - r.back().r0 <= chunk)
-      r.back().r1 = next.r1;
+  std::int64_t last_k = -1;
+  for (std::int64_t i = 0; i < (u1 - u0) * per; ++i) {
+    const std::int64_t k = unit_order ? i % per : i / (u1 - u0);
+    const std::int64_t u = u0 + (unit_order ? i / per : i % (u1 - u0));
+    const RowRange span = sequence_span(c, k * units + u, trim);
+    if (span.r0 == span.r1) continue;
+    const bool merge = !r.empty() && span.r0 >= r.back().r1 && span.r0 - r.back().r1 < kSkipRows &&
+                       ignored(c, r.back().r1, span.r0) &&
+                       (k == last_k || span.r1 - r.back().r0 <= chunk);
+    if (merge)
+      r.back().r1 = span.r1;
     else
-      r.push_back(next);
+      r.push_back(span);
+    last_k = k;
   }
   return r;
 }
@@ -43,33 +76,58 @@ void for_chunks(const std::vector<RowRange>& ranges, std::int64_t chunk, bool re
     }
 }
 
-// Logits and row statistics of rows [r0, r1) (the current tile), their log-probs (and logit
-// sums when `logit_sum` is given) added into the per-sequence sums.
-void chunk_sums(TokenBackend& b, const SequenceCall& c, std::int64_t r0, std::int64_t r1,
-                std::vector<float>& loss, std::vector<float>& zsum, std::vector<double>& logp,
-                std::vector<double>* logit_sum) {
-  b.logits(r0, r1, 0, c.policy.vocab);
-  b.row_stats(r0, r1);
-  b.fetch_rows(r0, r1, loss.data(), zsum.data());
-  for (std::int64_t t = r0; t < r1; ++t) {
-    if (!c.valid[static_cast<std::size_t>(t)]) continue;
-    const auto s = static_cast<std::size_t>(t / c.seq_len);
-    logp[s] -= loss[static_cast<std::size_t>(t - r0)];
-    if (logit_sum) (*logit_sum)[s] += zsum[static_cast<std::size_t>(t - r0)];
-  }
+// `ranges` cut into pieces of at most `chunk` rows, packed in order into chunks of at most
+// `chunk` rows (so short sequences share a chunk and its dW GEMM).
+std::vector<std::vector<RowRange>> packed_chunks(const std::vector<RowRange>& ranges,
+                                                 std::int64_t chunk) {
+  std::vector<std::vector<RowRange>> out;
+  std::int64_t rows = chunk;
+  for_chunks(ranges, chunk, false, [&](std::int64_t r0, std::int64_t r1, std::int64_t) {
+    if (rows + (r1 - r0) > chunk) {
+      out.emplace_back();
+      rows = 0;
+    }
+    out.back().push_back({r0, r1});
+    rows += r1 - r0;
+  });
+  return out;
 }
 
-// Pass 1 over `ranges`: chunk_sums per chunk, resident chunks at successive tile offsets.
+// Logits and row statistics of rows [r0, r1) into the current tile.
+void chunk_stats(TokenBackend& b, const SequenceCall& c, std::int64_t r0, std::int64_t r1) {
+  b.logits(r0, r1, 0, c.policy.vocab);
+  b.row_stats(r0, r1);
+}
+
+// Adds the valid rows' log-probs (and logit sums when `logit_sum` is given) of `ranges`, whose
+// statistics are complete, into the per-sequence sums; one copy of their rows' span.
+void add_sums(TokenBackend& b, const SequenceCall& c, const std::vector<RowRange>& ranges,
+              std::vector<double>& logp, std::vector<double>* logit_sum) {
+  if (ranges.empty()) return;
+  std::int64_t lo = ranges.front().r0, hi = ranges.front().r1;
+  for (const RowRange& r : ranges) lo = std::min(lo, r.r0), hi = std::max(hi, r.r1);
+  std::vector<float> loss(static_cast<std::size_t>(hi - lo)), zsum(loss.size());
+  b.fetch_rows(lo, hi, loss.data(), zsum.data());
+  for (const RowRange& r : ranges)
+    for (std::int64_t t = r.r0; t < r.r1; ++t) {
+      if (!c.valid[static_cast<std::size_t>(t)]) continue;
+      const auto s = static_cast<std::size_t>(t / c.seq_len);
+      logp[s] -= loss[static_cast<std::size_t>(t - lo)];
+      if (logit_sum) (*logit_sum)[s] += zsum[static_cast<std::size_t>(t - lo)];
+    }
+}
+
+// Pass 1 over `ranges`: chunk_stats per chunk, resident chunks at successive tile offsets, then
+// the sums.
 void pass_one(TokenBackend& b, const SequenceCall& c, const std::vector<RowRange>& ranges,
               const Plan& plan, bool resident, std::vector<double>& logp,
               std::vector<double>* logit_sum) {
-  std::vector<float> loss(static_cast<std::size_t>(plan.chunk_rows)),
-      zsum(static_cast<std::size_t>(plan.chunk_rows));
   for_chunks(ranges, plan.chunk_rows, resident,
              [&](std::int64_t r0, std::int64_t r1, std::int64_t offset) {
                b.select_tile(offset);
-               chunk_sums(b, c, r0, r1, loss, zsum, logp, logit_sum);
+               chunk_stats(b, c, r0, r1);
              });
+  add_sums(b, c, ranges, logp, logit_sum);
 }
 
 // Row coefficients of `ranges` from the per-sequence ones, uploaded to the backend.
@@ -106,23 +164,22 @@ float pair_coefficient(const SequenceCall& c, const std::vector<double>& coef, s
 // so the objective gives gamma, which that chunk's dW GEMM and the dH rows' scaling apply.
 void deferred_pair(TokenBackend& b, const SequenceCall& c, const Plan& plan, SequenceSums& sums,
                    const UnitsFn& on_units, std::vector<double>& coef) {
-  const std::vector<RowRange> ranges = unit_ranges(c, 0, 1, plan.chunk_rows);
+  const std::vector<RowRange> ranges = unit_ranges(c, 0, 1, plan.chunk_rows, true);
   std::vector<RowRange> chunks;
   for_chunks(ranges, plan.chunk_rows, false, [&](std::int64_t r0, std::int64_t r1, std::int64_t) {
     chunks.push_back({r0, r1});
   });
-  std::vector<float> loss(static_cast<std::size_t>(plan.chunk_rows)),
-      zsum(static_cast<std::size_t>(plan.chunk_rows));
   const std::int64_t v = c.policy.vocab;
   const auto rejected = static_cast<std::size_t>(c.sequences / 2);
   float gamma = 0;
   b.select_tile(0);
   for (std::size_t i = 0; i < chunks.size(); ++i) {
     const auto [r0, r1] = chunks[i];
-    chunk_sums(b, c, r0, r1, loss, zsum, sums.logp, &sums.logit_sum);
+    chunk_stats(b, c, r0, r1);
     upload_coefficients(b, c, {{r0, r1}}, c.kappa);
     const bool last = i + 1 == chunks.size();
     if (last) {
+      add_sums(b, c, ranges, sums.logp, &sums.logit_sum);
       on_units(0, 1, sums, coef);
       gamma = pair_coefficient(c, coef, 0, rejected);
     }
@@ -134,6 +191,29 @@ void deferred_pair(TokenBackend& b, const SequenceCall& c, const Plan& plan, Seq
       b.grad_w(r0, r1, 0, v, i == 0);
   }
   for (const RowRange& r : ranges) b.scale_grad_x_rows(r.r0, r.r1, gamma);
+}
+
+// Pass 2 of the recompute regime in token-chunk order over units [u0, units): their ranges in
+// unit order (a pair's two sequences together) packed into chunks, each chunk's pieces at
+// successive tile offsets with their coefficients set just before, so the chunk's one dW GEMM
+// sees only its own rows' coefficients.
+void recompute_token_chunks(TokenBackend& b, const SequenceCall& c, const Plan& plan,
+                            std::int64_t u0, const std::vector<double>& coef, bool first) {
+  const std::int64_t v = c.policy.vocab, units = c.sequences / c.unit_sequences;
+  const std::vector<RowRange> ranges = unit_ranges(c, u0, units, plan.chunk_rows, true, true);
+  for (const std::vector<RowRange>& pieces : packed_chunks(ranges, plan.chunk_rows)) {
+    upload_coefficients(b, c, pieces, coef);
+    std::int64_t offset = 0;
+    for (const auto [r0, r1] : pieces) {
+      b.select_tile(offset);
+      b.logits(r0, r1, 0, v);
+      b.grad_epilogue(r0, r1, 0, v);
+      b.grad_x(r0, r1, 0, v, true);
+      offset += r1 - r0;
+    }
+    b.grad_w_ranges(pieces, first);
+    first = false;
+  }
 }
 
 }  // namespace
@@ -149,7 +229,7 @@ std::vector<double> sequence_log_probs(Context& ctx, const TokenCall& head, cons
   std::vector<double> logp(static_cast<std::size_t>(c.sequences), 0.0);
   auto b = make_token_backend(ctx, head, plan, ws);
   b->begin();
-  pass_one(*b, c, {{0, head.rows}}, plan, false, logp, nullptr);
+  pass_one(*b, c, unit_ranges(c, 0, c.sequences, head.rows, true), plan, false, logp, nullptr);
   b->finish();
   return logp;
 }
@@ -170,14 +250,24 @@ SequenceSums run_sequence_objective(Context& ctx, const SequenceCall& c, const P
   b->begin();
   std::vector<double> coef(s, 0.0);
   const bool grads = k.any_grad();
+  // Rows outside every sequence's span are skipped, except by vocab-block order, whose pass 2
+  // multiplies all rows at once; their dH is zero, set just before the first gradient is
+  // written (an objective that fails before then leaves the buffers untouched).
+  const bool trim = plan.order != LoopOrder::kVocabBlock;
+  bool cleared = !grads || !trim || std::find(c.valid.begin(), c.valid.end(), 0) == c.valid.end();
+  const auto clear_once = [&] {
+    if (!cleared) b->clear_grad_x();
+    cleared = true;
+  };
 
   if (plan.regime == Regime::kResident && grads) {
     bool first = true;
     for (std::int64_t u0 = 0; u0 < units; u0 += plan.group_units) {
       const std::int64_t u1 = std::min(units, u0 + plan.group_units);
-      const std::vector<RowRange> ranges = unit_ranges(c, u0, u1, plan.chunk_rows);
+      const std::vector<RowRange> ranges = unit_ranges(c, u0, u1, plan.chunk_rows, true);
       pass_one(*b, c, ranges, plan, true, sums.logp, &sums.logit_sum);
       on_units(u0, u1, sums, coef);
+      clear_once();
       upload_coefficients(*b, c, ranges, coef);
       for_chunks(ranges, plan.chunk_rows, true,
                  [&](std::int64_t r0, std::int64_t r1, std::int64_t offset) {
@@ -194,37 +284,30 @@ SequenceSums run_sequence_objective(Context& ctx, const SequenceCall& c, const P
 
   // Recompute (all units, or after the deferred first pair the others).
   const bool deferred = plan.regime == Regime::kDeferred && grads;
-  if (deferred) deferred_pair(*b, c, plan, sums, on_units, coef);
+  if (deferred) {
+    clear_once();
+    deferred_pair(*b, c, plan, sums, on_units, coef);
+  }
   const std::int64_t u0 = deferred ? 1 : 0;
   if (u0 == units) {
     b->finish();
     return sums;
   }
-  const std::vector<RowRange> all =
-      deferred ? unit_ranges(c, u0, units, n) : std::vector<RowRange>{{0, n}};
-  pass_one(*b, c, all, plan, false, sums.logp, &sums.logit_sum);
+  pass_one(*b, c, unit_ranges(c, u0, units, n, trim), plan, false, sums.logp, &sums.logit_sum);
   on_units(u0, units, sums, coef);
-  if (grads) {
-    upload_coefficients(*b, c, all, coef);
+  if (grads && plan.order == LoopOrder::kVocabBlock) {
+    upload_coefficients(*b, c, {{0, n}}, coef);
     b->select_tile(0);
-    if (plan.order == LoopOrder::kVocabBlock) {
-      for (std::int64_t v0 = 0; v0 < v; v0 += plan.vocab_block) {
-        const std::int64_t v1 = std::min(v, v0 + plan.vocab_block);
-        b->logits(0, n, v0, v1);
-        b->grad_epilogue(0, n, v0, v1);
-        b->grad_w(0, n, v0, v1, true);
-        b->grad_x(0, n, v0, v1, v0 == 0);
-      }
-    } else {
-      bool first = !deferred;
-      for_chunks(all, plan.chunk_rows, false, [&](std::int64_t r0, std::int64_t r1, std::int64_t) {
-        b->logits(r0, r1, 0, v);
-        b->grad_epilogue(r0, r1, 0, v);
-        b->grad_x(r0, r1, 0, v, true);
-        b->grad_w(r0, r1, 0, v, first);
-        first = false;
-      });
+    for (std::int64_t v0 = 0; v0 < v; v0 += plan.vocab_block) {
+      const std::int64_t v1 = std::min(v, v0 + plan.vocab_block);
+      b->logits(0, n, v0, v1);
+      b->grad_epilogue(0, n, v0, v1);
+      b->grad_w(0, n, v0, v1, true);
+      b->grad_x(0, n, v0, v1, v0 == 0);
     }
+  } else if (grads) {
+    clear_once();
+    recompute_token_chunks(*b, c, plan, u0, coef, !deferred);
   }
   b->finish();
   return sums;

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -127,8 +128,9 @@ PrefRun run_gpu(const PrefData& d, const SequenceLoss& loss, const PrefGradBuffe
   return run;
 }
 
+// NaN-filled gradient buffers: the call overwrites them, so every row must be written.
 PrefRun run_gpu(const PrefData& d, const SequenceLoss& loss, const PrefGradRequest& g) {
-  return run_gpu(d, loss, PrefGradBuffers(d, g));
+  return run_gpu(d, loss, PrefGradBuffers(d, g, std::numeric_limits<float>::quiet_NaN()));
 }
 
 // GPU against the CPU path: fp32 GEMMs agree to fp32 rounding; bf16 GEMMs take the gradient
@@ -390,6 +392,43 @@ TEST_CASE("gpu: resident pairs of sequences of 1024+ rows with different coeffic
   dpo.engine = o.engine;
   s.ref = RefMode::kHead;
   compare(s, dpo, DType::kBF16);
+}
+
+TEST_CASE("gpu: skipped rows of long prompts and padding, every regime, packed chunks") {
+  if (!have_gpu()) return;
+  // Prompts of up to 140 of 200 rows: each sequence's leading and trailing ignored rows are
+  // skipped (their dH written as zero over the NaN-filled buffers), and at 2 MiB the recompute
+  // regime packs several short spans into one chunk with one dW GEMM (X rows staged in the
+  // tile with bf16 inputs, one GEMM per span with fp32).
+  PrefSpec s = gpu_spec();
+  s.bias = false;
+  s.t = 200;
+  s.max_prompt_frac = 0.7;
+  s.seed = 11;
+  PrefSpec free = s;
+  free.ref = RefMode::kNone;
+  PrefSpec ks = s;
+  ks.s = 7;
+  ks.labels = true;
+  const std::size_t budget = std::size_t{2} << 20;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    s.dtype = free.dtype = ks.dtype = dtype;
+    for (std::size_t b : {std::size_t{0}, budget}) {
+      for (Regime r : {Regime::kResident, Regime::kRecompute, Regime::kDeferred}) {
+        DpoOptions o;
+        o.engine.regime = r;
+        o.engine.memory_budget_bytes = b;
+        compare(s, o, dtype);
+        if (r == Regime::kDeferred) continue;
+        OrpoOptions orpo;
+        orpo.engine = o.engine;
+        compare(free, orpo, dtype);
+        KtoOptions kto;
+        kto.engine = o.engine;
+        compare(ks, kto, DType::kF32);
+      }
+    }
+  }
 }
 
 TEST_CASE("gpu: bitwise run-to-run equality in both regimes") {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <set>
 #include <sstream>
@@ -241,7 +242,8 @@ PrefGradBuffers::PrefGradBuffers(const PrefData& d, const PrefGradRequest& r, fl
 PrefRun run_library(const PrefData& d, const SequenceLoss& loss, const PrefGradRequest& g,
                     int threads) {
   CpuContext ctx(threads);
-  PrefRun run{{}, {}, PrefGradBuffers(d, g)};
+  // NaN-filled gradient buffers: the call overwrites them, so every row must be written.
+  PrefRun run{{}, {}, PrefGradBuffers(d, g, std::numeric_limits<float>::quiet_NaN())};
   const PreferenceInputs in = d.inputs();
   const PreferenceGrads grads = run.grads.views();
   run.plan = loss.plan(in, grads);

@@ -104,8 +104,9 @@ struct PrefRun {
   PrefGradBuffers grads;
 };
 
-/// Runs forward_backward (forward() when no gradient is requested) with a fresh NaN-filled
-/// workspace of exactly workspace_bytes(), followed by a guard region that must stay untouched.
+/// Runs forward_backward (forward() when no gradient is requested) into NaN-filled gradient
+/// buffers with a fresh NaN-filled workspace of exactly workspace_bytes(), followed by a guard
+/// region that must stay untouched.
 /// One thread by default: the problems are tiny, and CI runs two suites on two cores.
 PrefRun run_library(const PrefData& d, const SequenceLoss& loss, const PrefGradRequest& g,
                     int threads = 1);

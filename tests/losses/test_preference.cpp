@@ -987,6 +987,87 @@ TEST_CASE("variable lengths through ignore_index: -100, -1, one inside the vocab
   CHECK(std::set<std::int64_t>(ref.tokens.begin(), ref.tokens.end()).size() > 2);
 }
 
+// Runs of ignored rows between consecutive sequences' valid tokens (padding, then the next
+// prompt): their lengths.
+std::vector<std::int64_t> ignored_gaps(const PrefData& d) {
+  std::vector<std::int64_t> gaps;
+  std::int64_t last_valid = -1;
+  for (std::int64_t i = 0; i < d.rows(); ++i) {
+    if (d.targets64[static_cast<std::size_t>(i)] == d.spec.ignore_index) continue;
+    if (last_valid >= 0 && i - last_valid > 1) gaps.push_back(i - last_valid - 1);
+    last_valid = i;
+  }
+  return gaps;
+}
+
+TEST_CASE("skipped rows: long prompts and padding, every regime, packed chunks, accumulate") {
+  // T = 160 with prompts of up to 112 rows: the engine skips each sequence's leading and
+  // trailing ignored rows, computes runs of fewer than 64 between two sequences' valid rows,
+  // and packs the short spans into shared chunks at the smallest budgets.
+  PrefSpec s;
+  s.s = 6;
+  s.t = 160;
+  s.h = 24;
+  s.v = 90;
+  s.max_prompt_frac = 0.7;
+  s.ref = RefMode::kHead;
+  s.seed = 11;
+  const std::vector<std::int64_t> gaps = ignored_gaps(PrefData(s));
+  CHECK(std::any_of(gaps.begin(), gaps.end(), [](std::int64_t g) { return g >= 64; }));
+  CHECK(std::any_of(gaps.begin(), gaps.end(), [](std::int64_t g) { return g < 64; }));
+  PrefSpec ks = s;
+  ks.s = 7;
+  ks.labels = true;
+  const auto run_all = [](const PrefSpec& base, const auto& opts) {
+    const PrefConfig cfg = PrefConfig::from(opts);
+    for (auto [dtype, grad_dtype] :
+         {std::pair{DType::kF32, DType::kF32}, std::pair{DType::kBF16, DType::kBF16}}) {
+      PrefSpec sp = base;
+      sp.dtype = dtype;
+      const PrefData d(sp);
+      const reference::PrefResult ref = oracle(d, cfg);
+      PrefGradRequest g;
+      g.dtype = grad_dtype;
+      for (Regime regime : regimes_for(opts, sp)) {
+        for (bool smallest : {false, true}) {
+          auto o = opts;
+          o.engine.regime = regime;
+          if (smallest) o.engine.memory_budget_bytes = min_budget(d, o, regime, g);
+          INFO(describe(sp), " | ", describe(o));
+          const PrefRun run = run_library(d, make_loss(o), g);
+          INFO("plan: ", run.plan.str());
+          CHECK(run.plan.regime == regime);
+          check_against_oracle(run, ref, PrefTol::of(dtype, grad_dtype), cfg.paired());
+        }
+      }
+      // Accumulating leaves the skipped rows' pre-filled dH as it was.
+      auto o = opts;
+      o.engine.regime = Regime::kRecompute;
+      o.engine.memory_budget_bytes = min_budget(d, o, Regime::kRecompute, g);
+      PrefGradBuffers acc(d, g);
+      acc.fill_random(3, 1e-3);
+      const std::vector<double> h0 = acc.hidden(), w0 = acc.weight();
+      AlignedBuffer ws(make_loss(o).workspace_bytes(d.inputs(), acc.views(true)));
+      CpuContext ctx;
+      make_loss(o).forward_backward(ctx, d.inputs(), acc.views(true), ws.workspace());
+      std::vector<double> want_h = h0, want_w = w0;
+      for (std::size_t i = 0; i < want_h.size(); ++i) want_h[i] += ref.grad_hidden[i];
+      for (std::size_t i = 0; i < want_w.size(); ++i) want_w[i] += ref.grad_weight[i];
+      check_close("accumulated grad_hidden", acc.hidden(), want_h, tolerance(grad_dtype).grad);
+      check_close("accumulated grad_weight", acc.weight(), want_w, tolerance(grad_dtype).grad);
+    }
+  };
+  run_all(s, DpoOptions{});
+  DpoOptions avg;
+  avg.average_log_prob = true;
+  avg.loss_type = DpoLoss::kIpo;
+  run_all(s, avg);
+  PrefSpec free = s;
+  free.ref = RefMode::kNone;
+  run_all(free, OrpoOptions{});
+  run_all(ks, KtoOptions{});
+}
+
 TEST_CASE("hidden given as [S, T, H] is the same as [S*T, H]") {
   PrefSpec s;
   s.ref = RefMode::kHead;
