@@ -149,55 +149,18 @@ class CudaTokenBackend final : public TokenBackend {
                                 set_scalar(kern::kFactor, factor), 1, n, false, stream_));
   }
 
-  // Several ranges (a resident group's chosen and rejected rows): their X rows are copied
-  // side by side into the staging slice (scaled, with row scales of several mantissas) so dW
-  // gets one GEMM over all the group's rows, which reads and writes dW once per group instead
-  // of once per range.
+  // Several ranges (a resident group's or a packed chunk's sequences, their tiles one after
+  // another): their X rows are copied side by side into staging (scaled, with row scales of
+  // several mantissas) so dW gets one GEMM over all their rows, which reads and writes dW once
+  // instead of once per range. With row scales, runs of ranges sharing a mantissa get one GEMM
+  // each with the mantissa as alpha instead, when every run is long enough (mantissa_runs).
   void grad_w_ranges(const std::vector<RowRange>& ranges, bool first) override {
-    if (const std::vector<float> m = range_mantissas(ranges); !m.empty()) {
-      // Each range's rows share a mantissa but the ranges differ: one GEMM per range with its
-      // mantissa as alpha keeps the X rows exact, for one more dW rewrite per range.
-      std::int64_t offset = 0;
-      for (std::size_t i = 0; i < ranges.size(); ++i) {
-        select_tile(offset);
-        weight_grad(ranges[i].r0, ranges[i].r1, 0, c_.vocab, first && i == 0, std::nullopt, m[i]);
-        offset += ranges[i].r1 - ranges[i].r0;
-      }
-      return;
+    std::vector<Run> runs = mantissa_runs(ranges);
+    if (runs.empty()) runs.push_back({0, ranges.size(), 0, shared_mantissa()});
+    for (const Run& run : runs) {
+      staged_weight_grad(ranges, run, first);
+      first = false;
     }
-    std::int64_t total = 0;
-    for (const RowRange& r : ranges) total += r.r1 - r.r0;
-    const std::int64_t h = c_.hidden;
-    const float m = shared_mantissa();
-    const bool scale = c_.row_scales && m == 0.0f;
-    gpu::Matrix x{ranges.size() == 1 && scale ? x_scaled_ : x_stage_, c_.x.dtype(), total, h, h};
-    if (in_tile_) x = scaled_x_in_tile(tile_base_, total);
-    auto* stage = static_cast<unsigned char*>(const_cast<void*>(x.data));
-    if ((ranges.size() == 1 && !scale) || !stage || !c_.grad_w.defined())
-      return TokenBackend::grad_w_ranges(ranges, first);
-    const std::size_t elt = dtype_size(c_.x.dtype());
-    const auto s = static_cast<cudaStream_t>(stream_);
-    std::int64_t rows = 0;
-    for (const RowRange& r : ranges) {
-      unsigned char* dst = stage + static_cast<std::size_t>(rows * x.ld) * elt;
-      if (scale)
-        scale_x_rows(dst, x.ld, r.r0, r.r1);
-      else
-        CHUNKLOSS_GPU_CHECK(cudaMemcpy2DAsync(
-            dst, static_cast<std::size_t>(x.ld) * elt,
-            static_cast<const unsigned char*>(c_.x.data()) + r.r0 * x_row_bytes(), x_row_bytes(),
-            x_row_bytes(), static_cast<std::size_t>(r.r1 - r.r0), cudaMemcpyDeviceToDevice, s));
-      rows += r.r1 - r.r0;
-    }
-    coef_consumed_ = true;
-    select_tile(0);
-    const gpu::Matrix g = grad_tile(0, rows, 0, c_.vocab);
-    const float* alpha = m != 0.0f ? set_scalar(kern::kWeightAlpha, m) : gemm_scalar(kern::kAlpha);
-    void* dst = dw_acc_ ? static_cast<void*>(dw_acc_) : c_.grad_w.data();
-    const bool overwrite = dw_acc_ ? first : first && !c_.accumulate;
-    gpu::gemm_device_scalars(ctx_, g, true, x, false, dst,
-                             dw_acc_ ? DType::kF32 : c_.grad_w.dtype(), h, alpha,
-                             gemm_scalar(overwrite ? kern::kZero : kern::kOne));
   }
 
   void select_tile(std::int64_t row_offset) override {
@@ -329,21 +292,86 @@ class CudaTokenBackend final : public TokenBackend {
   }
   // The coefficient mantissa every row set since the last dW GEMM shares (0: none, or several).
   float shared_mantissa() const { return c_.row_scales && !mixed_mantissas_ ? mantissa_ : 0.0f; }
+  // Ranges [i0, i1) of a grad_w_ranges call, their tiles from `offset` rows into the logits
+  // slice, with the coefficient mantissa their rows share (0: several).
+  struct Run {
+    std::size_t i0, i1;
+    std::int64_t offset;
+    float mantissa;
+  };
   // When the rows set since the last dW GEMM have several mantissas but each of `ranges` (set
-  // by one call each, at least kSplitRows rows: dW GEMMs long enough to pay their rewrite) has
-  // one: those mantissas; else none.
-  std::vector<float> range_mantissas(const std::vector<RowRange>& ranges) const {
-    constexpr std::int64_t kSplitRows = 1024;
+  // by one call each) has one: the maximal runs of consecutive ranges sharing a mantissa, if
+  // each has at least kRunRows rows (a dW GEMM long enough to pay its rewrite of dW); else none.
+  std::vector<Run> mantissa_runs(const std::vector<RowRange>& ranges) const {
+    constexpr std::int64_t kRunRows = 512;
     if (!c_.row_scales || !mixed_mantissas_ || ranges.size() < 2) return {};
-    std::vector<float> m;
-    for (const RowRange& r : ranges) {
+    std::vector<Run> runs;
+    std::int64_t offset = 0, rows = 0;
+    for (std::size_t i = 0; i < ranges.size(); ++i) {
+      const RowRange& r = ranges[i];
       const auto it = std::find_if(set_ranges_.begin(), set_ranges_.end(), [&](const auto& s) {
         return s.first.r0 == r.r0 && s.first.r1 == r.r1;
       });
-      if (it == set_ranges_.end() || it->second <= 0.0f || r.r1 - r.r0 < kSplitRows) return {};
-      m.push_back(it->second);
+      if (it == set_ranges_.end() || it->second <= 0.0f) return {};
+      if (!runs.empty() && runs.back().mantissa == it->second) {
+        runs.back().i1 = i + 1;
+      } else {
+        if (!runs.empty() && rows < kRunRows) return {};
+        runs.push_back({i, i + 1, offset, it->second});
+        rows = 0;
+      }
+      rows += r.r1 - r.r0;
+      offset += r.r1 - r.r0;
     }
-    return m;
+    return rows < kRunRows ? std::vector<Run>{} : runs;
+  }
+  // dW (+)= the run's tiles^T times its X rows: one GEMM over X rows staged side by side (copied
+  // with alpha = the shared mantissa, or scaled by each row's), or without staging one GEMM per
+  // range.
+  void staged_weight_grad(const std::vector<RowRange>& ranges, const Run& run, bool first) {
+    const std::size_t n = run.i1 - run.i0;
+    const bool scale = c_.row_scales && run.mantissa == 0.0f;
+    std::int64_t total = 0;
+    for (std::size_t i = run.i0; i < run.i1; ++i) total += ranges[i].r1 - ranges[i].r0;
+    const std::int64_t h = c_.hidden;
+    select_tile(run.offset);
+    gpu::Matrix x{n == 1 && scale ? x_scaled_ : x_stage_, c_.x.dtype(), total, h, h};
+    if (in_tile_) x = scaled_x_in_tile(tile_, total);
+    auto* stage = static_cast<unsigned char*>(const_cast<void*>(x.data));
+    if ((n == 1 && !scale) || !stage || !c_.grad_w.defined()) {
+      std::int64_t offset = run.offset;
+      for (std::size_t i = run.i0; i < run.i1; ++i) {
+        select_tile(offset);
+        weight_grad(ranges[i].r0, ranges[i].r1, 0, c_.vocab, first && i == run.i0, std::nullopt,
+                    run.mantissa);
+        offset += ranges[i].r1 - ranges[i].r0;
+      }
+      return;
+    }
+    const std::size_t elt = dtype_size(c_.x.dtype());
+    const auto s = static_cast<cudaStream_t>(stream_);
+    std::int64_t rows = 0;
+    for (std::size_t i = run.i0; i < run.i1; ++i) {
+      const RowRange& r = ranges[i];
+      unsigned char* dst = stage + static_cast<std::size_t>(rows * x.ld) * elt;
+      if (scale)
+        scale_x_rows(dst, x.ld, r.r0, r.r1);
+      else
+        CHUNKLOSS_GPU_CHECK(cudaMemcpy2DAsync(
+            dst, static_cast<std::size_t>(x.ld) * elt,
+            static_cast<const unsigned char*>(c_.x.data()) + r.r0 * x_row_bytes(), x_row_bytes(),
+            x_row_bytes(), static_cast<std::size_t>(r.r1 - r.r0), cudaMemcpyDeviceToDevice, s));
+      rows += r.r1 - r.r0;
+    }
+    coef_consumed_ = true;
+    const gpu::Matrix g = grad_tile(0, rows, 0, c_.vocab);
+    const float* alpha = run.mantissa != 0.0f ? set_scalar(kern::kWeightAlpha, run.mantissa)
+                                              : gemm_scalar(kern::kAlpha);
+    void* dst = dw_acc_ ? static_cast<void*>(dw_acc_) : c_.grad_w.data();
+    const bool overwrite = dw_acc_ ? first : first && !c_.accumulate;
+    gpu::gemm_device_scalars(ctx_, g, true, x, false, dst,
+                             dw_acc_ ? DType::kF32 : c_.grad_w.dtype(), h, alpha,
+                             gemm_scalar(overwrite ? kern::kZero : kern::kOne));
   }
   std::size_t x_row_bytes() const {
     return static_cast<std::size_t>(c_.hidden) * dtype_size(c_.x.dtype());

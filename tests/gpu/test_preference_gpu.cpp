@@ -367,10 +367,10 @@ TEST_CASE("gpu: the deferred regime matches the CPU path and the oracle") {
   }
 }
 
-TEST_CASE("gpu: resident pairs of sequences of 1024+ rows with different coefficients") {
+TEST_CASE("gpu: sequences of 512+ rows with different coefficients, resident and recompute") {
   if (!have_gpu()) return;
   // ORPO's chosen rows carry the NLL term and its rejected rows do not, so a resident pair's
-  // two sequences have different coefficient mantissas: at 1024 rows or more each gets its own
+  // two sequences have different coefficient mantissas: at 512 rows or more each gets its own
   // dW GEMM with its mantissa as alpha (below, the X rows are scaled instead).
   PrefSpec s = gpu_spec();
   s.bias = false;
@@ -392,6 +392,23 @@ TEST_CASE("gpu: resident pairs of sequences of 1024+ rows with different coeffic
   dpo.engine = o.engine;
   s.ref = RefMode::kHead;
   compare(s, dpo, DType::kBF16);
+  // Recompute with one chunk for both pairs: a run of two sequences per pair, a dW GEMM each
+  // (DPO); ORPO's four sequences each their own run. KTO's resident groups of sequences with
+  // their own coefficients likewise.
+  const std::size_t whole = std::size_t{24} << 20;
+  dpo.engine.regime = Regime::kRecompute;
+  dpo.engine.memory_budget_bytes = whole;
+  CHECK(compare(s, dpo, DType::kF32).plan.num_chunks == 1);
+  s.ref = RefMode::kNone;
+  o.engine = dpo.engine;
+  compare(s, o, DType::kBF16);
+  PrefSpec ks = s;
+  ks.labels = true;
+  ks.ref = RefMode::kHead;
+  KtoOptions kto;
+  kto.engine.regime = Regime::kResident;
+  kto.engine.memory_budget_bytes = whole;
+  compare(ks, kto, DType::kF32);
 }
 
 TEST_CASE("gpu: skipped rows of long prompts and padding, every regime, packed chunks") {
