@@ -32,6 +32,17 @@ void read_to_host(Context& ctx, const TensorView& t, void* dst) {
 #endif
 }
 
+void vocab_block_pass(TokenBackend& b, std::int64_t n, std::int64_t v, std::int64_t block) {
+  b.select_tile(0);
+  for (std::int64_t v0 = 0; v0 < v; v0 += block) {
+    const std::int64_t v1 = std::min(v, v0 + block);
+    b.logits(0, n, v0, v1);
+    b.grad_epilogue(0, n, v0, v1);
+    b.grad_w(0, n, v0, v1, true);
+    b.grad_x(0, n, v0, v1, v0 == 0);
+  }
+}
+
 TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan& plan,
                                 const Workspace& ws) {
   auto backend = make_token_backend(ctx, call, plan, ws);
@@ -50,15 +61,7 @@ TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan&
       backend->grad_w(r0, r1, 0, v, r0 == 0);
     }
   }
-  if (grads && !token_order) {
-    for (std::int64_t v0 = 0; v0 < v; v0 += plan.vocab_block) {
-      const std::int64_t v1 = std::min(v, v0 + plan.vocab_block);
-      backend->logits(0, n, v0, v1);
-      backend->grad_epilogue(0, n, v0, v1);
-      backend->grad_w(0, n, v0, v1, true);
-      backend->grad_x(0, n, v0, v1, v0 == 0);
-    }
-  }
+  if (grads && !token_order) vocab_block_pass(*backend, n, v, plan.vocab_block);
   return backend->finish();
 }
 

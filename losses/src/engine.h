@@ -123,6 +123,10 @@ void read_to_host(Context& ctx, const TensorView& t, void* dst);
 void cuda_read_to_host(Context& ctx, const TensorView& t, void* dst);
 #endif
 
+/// Pass 2 in vocab-block order over all n rows, whose lse and coefficients are set: each block
+/// of `block` columns' logits, gradient, dW rows (written once) and dH contribution.
+void vocab_block_pass(TokenBackend& b, std::int64_t n, std::int64_t v, std::int64_t block);
+
 /// Runs the plan's loop order over the call.
 TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan& plan,
                                 const Workspace& ws);

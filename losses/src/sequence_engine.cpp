@@ -297,14 +297,7 @@ SequenceSums run_sequence_objective(Context& ctx, const SequenceCall& c, const P
   on_units(u0, units, sums, coef);
   if (grads && plan.order == LoopOrder::kVocabBlock) {
     upload_coefficients(*b, c, {{0, n}}, coef);
-    b->select_tile(0);
-    for (std::int64_t v0 = 0; v0 < v; v0 += plan.vocab_block) {
-      const std::int64_t v1 = std::min(v, v0 + plan.vocab_block);
-      b->logits(0, n, v0, v1);
-      b->grad_epilogue(0, n, v0, v1);
-      b->grad_w(0, n, v0, v1, true);
-      b->grad_x(0, n, v0, v1, v0 == 0);
-    }
+    vocab_block_pass(*b, n, v, plan.vocab_block);
   } else if (grads) {
     clear_once();
     recompute_token_chunks(*b, c, plan, u0, coef, !deferred);

@@ -46,6 +46,7 @@ check memcheck_ce "${san[@]}" --tool memcheck "$ce" \
 check memcheck_pref "${san[@]}" --tool memcheck "$pref" \
   -tc='gpu: P = 1*,gpu: accumulate*,gpu: bad targets*,gpu: SequenceLogProbs*'
 check memcheck_deferred "${san[@]}" --tool memcheck "$pref" -tc='gpu: the deferred regime*'
+check memcheck_skipped "${san[@]}" --tool memcheck "$pref" -tc='gpu: skipped rows*'
 # racecheck instruments the project's own kernels (namespace chunkloss::kern), on a preference
 # case: both suites run the same kernels (one CUDA backend), and on the cross-entropy suite and
 # the shape cases the tool cannot finish on the H200: it stops at a cuBLAS GEMM with "Internal
