@@ -187,8 +187,6 @@ class CudaTokenBackend final : public TokenBackend {
     const float* ab = c;
     if (c_.row_scales) {
       if (coef_consumed_) {
-        mantissa_ = 0.0f;
-        mixed_mantissas_ = false;
         set_ranges_.clear();
         coef_consumed_ = false;
       }
@@ -200,8 +198,6 @@ class CudaTokenBackend final : public TokenBackend {
         mant_[i] = std::abs(std::frexp(c[i], &e));
         pow2_[i] = c[i] == 0.0f ? 0.0f : std::copysign(std::ldexp(1.0f, e), c[i]);
         if (c[i] == 0.0f) continue;
-        if (mantissa_ == 0.0f) mantissa_ = mant_[i];
-        mixed_mantissas_ = mixed_mantissas_ || mant_[i] != mantissa_;
         if (range_mantissa == 0.0f) range_mantissa = mant_[i];
         if (mant_[i] != range_mantissa) range_mantissa = -1.0f;
       }
@@ -291,7 +287,15 @@ class CudaTokenBackend final : public TokenBackend {
                              first && !c_.accumulate ? gemm_scalar(kern::kZero) : keep);
   }
   // The coefficient mantissa every row set since the last dW GEMM shares (0: none, or several).
-  float shared_mantissa() const { return c_.row_scales && !mixed_mantissas_ ? mantissa_ : 0.0f; }
+  float shared_mantissa() const {
+    float m = 0.0f;
+    for (const auto& [range, rm] : set_ranges_) {
+      if (rm == 0.0f) continue;
+      if (rm < 0.0f || (m != 0.0f && rm != m)) return 0.0f;
+      m = rm;
+    }
+    return c_.row_scales ? m : 0.0f;
+  }
   // Ranges [i0, i1) of a grad_w_ranges call, their tiles from `offset` rows into the logits
   // slice, with the coefficient mantissa their rows share (0: several).
   struct Run {
@@ -304,7 +308,7 @@ class CudaTokenBackend final : public TokenBackend {
   // each has at least kRunRows rows (a dW GEMM long enough to pay its rewrite of dW); else none.
   std::vector<Run> mantissa_runs(const std::vector<RowRange>& ranges) const {
     constexpr std::int64_t kRunRows = 512;
-    if (!c_.row_scales || !mixed_mantissas_ || ranges.size() < 2) return {};
+    if (!c_.row_scales || shared_mantissa() != 0.0f || ranges.size() < 2) return {};
     std::vector<Run> runs;
     std::int64_t offset = 0, rows = 0;
     for (std::size_t i = 0; i < ranges.size(); ++i) {
@@ -465,9 +469,10 @@ class CudaTokenBackend final : public TokenBackend {
   bool in_tile_ = false;  // row scales staged in the tile's free halves (tile_staging.h)
   std::size_t free_offset_ = 0;
   std::vector<float> pow2_, mant_;
-  float mantissa_ = 0.0f;  // row scales: the mantissa of the rows set so far (0: none yet)
-  bool mixed_mantissas_ = false, coef_consumed_ = true;
-  std::vector<std::pair<RowRange, float>> set_ranges_;  // per set_coefficients call: its mantissa
+  bool coef_consumed_ = true;
+  // Per set_coefficients call since the last dW GEMM: its rows and their shared mantissa (0: all
+  // zero, -1: several).
+  std::vector<std::pair<RowRange, float>> set_ranges_;
   float *dw_acc_ = nullptr, *dh_acc_ = nullptr, *db_acc_ = nullptr;
   double* scalars_ = nullptr;
   kern::TokenParams p_;
