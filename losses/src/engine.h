@@ -70,8 +70,8 @@ class TokenBackend {
   virtual void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
                       bool first) = 0;
   /// dw (+)= tile^T x over the rows of `ranges`, whose tiles lie one after another from the
-  /// start of the logits slice (a resident group); db (+)= their column sums. The default
-  /// runs grad_w per range; a backend may do it in one GEMM.
+  /// start of the logits slice (a resident group, a packed recompute chunk); db (+)= their
+  /// column sums. The default runs grad_w per range; a backend may do it in one GEMM.
   virtual void grad_w_ranges(const std::vector<RowRange>& ranges, bool first) {
     std::int64_t offset = 0;
     for (const RowRange& r : ranges) {

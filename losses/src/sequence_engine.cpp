@@ -1,8 +1,10 @@
-// The sequence engine's passes over the token backend. Resident groups keep each chunk's logits
-// at its own offset in the logits slice between the passes; the recompute regime reuses one
-// chunk buffer and recomputes the logits in pass 2 (token-chunk or vocab-block order); the
-// deferred regime forms the first pair's gradient in pass 1 and scales it once the pair's
-// coefficient is known, then recomputes the other pairs.
+// The sequence engine's passes over the token backend, on each sequence's rows from its first
+// to its last valid target (prompt and padding skipped, their dH zero). Resident groups keep
+// each chunk's logits at its own offset in the logits slice between the passes; the recompute
+// regime reuses one chunk buffer, packs short sequences into its chunks and recomputes the
+// logits in pass 2 (token-chunk or vocab-block order, the latter over all rows); the deferred
+// regime forms the first pair's gradient in pass 1 and scales it once the pair's coefficient
+// is known, then recomputes the other pairs.
 #include "sequence_engine.h"
 
 #include <algorithm>
