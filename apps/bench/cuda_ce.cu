@@ -6,6 +6,8 @@
 #include <chunkloss/losses/cross_entropy.h>
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <memory>
 #include <vector>
 
 #include "bench.h"
@@ -64,28 +66,23 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
   res.reduction = "mean";
   res.valid_rows = valid;
 
-  // The floor: the three GEMMs at full size, gradient operand of the input dtype.
+  // The floor: the three GEMMs at full size, gradient operand of the input dtype. Its logits
+  // buffer lives through the timed rounds, which alternate the floor and the library.
   Gemms gm{static_cast<cublasHandle_t>(ctx.cublas()), ct, ct};
-  {
-    gpu::DeviceBuffer z(n * v * es);
-    res.gemm_ms.emplace_back("logits X W^T", time_ms(s, c.repeats, [&] {
-                               gm.logits(x.data(), w.data(), z.data(), int(n), int(h), int(v), ct,
-                                         CUBLAS_COMPUTE_32F);
-                             }));
-    res.gemm_ms.emplace_back("dX = G W", time_ms(s, c.repeats, [&] {
-                               gm.dx(z.data(), w.data(), dx.data(), int(n), int(h), int(v), ct, ct,
-                                     ct, CUBLAS_COMPUTE_32F);
-                             }));
-    res.gemm_ms.emplace_back("dW = G^T X", time_ms(s, c.repeats, [&] {
-                               gm.dw(z.data(), x.data(), dw.data(), int(n), int(h), int(v), ct, ct,
-                                     ct, CUBLAS_COMPUTE_32F);
-                             }));
-    res.floor_ms = time_ms(s, c.repeats, [&] {
-      gm.logits(x.data(), w.data(), z.data(), int(n), int(h), int(v), ct, CUBLAS_COMPUTE_32F);
-      gm.dx(z.data(), w.data(), dx.data(), int(n), int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F);
-      gm.dw(z.data(), x.data(), dw.data(), int(n), int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F);
-    });
-  }
+  auto z = std::make_unique<gpu::DeviceBuffer>(n * v * es);
+  const std::vector<std::function<void()>> floor_gemms = {
+      [&] {
+        gm.logits(x.data(), w.data(), z->data(), int(n), int(h), int(v), ct, CUBLAS_COMPUTE_32F);
+      },
+      [&] {
+        gm.dx(z->data(), w.data(), dx.data(), int(n), int(h), int(v), ct, ct, ct,
+              CUBLAS_COMPUTE_32F);
+      },
+      [&] {
+        gm.dw(z->data(), x.data(), dw.data(), int(n), int(h), int(v), ct, ct, ct,
+              CUBLAS_COMPUTE_32F);
+      }};
+  const char* floor_names[] = {"logits X W^T", "dX = G W", "dW = G^T X"};
 
   // The library.
   CrossEntropyOptions o;
@@ -105,9 +102,28 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
   res.plan = plan;
   res.extra_bytes = plan.workspace_bytes();
   res.floor_what = std::string("3 cuBLAS GEMMs at full size (logits, dX, dW), ") +
-                   (bf16 ? "bf16" : "fp32") + " operands and outputs, fp32 accumulation";
+                   (bf16 ? "bf16" : "fp32") +
+                   " operands and outputs, fp32 accumulation; timed in rounds alternating with "
+                   "the library's calls";
   res.device_desc +=
       ", gpu::Context (cuBLAS workspace) " + std::to_string(context_bytes >> 20) + " MiB";
+  // The floor over the plan's token chunks, as the library runs its GEMMs: fp32 logits chunk,
+  // the input-dtype gradient operand in place in it (rows one fp32 row apart), dW accumulated.
+  const bool do_chunked = c.chunked_floor && plan.order == LoopOrder::kTokenChunk;
+  const std::int64_t cr = plan.chunk_rows;
+  gpu::DeviceBuffer chunk(do_chunked ? cr * v * 4 : 0);
+  auto chunked_floor = [&] {
+    for (std::int64_t r0 = 0; r0 < n; r0 += cr) {
+      const int rows = static_cast<int>(std::min(n, r0 + cr) - r0);
+      const auto* xr = static_cast<const unsigned char*>(x.data()) + r0 * h * es;
+      gm.logits(xr, w.data(), chunk.data(), rows, int(h), int(v), CUDA_R_32F, CUBLAS_COMPUTE_32F);
+      const int ldg = static_cast<int>(v * 4 / es);
+      gm.dx(chunk.data(), w.data(), static_cast<unsigned char*>(dx.data()) + r0 * h * es, rows,
+            int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F, ldg);
+      gm.dw(chunk.data(), xr, dw.data(), rows, int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F, ldg,
+            r0 > 0);
+    }
+  };
   const std::size_t before_ws = free_bytes();
   gpu::DeviceBuffer ws(plan.workspace_bytes());
   const Workspace wsv(ws.data(), ws.bytes(), Device::kCuda);
@@ -116,14 +132,22 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
                         "cudaMemGetInfo: free before allocating the workspace minus free after the "
                         "first call"};
   const double first_loss = res.loss_value;
-  res.time_ms = time_ms(
-      s, c.repeats,
-      [&] {
-        res.loss_value = ce.forward_backward(ctx, in, gr, {}, wsv).loss;
-        res.loss_repeatable = res.loss_repeatable && res.loss_value == first_loss;
-      },
-      &res.times_ms);
+  std::vector<std::function<void()>> variants = floor_gemms;
+  if (do_chunked) variants.emplace_back(chunked_floor);
+  variants.emplace_back([&] {
+    res.loss_value = ce.forward_backward(ctx, in, gr, {}, wsv).loss;
+    res.loss_repeatable = res.loss_repeatable && res.loss_value == first_loss;
+  });
+  const std::vector<std::vector<double>> t = interleaved_ms(s, c.repeats, variants);
+  for (std::size_t g = 0; g < floor_gemms.size(); ++g)
+    res.gemm_ms.emplace_back(floor_names[g], median(t[g]));
+  for (int r = 0; r < c.repeats; ++r) res.floor_times_ms.push_back(t[0][r] + t[1][r] + t[2][r]);
+  res.floor_ms = median(res.floor_times_ms);
+  if (do_chunked) res.chunked_floor_ms = median(t[3]);
+  res.times_ms = t.back();
+  res.time_ms = median(res.times_ms);
   res.ratio = res.time_ms / res.floor_ms;
+  z.reset();
 
   const auto ni = int(n), hi = int(h), vi = int(v);
   // The naive rows' coefficients (1/valid on valid rows) and the mean loss from their stats.

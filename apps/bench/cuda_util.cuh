@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "device.h"
@@ -80,6 +81,31 @@ double time_ms(cudaStream_t s, int repeats, Fn&& fn, std::vector<double>* sample
   return median(t);
 }
 
+/// Times variants in interleaved rounds on stream `s` with CUDA events: one warm-up call of
+/// each, then `repeats` rounds that call every variant once in turn, so drift of the clocks or
+/// the temperature during the run hits all of them alike. Returns each variant's samples (ms).
+inline std::vector<std::vector<double>> interleaved_ms(
+    cudaStream_t s, int repeats, const std::vector<std::function<void()>>& variants) {
+  cudaEvent_t e0, e1;
+  BENCH_CHECK(cudaEventCreate(&e0));
+  BENCH_CHECK(cudaEventCreate(&e1));
+  for (const auto& fn : variants) fn();
+  std::vector<std::vector<double>> t(variants.size());
+  for (int r = 0; r < repeats; ++r)
+    for (std::size_t i = 0; i < variants.size(); ++i) {
+      BENCH_CHECK(cudaEventRecord(e0, s));
+      variants[i]();
+      BENCH_CHECK(cudaEventRecord(e1, s));
+      BENCH_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      BENCH_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      t[i].push_back(ms);
+    }
+  BENCH_CHECK(cudaEventDestroy(e0));
+  BENCH_CHECK(cudaEventDestroy(e1));
+  return t;
+}
+
 /// Row-major cuBLAS GEMMs: Z[N, V] = X W^T; dX[N, H] = G W; dW[V, H] = G^T X (see
 /// lib/gpu/src/gemm.cpp); `in` is the dtype of X and W for the logits GEMM.
 struct Gemms {
@@ -89,28 +115,32 @@ struct Gemms {
               cublasComputeType_t ct) {
     call(CUBLAS_OP_T, CUBLAS_OP_N, v, n, hd, w, in, x, in, z, zt, v, ct);
   }
+  // G's rows are `ldg` elements apart (0: v); dW += with `accumulate`.
   void dx(const void* g, const void* w, void* dxp, int n, int hd, int v, cudaDataType_t gt,
-          cudaDataType_t wt, cudaDataType_t ot, cublasComputeType_t ct) {
-    call(CUBLAS_OP_N, CUBLAS_OP_N, hd, n, v, w, wt, g, gt, dxp, ot, hd, ct);
+          cudaDataType_t wt, cudaDataType_t ot, cublasComputeType_t ct, int ldg = 0) {
+    call(CUBLAS_OP_N, CUBLAS_OP_N, hd, n, v, w, wt, g, gt, dxp, ot, hd, ct, ldg);
   }
   void dw(const void* g, const void* x, void* dwp, int n, int hd, int v, cudaDataType_t gt,
-          cudaDataType_t xt, cudaDataType_t ot, cublasComputeType_t ct) {
-    call(CUBLAS_OP_N, CUBLAS_OP_T, hd, v, n, x, xt, g, gt, dwp, ot, hd, ct);
+          cudaDataType_t xt, cudaDataType_t ot, cublasComputeType_t ct, int ldg = 0,
+          bool accumulate = false) {
+    call(CUBLAS_OP_N, CUBLAS_OP_T, hd, v, n, x, xt, g, gt, dwp, ot, hd, ct, ldg, accumulate);
   }
 
  private:
-  // Column-major C[m, n] = op(A) op(B) with leading dimensions m-or-k as the shapes require;
-  // alpha = 1 and beta = 0 in the compute type.
+  // Column-major C[m, n] = op(A) op(B) (+ C with `accumulate`) with leading dimensions m-or-k
+  // as the shapes require (B's is `ldb` when nonzero); alpha = 1 in the compute type.
   void call(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void* a,
             cudaDataType_t at, const void* b, cudaDataType_t bt, void* c, cudaDataType_t ctype,
-            int ldc, cublasComputeType_t ct) {
+            int ldc, cublasComputeType_t ct, int ldb = 0, bool accumulate = false) {
     const double one = 1, zero = 0;
     const float onef = 1, zerof = 0;
     const bool f64 = ct == CUBLAS_COMPUTE_64F;
-    const int lda = ta == CUBLAS_OP_T ? k : m, ldb = tb == CUBLAS_OP_T ? n : k;
+    const int lda = ta == CUBLAS_OP_T ? k : m;
+    if (ldb == 0) ldb = tb == CUBLAS_OP_T ? n : k;
+    const void* beta = f64 ? (accumulate ? static_cast<const void*>(&one) : &zero)
+                           : (accumulate ? static_cast<const void*>(&onef) : &zerof);
     BENCH_CHECK(cublasGemmEx(h, ta, tb, m, n, k, f64 ? static_cast<const void*>(&one) : &onef, a,
-                             at, lda, b, bt, ldb, f64 ? static_cast<const void*>(&zero) : &zerof, c,
-                             ctype, ldc, ct, CUBLAS_GEMM_DEFAULT));
+                             at, lda, b, bt, ldb, beta, c, ctype, ldc, ct, CUBLAS_GEMM_DEFAULT));
   }
 };
 

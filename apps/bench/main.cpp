@@ -116,7 +116,7 @@ Cli parse(int argc, char** argv) {
     ("seed", po::value<std::uint64_t>()->default_value(1), "seed of the random inputs")
     ("json", po::value<std::string>()->default_value("", "none"), "write the cases as a JSON array to FILE (atomically: FILE.tmp, then rename)")
     ("no-naive", po::bool_switch()->default_value(false, "off"), "skip the naive materialised run (and the error check)")
-    ("chunked-floor", po::bool_switch()->default_value(false, "off"), "also time the floor GEMMs at the plan's chunk rows (token_chunk order)")
+    ("chunked-floor", po::bool_switch()->default_value(false, "off"), "also time the floor GEMMs at the plan's chunk rows (token_chunk order; cuda: the library's GEMMs, fp32 logits chunk and its in-place gradient operand)")
     ("logits-dtype", po::value<std::string>()->default_value("f32"), "f32|bf16: the loss's logits chunk (bf16: the opt-in speed/memory mode, cuda only)")
     ("fp32-dw-accum", po::bool_switch()->default_value(false, "off"), "accumulate dW in an fp32 workspace buffer (V*H*4 bytes on top of the budget; matters for bf16)")
     ("exact", po::bool_switch()->default_value(false, "off"), "also compare the loss and gradients with a float64 computation on the same input values (ce: cuda; preference losses: cpu and cuda)");
