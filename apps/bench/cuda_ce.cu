@@ -5,6 +5,7 @@
 #include <chunkloss/gpu/context.h>
 #include <chunkloss/losses/cross_entropy.h>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <functional>
 #include <memory>
@@ -70,18 +71,22 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
   // buffer lives through the timed rounds, which alternate the floor and the library.
   Gemms gm{static_cast<cublasHandle_t>(ctx.cublas()), ct, ct};
   auto z = std::make_unique<gpu::DeviceBuffer>(n * v * es);
-  const std::vector<std::function<void()>> floor_gemms = {
-      [&] {
-        gm.logits(x.data(), w.data(), z->data(), int(n), int(h), int(v), ct, CUBLAS_COMPUTE_32F);
-      },
-      [&] {
-        gm.dx(z->data(), w.data(), dx.data(), int(n), int(h), int(v), ct, ct, ct,
-              CUBLAS_COMPUTE_32F);
-      },
-      [&] {
-        gm.dw(z->data(), x.data(), dw.data(), int(n), int(h), int(v), ct, ct, ct,
-              CUBLAS_COMPUTE_32F);
-      }};
+  // The floor's three GEMMs run back to back, as the library runs its GEMMs; events between
+  // them, one set per call (the warm-up and each round), give each GEMM's time.
+  std::vector<std::array<cudaEvent_t, 4>> marks(static_cast<std::size_t>(c.repeats) + 1);
+  for (auto& m : marks)
+    for (cudaEvent_t& e : m) BENCH_CHECK(cudaEventCreate(&e));
+  std::size_t floor_calls = 0;
+  auto floor = [&] {
+    const auto& m = marks[floor_calls++];
+    BENCH_CHECK(cudaEventRecord(m[0], s));
+    gm.logits(x.data(), w.data(), z->data(), int(n), int(h), int(v), ct, CUBLAS_COMPUTE_32F);
+    BENCH_CHECK(cudaEventRecord(m[1], s));
+    gm.dx(z->data(), w.data(), dx.data(), int(n), int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F);
+    BENCH_CHECK(cudaEventRecord(m[2], s));
+    gm.dw(z->data(), x.data(), dw.data(), int(n), int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F);
+    BENCH_CHECK(cudaEventRecord(m[3], s));
+  };
   const char* floor_names[] = {"logits X W^T", "dX = G W", "dW = G^T X"};
 
   // The library.
@@ -132,18 +137,27 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
                         "cudaMemGetInfo: free before allocating the workspace minus free after the "
                         "first call"};
   const double first_loss = res.loss_value;
-  std::vector<std::function<void()>> variants = floor_gemms;
+  std::vector<std::function<void()>> variants = {floor};
   if (do_chunked) variants.emplace_back(chunked_floor);
   variants.emplace_back([&] {
     res.loss_value = ce.forward_backward(ctx, in, gr, {}, wsv).loss;
     res.loss_repeatable = res.loss_repeatable && res.loss_value == first_loss;
   });
   const std::vector<std::vector<double>> t = interleaved_ms(s, c.repeats, variants);
-  for (std::size_t g = 0; g < floor_gemms.size(); ++g)
-    res.gemm_ms.emplace_back(floor_names[g], median(t[g]));
-  for (int r = 0; r < c.repeats; ++r) res.floor_times_ms.push_back(t[0][r] + t[1][r] + t[2][r]);
+  for (std::size_t g = 0; g < 3; ++g) {
+    std::vector<double> ms;
+    for (std::size_t r = 1; r < marks.size(); ++r) {
+      float e = 0;
+      BENCH_CHECK(cudaEventElapsedTime(&e, marks[r][g], marks[r][g + 1]));
+      ms.push_back(e);
+    }
+    res.gemm_ms.emplace_back(floor_names[g], median(ms));
+  }
+  for (auto& m : marks)
+    for (cudaEvent_t e : m) BENCH_CHECK(cudaEventDestroy(e));
+  res.floor_times_ms = t[0];
   res.floor_ms = median(res.floor_times_ms);
-  if (do_chunked) res.chunked_floor_ms = median(t[3]);
+  if (do_chunked) res.chunked_floor_ms = median(t[1]);
   res.times_ms = t.back();
   res.time_ms = median(res.times_ms);
   res.ratio = res.time_ms / res.floor_ms;

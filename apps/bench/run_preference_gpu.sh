@@ -17,25 +17,8 @@ shape=(--device cuda --hidden 4096 --vocab 128256 --prompt-frac 0.25 --repeats "
 bf16=("${shape[@]}" --dtype bf16)
 failed=0
 
-run() {
-  local name=$1
-  shift
-  echo "== $name: $bench $*"
-  if "$bench" "$@" --json "$out/$name.json" >"$out/$name.txt" 2>"$out/$name.err"; then
-    grep -E '^\| [a-z]+ \| cuda' "$out/$name.txt"
-  else
-    echo "FAILED (exit $?): $name; last lines of $out/$name.err:"
-    tail -n 5 "$out/$name.err"
-    failed=$((failed + 1))
-  fi
-}
-
-{
-  date -u +%Y-%m-%dT%H:%M:%SZ
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
-  git rev-parse HEAD 2>/dev/null
-  git status --short 2>/dev/null | head -n 40
-} >"$out/machine.txt" 2>&1
+source "$(dirname "$0")/gpu_cases.sh"
+describe_machine
 
 # A small smoke case first: fails fast if the binary or the device is unusable.
 run smoke --loss dpo --pairs 1 --seq-len 256 --device cuda --hidden 1024 --vocab 32768 \
@@ -88,21 +71,5 @@ run exact-kto-bf16-2x1024 --loss kto --pairs 2 --seq-len 1024 --budget-mib 1536 
 run exact-orpo-bf16-2x1024 --loss orpo --pairs 2 --seq-len 1024 --budget-mib 1536 --exact \
   "${bf16[@]}"
 
-{
-  echo "# chunkloss-bench preference cases, $(head -n 1 "$out/machine.txt")"
-  echo
-  first=1
-  for f in "$out"/*.txt; do
-    [ "$f" = "$out/machine.txt" ] && continue
-    if [ $first = 1 ]; then
-      grep -m 2 -E '^\| loss|^\|---' "$f"
-      first=0
-    fi
-    grep -E '^\| [a-z]+ \| cuda' "$f"
-  done
-  echo
-  echo "plans and float64 errors:"
-  grep -h -E '^case:|^  plan:|^  error vs' "$out"/*.txt
-} >"$out/summary.md" 2>/dev/null
-echo "wrote $out (summary.md); $failed case(s) failed"
+summarize "chunkloss-bench preference cases"
 [ "$failed" = 0 ]

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The cross-entropy cases of issue 3 on one GPU (bf16 inputs and gradients, mean reduction, 1 in
+# 7 rows ignored), each as its own chunkloss-bench call (see gpu_cases.sh); OUT/summary.md
+# gathers the tables. The floor and the library alternate in each timed round; --chunked-floor
+# also times the library's own GEMMs over its chunks, so a ratio splits into the chunking's share
+# and the epilogue's. OUT/gpu-trace.csv samples the clocks, power and throttle reasons while it
+# runs. About 3-4 minutes of GPU time at REPEATS=10.
+#
+#   apps/bench/run_ce_gpu.sh OUT_DIR [path/to/chunkloss-bench]
+#   (env: REPEATS, default 10)
+set -u
+out=${1:?usage: $0 OUT_DIR [path/to/chunkloss-bench]}
+bench=${2:-./build-gpu/apps/bench/chunkloss-bench}
+repeats=${REPEATS:-10}
+mkdir -p "$out"
+[ -x "$bench" ] || { echo "$0: no executable bench at $bench" >&2; exit 1; }
+failed=0
+source "$(dirname "$0")/gpu_cases.sh"
+describe_machine
+
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+  --format=csv -lms 200 >"$out/gpu-trace.csv" 2>&1 &
+trace=$!
+trap 'kill $trace 2>/dev/null' EXIT
+
+ce=(--loss ce --device cuda --dtype bf16 --repeats "$repeats")
+run smoke --loss ce --device cuda --dtype bf16 --rows 512 --hidden 256 --vocab 4096 --repeats 1
+
+# The issue's table, each with the chunked floor.
+run ce-8192x4096x128256-1g "${ce[@]}" --rows 8192 --hidden 4096 --vocab 128256 \
+  --budget-mib 1024 --chunked-floor
+run ce-16384x4096x128256-1g "${ce[@]}" --rows 16384 --hidden 4096 --vocab 128256 \
+  --budget-mib 1024 --chunked-floor
+run ce-16384x2304x256000-1g "${ce[@]}" --rows 16384 --hidden 2304 --vocab 256000 \
+  --budget-mib 1024 --chunked-floor
+run ce-16384x4096x128256-256m "${ce[@]}" --rows 16384 --hidden 4096 --vocab 128256 \
+  --budget-mib 256 --chunked-floor
+# V = 256000 with twice the budget (2048-row chunks), no naive run.
+run ce-16384x2304x256000-2g "${ce[@]}" --rows 16384 --hidden 2304 --vocab 256000 \
+  --budget-mib 2048 --chunked-floor --no-naive
+
+# Exactness against float64 on the same input values (targets: bf16 <= 2.0e-3, fp32 <= 1e-5).
+run exact-bf16-4096x4096x128256 "${ce[@]}" --rows 4096 --hidden 4096 --vocab 128256 \
+  --budget-mib 1024 --exact
+run exact-bf16-4096x4096x128256-fp32dw "${ce[@]}" --rows 4096 --hidden 4096 --vocab 128256 \
+  --budget-mib 1024 --exact --fp32-dw-accum --no-naive
+run exact-f32-4096x4096x32768 --loss ce --device cuda --dtype f32 --repeats "$repeats" \
+  --rows 4096 --hidden 4096 --vocab 32768 --budget-mib 1024 --exact
+
+summarize "chunkloss-bench cross-entropy cases"
+[ "$failed" = 0 ]
