@@ -1,6 +1,16 @@
 # Shared by the run_*_gpu.sh scripts (sourced, not run): each case as its own chunkloss-bench
 # call writing OUT/NAME.json, OUT/NAME.txt (details and table) and OUT/NAME.err; a failing case
-# is reported and the rest still run. Needs $out, $bench and $failed set.
+# is reported and the rest still run.
+
+# Sets out and bench from the script's arguments (OUT_DIR [path/to/chunkloss-bench]), makes
+# OUT and zeroes the failure count.
+parse_case_args() {
+  out=${1:?usage: $0 OUT_DIR [path/to/chunkloss-bench]}
+  bench=${2:-./build-gpu/apps/bench/chunkloss-bench}
+  mkdir -p "$out"
+  [ -x "$bench" ] || { echo "$0: no executable bench at $bench" >&2; exit 1; }
+  failed=0
+}
 
 run() {
   local name=$1

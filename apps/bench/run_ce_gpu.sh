@@ -9,13 +9,9 @@
 #   apps/bench/run_ce_gpu.sh OUT_DIR [path/to/chunkloss-bench]
 #   (env: REPEATS, default 10)
 set -u
-out=${1:?usage: $0 OUT_DIR [path/to/chunkloss-bench]}
-bench=${2:-./build-gpu/apps/bench/chunkloss-bench}
-repeats=${REPEATS:-10}
-mkdir -p "$out"
-[ -x "$bench" ] || { echo "$0: no executable bench at $bench" >&2; exit 1; }
-failed=0
 source "$(dirname "$0")/gpu_cases.sh"
+parse_case_args "$@"
+repeats=${REPEATS:-10}
 describe_machine
 
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \

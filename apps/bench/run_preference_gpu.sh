@@ -7,17 +7,12 @@
 #   apps/bench/run_preference_gpu.sh OUT_DIR [path/to/chunkloss-bench]
 #   (env: REPEATS, default 5)
 set -u
-out=${1:?usage: $0 OUT_DIR [path/to/chunkloss-bench]}
-bench=${2:-./build-gpu/apps/bench/chunkloss-bench}
+source "$(dirname "$0")/gpu_cases.sh"
+parse_case_args "$@"
 repeats=${REPEATS:-5}
-mkdir -p "$out"
-[ -x "$bench" ] || { echo "$0: no executable bench at $bench" >&2; exit 1; }
-
 shape=(--device cuda --hidden 4096 --vocab 128256 --prompt-frac 0.25 --repeats "$repeats")
 bf16=("${shape[@]}" --dtype bf16)
-failed=0
 
-source "$(dirname "$0")/gpu_cases.sh"
 describe_machine
 
 # A small smoke case first: fails fast if the binary or the device is unusable.
