@@ -42,8 +42,8 @@ summarize() {
     echo "# $1, $(head -n 1 "$out/machine.txt")"
     echo
     local first=1 f
-    for f in "$out"/*.txt; do
-      [ "$f" = "$out/machine.txt" ] && continue
+    for f in "$out"/*.json; do
+      f=${f%.json}.txt
       if [ $first = 1 ]; then
         grep -m 2 -E '^\| loss|^\|---' "$f"
         first=0
@@ -52,7 +52,9 @@ summarize() {
     done
     echo
     echo "plans, floors and float64 errors:"
-    grep -h -E '^case:|^  plan:|^  floor|^  error vs' "$out"/*.txt
+    for f in "$out"/*.json; do
+      grep -h -E '^case:|^  plan:|^  floor|^  error vs' "${f%.json}.txt"
+    done
   } >"$out/summary.md" 2>/dev/null
   echo "wrote $out (summary.md); $failed case(s) failed"
 }

@@ -24,7 +24,7 @@ __global__ void store_f32_kernel(T* dst, const float* src, std::int64_t n, bool 
 }
 
 struct RowsShape {
-  std::int64_t n, cols, dst_ld, src_ld;
+  std::int64_t n, cols, dst_ld, src_ld, scale_stride;
 };
 
 template <typename TD, typename TS>
@@ -34,7 +34,7 @@ __global__ void scale_rows_kernel(TD* dst, const TS* src, const float* scale, Ro
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < sh.n;
        i += stride) {
     const std::int64_t r = i / sh.cols, j = i % sh.cols;
-    const float v = scale[r] * to_float(src[r * sh.src_ld + j]);
+    const float v = scale[r * sh.scale_stride] * to_float(src[r * sh.src_ld + j]);
     TD& d = dst[r * sh.dst_ld + j];
     d = from_float<TD>(add ? to_float(d) + v : v);
   }
@@ -89,9 +89,9 @@ int launch_store_f32(void* dst, Elem dst_elem, const float* src, std::int64_t n,
 
 int launch_scale_rows(void* dst, Elem dst_elem, std::int64_t dst_ld, const void* src, Elem src_elem,
                       std::int64_t src_ld, const float* scale, std::int64_t rows, std::int64_t cols,
-                      bool add, void* stream) {
+                      bool add, void* stream, std::int64_t scale_stride) {
   auto s = static_cast<cudaStream_t>(stream);
-  const RowsShape sh{rows * cols, cols, dst_ld, src_ld};
+  const RowsShape sh{rows * cols, cols, dst_ld, src_ld, scale_stride};
   if (sh.n == 0) return 0;
   if (dst_elem == Elem::kF32)
     return scale_rows_from(static_cast<float*>(dst), src, src_elem, scale, sh, add, s);

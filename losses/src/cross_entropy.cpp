@@ -124,6 +124,7 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   k.softcap = o.softcap ? *o.softcap : 0.0f;
   k.entropy = o.compute_entropy;
   k.check_finite = o.check_finite && dev == Device::kCuda;
+  k.chunks_in_order = true;
   k.scale = o.reduction == Reduction::kMean  ? detail::RowScale::kMean
             : o.reduction == Reduction::kSum ? detail::RowScale::kSum
                                              : detail::RowScale::kUpstream;

@@ -33,6 +33,9 @@ struct TokenCall {
   bool row_scales = false;  ///< see PlanRequest::row_scales (CUDA)
   RowScale scale = RowScale::kMean;
   bool check_finite = false;  ///< device backends check hidden/weight/bias on the device
+  /// run_token_objective drives the call: in token-chunk order the chunks come in row order,
+  /// each with one dW GEMM over the full vocabulary.
+  bool chunks_in_order = false;
 
   bool any_grad() const { return grad_x.defined() || grad_w.defined() || grad_bias.defined(); }
 };

@@ -103,12 +103,12 @@ int launch_token_finish(const TokenParams& p, float* out_row_loss, float* out_ls
 /// targets + non-finite values) as floats, from the scalar block, on the device.
 int launch_export_scalars(const double* scalars, float* out, void* stream);
 
-/// dst[r, j] = (add ? dst[r, j] : 0) + scale[r] * src[r, j] for `rows` rows of `cols`, with
-/// leading dimensions dst_ld and src_ld (elements); src in `src_elem` (f32 or bf16), dst in
-/// `dst_elem`; fp32 math, one rounding.
+/// dst[r, j] = (add ? dst[r, j] : 0) + scale[r * scale_stride] * src[r, j] for `rows` rows of
+/// `cols`, with leading dimensions dst_ld and src_ld (elements); src in `src_elem` (f32 or bf16),
+/// dst in `dst_elem`; fp32 math, one rounding. scale_stride 0: one scale for every row.
 int launch_scale_rows(void* dst, Elem dst_elem, std::int64_t dst_ld, const void* src, Elem src_elem,
                       std::int64_t src_ld, const float* scale, std::int64_t rows, std::int64_t cols,
-                      bool add, void* stream);
+                      bool add, void* stream, std::int64_t scale_stride = 1);
 
 /// dst = (add ? dst : 0) + src for `n` elements, dst in `dst_elem`.
 int launch_store_f32(void* dst, Elem dst_elem, const float* src, std::int64_t n, bool add,
