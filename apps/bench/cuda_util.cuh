@@ -57,30 +57,6 @@ double rel_err(const __nv_bfloat16* a, const double* b, std::size_t n);
 /// Free device memory after synchronising the device (cudaMemGetInfo).
 std::size_t free_bytes();
 
-/// Median time in ms of `fn` on stream `s` with CUDA events after one warm-up call; the
-/// samples go to `samples` when given.
-template <typename Fn>
-double time_ms(cudaStream_t s, int repeats, Fn&& fn, std::vector<double>* samples = nullptr) {
-  cudaEvent_t e0, e1;
-  BENCH_CHECK(cudaEventCreate(&e0));
-  BENCH_CHECK(cudaEventCreate(&e1));
-  fn();
-  std::vector<double> t;
-  for (int r = 0; r < repeats; ++r) {
-    BENCH_CHECK(cudaEventRecord(e0, s));
-    fn();
-    BENCH_CHECK(cudaEventRecord(e1, s));
-    BENCH_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    BENCH_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(ms);
-  }
-  BENCH_CHECK(cudaEventDestroy(e0));
-  BENCH_CHECK(cudaEventDestroy(e1));
-  if (samples) *samples = t;
-  return median(t);
-}
-
 /// Times variants in interleaved rounds on stream `s` with CUDA events: one warm-up call of
 /// each, then `repeats` rounds that call every variant once in turn, so drift of the clocks or
 /// the temperature during the run hits all of them alike. Returns each variant's samples (ms).
@@ -104,6 +80,15 @@ inline std::vector<std::vector<double>> interleaved_ms(
   BENCH_CHECK(cudaEventDestroy(e0));
   BENCH_CHECK(cudaEventDestroy(e1));
   return t;
+}
+
+/// Median time in ms of `fn` on stream `s` with CUDA events after one warm-up call; the
+/// samples go to `samples` when given.
+template <typename Fn>
+double time_ms(cudaStream_t s, int repeats, Fn&& fn, std::vector<double>* samples = nullptr) {
+  const std::vector<double> t = interleaved_ms(s, repeats, {[&fn] { fn(); }})[0];
+  if (samples) *samples = t;
+  return median(t);
 }
 
 /// Row-major cuBLAS GEMMs: Z[N, V] = X W^T; dX[N, H] = G W; dW[V, H] = G^T X (see
