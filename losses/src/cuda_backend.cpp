@@ -75,7 +75,7 @@ class CudaTokenBackend final : public TokenBackend {
 
   void logits(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1) override {
     gpu::gemm(ctx_, x_rows(r0, r1), false, w_rows(v0, v1), true, tile_, plan_.logits_dtype, v1 - v0,
-              0.0f);
+              1.0f, 0.0f);
   }
 
   void row_stats(std::int64_t r0, std::int64_t r1) override {
@@ -99,8 +99,8 @@ class CudaTokenBackend final : public TokenBackend {
     if (!c_.grad_x.defined()) return;
     const std::int64_t h = c_.hidden;
     if (dh_acc_) {
-      grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), dh_acc_ + r0 * h, DType::kF32,
-                first);
+      grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), dh_acc_ + r0 * h, DType::kF32, h,
+                uniform_alpha(), first ? 0.0f : 1.0f);
       return;
     }
     auto* dst =
@@ -108,7 +108,7 @@ class CudaTokenBackend final : public TokenBackend {
     if (host_dx_) {  // fp32 rows in the tile's free halves, times alpha, rounded once
       auto* st = reinterpret_cast<float*>(tile_ + free_offset_);
       gpu::gemm(ctx_, grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), false, st, DType::kF32,
-                c_.vocab, 0.0f);
+                c_.vocab, 1.0f, 0.0f);
       CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(
           dst, elem(c_.grad_x.dtype()), h, st, kern::Elem::kF32, c_.vocab,
           gemm_scalar(kern::kAlpha), r1 - r0, h, !first || c_.accumulate, stream_, 0));
@@ -117,14 +117,15 @@ class CudaTokenBackend final : public TokenBackend {
     if (dh_stage_ || in_tile_) {  // row scales: fp32 rows, scaled, rounded once into dH
       float* st = in_tile_ ? reinterpret_cast<float*>(tile_ + free_offset_) : dh_stage_;
       const std::int64_t ld = in_tile_ ? c_.vocab : h;  // in the tile: one fp32 row apart
-      grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), st, DType::kF32, true, ld);
+      grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), st, DType::kF32, ld,
+                uniform_alpha(), 0.0f);
       CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(dst, elem(c_.grad_x.dtype()), h, st,
                                                      kern::Elem::kF32, ld, p_.row.scale + r0,
                                                      r1 - r0, h, !first || c_.accumulate, stream_));
       return;
     }
-    grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), dst, c_.grad_x.dtype(),
-              first && !c_.accumulate);
+    grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), dst, c_.grad_x.dtype(), h,
+              uniform_alpha(), first && !c_.accumulate ? 0.0f : 1.0f);
   }
 
   void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
@@ -271,10 +272,10 @@ class CudaTokenBackend final : public TokenBackend {
     const gpu::Matrix g = grad_tile(r0, r1, v0, v1);
     const std::int64_t h = c_.hidden;
     gpu::Matrix x = x_rows(r0, r1);
-    const float* keep = factor ? set_scalar(kern::kFactor, *factor) : gemm_scalar(kern::kOne);
-    const float* alpha = factor ? keep : gemm_scalar(kern::kAlpha);
+    const float keep = factor.value_or(1.0f);
+    std::optional<float> alpha = factor ? factor : uniform_alpha();
     if (mantissa != 0.0f) {
-      alpha = set_scalar(kern::kWeightAlpha, factor ? mantissa * *factor : mantissa);
+      alpha = mantissa * keep;
     } else if (in_tile_) {  // the chunk's X rows scaled in the tile
       x = scaled_x_in_tile(tile_, r1 - r0);
       scale_x_rows(const_cast<void*>(x.data), x.ld, r0, r1);
@@ -286,19 +287,23 @@ class CudaTokenBackend final : public TokenBackend {
       x.data = x_scaled_ + (vocab_order ? r0 * x_row_bytes() : 0);
     }
     if (dw_acc_) {
-      gpu::gemm_device_scalars(ctx_, g, true, x, false, dw_acc_ + v0 * h, DType::kF32, h, alpha,
-                               first ? gemm_scalar(kern::kZero) : keep);
+      grad_gemm(g, true, x, dw_acc_ + v0 * h, DType::kF32, h, alpha, first ? 0.0f : keep);
       return;
     }
     auto* dst =
         static_cast<unsigned char*>(c_.grad_w.data()) + v0 * h * dtype_size(c_.grad_w.dtype());
     if (host_dw_ && r1 < c_.rows) {  // alpha deferred to the last chunk (see host_dw_)
-      gpu::gemm(ctx_, g, true, x, false, dst, c_.grad_w.dtype(), h, first ? 0.0f : 1.0f);
+      gpu::gemm(ctx_, g, true, x, false, dst, c_.grad_w.dtype(), h, 1.0f, first ? 0.0f : 1.0f);
       return;
     }
-    if (host_dw_) keep = alpha;  // the last chunk: dw = alpha (dw + tile^T x)
-    gpu::gemm_device_scalars(ctx_, g, true, x, false, dst, c_.grad_w.dtype(), h, alpha,
-                             first && !c_.accumulate ? gemm_scalar(kern::kZero) : keep);
+    if (host_dw_) {  // the last chunk: dw = alpha (dw + tile^T x)
+      const float* mean_alpha = gemm_scalar(kern::kAlpha);
+      gpu::gemm_device_scalars(ctx_, g, true, x, false, dst, c_.grad_w.dtype(), h, mean_alpha,
+                               mean_alpha);
+      return;
+    }
+    grad_gemm(g, true, x, dst, c_.grad_w.dtype(), h, alpha,
+              first && !c_.accumulate ? 0.0f : keep);
   }
   // The coefficient mantissa every row set since the last dW GEMM shares (0: none, or several).
   float shared_mantissa() const {
@@ -383,13 +388,11 @@ class CudaTokenBackend final : public TokenBackend {
     }
     coef_consumed_ = true;
     const gpu::Matrix g = grad_tile(0, rows, 0, c_.vocab);
-    const float* alpha = run.mantissa != 0.0f ? set_scalar(kern::kWeightAlpha, run.mantissa)
-                                              : gemm_scalar(kern::kAlpha);
     void* dst = dw_acc_ ? static_cast<void*>(dw_acc_) : c_.grad_w.data();
     const bool overwrite = dw_acc_ ? first : first && !c_.accumulate;
-    gpu::gemm_device_scalars(ctx_, g, true, x, false, dst,
-                             dw_acc_ ? DType::kF32 : c_.grad_w.dtype(), h, alpha,
-                             gemm_scalar(overwrite ? kern::kZero : kern::kOne));
+    grad_gemm(g, true, x, dst, dw_acc_ ? DType::kF32 : c_.grad_w.dtype(), h,
+              run.mantissa != 0.0f ? std::optional<float>(run.mantissa) : uniform_alpha(),
+              overwrite ? 0.0f : 1.0f);
   }
   std::size_t x_row_bytes() const {
     return static_cast<std::size_t>(c_.hidden) * dtype_size(c_.x.dtype());
@@ -403,7 +406,8 @@ class CudaTokenBackend final : public TokenBackend {
     in_tile_ = c_.row_scales && !vocab_order &&
                staging_fits_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype());
     free_offset_ = tile_free_offset(c_.vocab);
-    const bool token_plain = !c_.row_scales && !vocab_order;
+    // Only the mean's alpha lives on the device (uniform_alpha).
+    const bool token_plain = !c_.row_scales && !vocab_order && c_.scale == RowScale::kMean;
     host_dx_ = token_plain && c_.grad_x.defined() && !dh_acc_ &&
                staging_fits_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype());
     host_dw_ = token_plain && c_.chunks_in_order && c_.grad_w.defined() && !dw_acc_ &&
@@ -464,12 +468,26 @@ class CudaTokenBackend final : public TokenBackend {
                                         static_cast<cudaStream_t>(stream_)));
     return slot;
   }
-  // dst [rows of op(a), H] = alpha op(a) b (+ dst unless `overwrite`); alpha is on the device.
+  // The alpha of a gradient GEMM over tiles of the uniform coefficient: the mantissa of the
+  // mean's 1/D, which lives on the device (none here), or 1 for the sum and upstream reductions.
+  std::optional<float> uniform_alpha() const {
+    return c_.scale == RowScale::kMean ? std::nullopt : std::optional<float>(1.0f);
+  }
+  // dst (leading dimension ld) = alpha op(a) b + beta dst. Host scalars wherever alpha is known
+  // on the host (cuBLAS then runs its kernels for beta 0 and 1; with device scalars its
+  // generic-beta kernels measured 6-7% slower on the H200); without, the device's mean alpha,
+  // and beta 0 or 1.
   void grad_gemm(const gpu::Matrix& a, bool trans_a, const gpu::Matrix& b, void* dst,
-                 DType dst_dtype, bool overwrite, std::int64_t ld_dst = 0) {
-    gpu::gemm_device_scalars(ctx_, a, trans_a, b, false, dst, dst_dtype,
-                             ld_dst ? ld_dst : c_.hidden, gemm_scalar(kern::kAlpha),
-                             gemm_scalar(overwrite ? kern::kZero : kern::kOne));
+                 DType dst_dtype, std::int64_t ld, std::optional<float> alpha, float beta) {
+    if (alpha) {
+      gpu::gemm(ctx_, a, trans_a, b, false, dst, dst_dtype, ld, *alpha, beta);
+      return;
+    }
+    CHUNKLOSS_CHECK(beta == 0.0f || beta == 1.0f, "CUDA backend: device-alpha GEMM with beta ",
+                    beta);
+    gpu::gemm_device_scalars(ctx_, a, trans_a, b, false, dst, dst_dtype, ld,
+                             gemm_scalar(kern::kAlpha),
+                             gemm_scalar(beta == 0.0f ? kern::kZero : kern::kOne));
   }
   void flush(const TensorView& dst, const float* acc) {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_store_f32(dst.data(), elem(dst.dtype()), acc, dst.numel(),
@@ -486,9 +504,8 @@ class CudaTokenBackend final : public TokenBackend {
   float* dh_stage_ = nullptr;
   bool x_scaled_ready_ = false;
   bool in_tile_ = false;  // row scales staged in the tile's free halves (tile_staging.h)
-  // Token-chunk order without row scales: the gradient GEMMs take host scalars, so cuBLAS runs
-  // its kernels specialised for beta 0 and 1 (with device scalars its generic-beta kernels
-  // measured 6-7% slower on the H200). host_dx_: the dH GEMM into fp32 rows in the tile's free
+  // The mean in token-chunk order without row scales: its gradient GEMMs take host scalars too
+  // (see grad_gemm). host_dx_: the dH GEMM into fp32 rows in the tile's free
   // halves, then times the device alpha (the mean's mantissa), rounded once. host_dw_: the
   // chunks before the last accumulate dw + tile^T x unscaled in the caller's buffer, and the
   // last GEMM scales all of it by alpha, as the deferred regime does (one bf16 rounding per
