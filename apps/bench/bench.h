@@ -37,6 +37,7 @@ struct CaseConfig {
   std::uint64_t seed = 1;
   bool naive = true;           ///< time and check against the materialised computation
   bool chunked_floor = false;  ///< also time the floor GEMMs at the plan's chunk rows
+  bool phases = false;  ///< cuda ce: also time the loss with no, only dX and only dW gradients
   bool fp32_weight_grad_accumulator = false;  ///< the CrossEntropyOptions field of that name
   DType logits_dtype = DType::kF32;  ///< the options' logits_dtype (bf16: opt-in, CUDA only)
   bool exact = false;  ///< also compare with a float64 computation (where the runner has one)
@@ -61,6 +62,8 @@ struct CaseResult {
   double ratio = 0;     ///< time_ms / floor_ms
   std::vector<std::pair<std::string, double>> gemm_ms;  ///< each floor GEMM's median
   std::optional<double> chunked_floor_ms;               ///< floor GEMMs at the plan's chunk rows
+  /// `phases`: the loss's median time with only some gradients ("loss only", "dX only", ...).
+  std::vector<std::pair<std::string, double>> phase_ms;
   /// Preference losses: the same floor GEMMs over the valid rows only (the engine skips each
   /// sequence's prompt and padding), median of per-run sums.
   std::optional<double> valid_floor_ms;

@@ -113,7 +113,8 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
   res.device_desc +=
       ", gpu::Context (cuBLAS workspace) " + std::to_string(context_bytes >> 20) + " MiB";
   // The floor over the plan's token chunks, as the library runs its GEMMs: fp32 logits chunk,
-  // the input-dtype gradient operand in place in it (rows one fp32 row apart), dW accumulated.
+  // the input-dtype gradient operand in place in it (rows one fp32 row apart), dW accumulated;
+  // with bf16 the dX rows in fp32 in the chunk's free halves, as the library's mean does.
   const bool do_chunked = c.chunked_floor && plan.order == LoopOrder::kTokenChunk;
   const std::int64_t cr = plan.chunk_rows;
   gpu::DeviceBuffer chunk(do_chunked ? cr * v * 4 : 0);
@@ -123,8 +124,12 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
       const auto* xr = static_cast<const unsigned char*>(x.data()) + r0 * h * es;
       gm.logits(xr, w.data(), chunk.data(), rows, int(h), int(v), CUDA_R_32F, CUBLAS_COMPUTE_32F);
       const int ldg = static_cast<int>(v * 4 / es);
-      gm.dx(chunk.data(), w.data(), static_cast<unsigned char*>(dx.data()) + r0 * h * es, rows,
-            int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F, ldg);
+      if (bf16)
+        gm.dx(chunk.data(), w.data(), chunk.as<unsigned char>() + v * 2, rows, int(h), int(v), ct,
+              ct, CUDA_R_32F, CUBLAS_COMPUTE_32F, ldg, int(v));
+      else
+        gm.dx(chunk.data(), w.data(), static_cast<unsigned char*>(dx.data()) + r0 * h * es, rows,
+              int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F, ldg);
       gm.dw(chunk.data(), xr, dw.data(), rows, int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F, ldg,
             r0 > 0);
     }
@@ -139,11 +144,21 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
   const double first_loss = res.loss_value;
   std::vector<std::function<void()>> variants = {floor};
   if (do_chunked) variants.emplace_back(chunked_floor);
+  // --phases: the loss with only some gradients, in the same rounds.
+  CrossEntropyGrads only_dx, only_dw;
+  only_dx.hidden = gr.hidden;
+  only_dw.weight = gr.weight;
+  std::vector<std::pair<std::string, CrossEntropyGrads>> phases;
+  if (c.phases) phases = {{"loss only", {}}, {"dX only", only_dx}, {"dW only", only_dw}};
+  for (const auto& [name, g] : phases)
+    variants.emplace_back([&ce, &ctx, &in, &wsv, &g] { ce.forward_backward(ctx, in, g, {}, wsv); });
   variants.emplace_back([&] {
     res.loss_value = ce.forward_backward(ctx, in, gr, {}, wsv).loss;
     res.loss_repeatable = res.loss_repeatable && res.loss_value == first_loss;
   });
   const std::vector<std::vector<double>> t = interleaved_ms(s, c.repeats, variants);
+  for (std::size_t i = 0; i < phases.size(); ++i)
+    res.phase_ms.emplace_back(phases[i].first, median(t[t.size() - 1 - phases.size() + i]));
   for (std::size_t g = 0; g < 3; ++g) {
     std::vector<double> ms;
     for (std::size_t r = 1; r < marks.size(); ++r) {

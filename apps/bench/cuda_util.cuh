@@ -100,10 +100,10 @@ struct Gemms {
               cublasComputeType_t ct) {
     call(CUBLAS_OP_T, CUBLAS_OP_N, v, n, hd, w, in, x, in, z, zt, v, ct);
   }
-  // G's rows are `ldg` elements apart (0: v); dW += with `accumulate`.
+  // G's rows are `ldg` elements apart (0: v), dX's `ldo` (0: hd); dW += with `accumulate`.
   void dx(const void* g, const void* w, void* dxp, int n, int hd, int v, cudaDataType_t gt,
-          cudaDataType_t wt, cudaDataType_t ot, cublasComputeType_t ct, int ldg = 0) {
-    call(CUBLAS_OP_N, CUBLAS_OP_N, hd, n, v, w, wt, g, gt, dxp, ot, hd, ct, ldg);
+          cudaDataType_t wt, cudaDataType_t ot, cublasComputeType_t ct, int ldg = 0, int ldo = 0) {
+    call(CUBLAS_OP_N, CUBLAS_OP_N, hd, n, v, w, wt, g, gt, dxp, ot, ldo ? ldo : hd, ct, ldg);
   }
   void dw(const void* g, const void* x, void* dwp, int n, int hd, int v, cudaDataType_t gt,
           cudaDataType_t xt, cudaDataType_t ot, cublasComputeType_t ct, int ldg = 0,

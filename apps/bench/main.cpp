@@ -81,6 +81,7 @@ std::string case_command(const std::string& prog, const CaseConfig& c) {
             "--threads", std::to_string(c.threads), "--seed", std::to_string(c.seed)});
   if (!c.naive) w.emplace_back("--no-naive");
   if (c.chunked_floor) w.emplace_back("--chunked-floor");
+  if (c.phases) w.emplace_back("--phases");
   if (c.fp32_weight_grad_accumulator) w.emplace_back("--fp32-dw-accum");
   if (c.exact) w.emplace_back("--exact");
   return apps::shell_join(w);
@@ -117,6 +118,7 @@ Cli parse(int argc, char** argv) {
     ("json", po::value<std::string>()->default_value("", "none"), "write the cases as a JSON array to FILE (atomically: FILE.tmp, then rename)")
     ("no-naive", po::bool_switch()->default_value(false, "off"), "skip the naive materialised run (and the error check)")
     ("chunked-floor", po::bool_switch()->default_value(false, "off"), "also time the floor GEMMs at the plan's chunk rows (token_chunk order; cuda: the library's GEMMs, fp32 logits chunk and its in-place gradient operand)")
+    ("phases", po::bool_switch()->default_value(false, "off"), "cuda ce: also time the loss with no gradients, with dX only and with dW only, in the same rounds (what each gradient adds)")
     ("logits-dtype", po::value<std::string>()->default_value("f32"), "f32|bf16: the loss's logits chunk (bf16: the opt-in speed/memory mode, cuda only)")
     ("fp32-dw-accum", po::bool_switch()->default_value(false, "off"), "accumulate dW in an fp32 workspace buffer (V*H*4 bytes on top of the budget; matters for bf16)")
     ("exact", po::bool_switch()->default_value(false, "off"), "also compare the loss and gradients with a float64 computation on the same input values (ce: cuda; preference losses: cpu and cuda)");
@@ -154,6 +156,8 @@ Cli parse(int argc, char** argv) {
                            " takes --pairs and --seq-len (N = 2 * pairs * seq-len)");
   if (pref && vm["chunked-floor"].as<bool>())
     throw apps::UsageError("--chunked-floor is for --loss ce");
+  if (vm["phases"].as<bool>() && (pref || vm["device"].as<std::string>() != "cuda"))
+    throw apps::UsageError("--phases is for --loss ce --device cuda");
   if (base.loss != "dpo" && given("dpo-loss"))
     throw apps::UsageError("--dpo-loss is for --loss dpo");
   base.prompt_frac = vm["prompt-frac"].as<double>();
@@ -188,6 +192,7 @@ Cli parse(int argc, char** argv) {
   base.seed = vm["seed"].as<std::uint64_t>();
   base.naive = !vm["no-naive"].as<bool>();
   base.chunked_floor = vm["chunked-floor"].as<bool>();
+  base.phases = vm["phases"].as<bool>();
   base.fp32_weight_grad_accumulator = vm["fp32-dw-accum"].as<bool>();
   base.logits_dtype = parse_dtype(vm["logits-dtype"].as<std::string>(), "--logits-dtype");
   base.exact = vm["exact"].as<bool>();

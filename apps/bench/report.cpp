@@ -60,6 +60,11 @@ std::string case_details(const CaseRecord& rec) {
     os << "  floor at the plan's " << r.plan.chunk_rows
        << "-row chunks: " << fmt("%.2f", *r.chunked_floor_ms) << " ms (ratio "
        << fmt("%.3f", r.time_ms / *r.chunked_floor_ms) << " of the loss over it)\n";
+  if (!r.phase_ms.empty()) {
+    os << "  the loss with some gradients:";
+    for (const auto& [name, ms] : r.phase_ms) os << " " << name << " " << fmt("%.2f", ms) << " ms;";
+    os << " all " << fmt("%.2f", r.time_ms) << " ms\n";
+  }
   os << "  extra memory: workspace " << mib(r.extra_bytes) << " MiB; measured over the first call "
      << mib(r.extra_measured.bytes) << " MiB (" << r.extra_measured.method << ")";
   if (r.floor_measured)
@@ -177,6 +182,7 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   j["floor_times_ms"] = r.floor_times_ms;
   for (const auto& [name, ms] : r.gemm_ms) j["gemm_" + name + "_ms"] = ms;
   j["chunked_floor_ms"] = opt(r.chunked_floor_ms);
+  for (const auto& [name, ms] : r.phase_ms) j["phase_" + name + "_ms"] = ms;
   j["valid_floor_ms"] = opt(r.valid_floor_ms);
   j["ratio_valid"] = r.valid_floor_ms ? nlohmann::json(r.time_ms / *r.valid_floor_ms) : nullptr;
   j["extra_measured_bytes"] = r.extra_measured.bytes;

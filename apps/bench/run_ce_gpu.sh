@@ -3,7 +3,8 @@
 # 7 rows ignored), each as its own chunkloss-bench call (see gpu_cases.sh); OUT/summary.md
 # gathers the tables. The floor and the library alternate in each timed round; --chunked-floor
 # also times the library's own GEMMs over its chunks, so a ratio splits into the chunking's share
-# and the epilogue's. OUT/gpu-trace.csv samples the clocks, power and throttle reasons while it
+# and the epilogue's; --phases also times the loss with no gradients, dX only and dW only, so each
+# gradient's share shows. OUT/gpu-trace.csv samples the clocks, power and throttle reasons while it
 # runs. About 3-4 minutes of GPU time at REPEATS=10.
 #
 #   apps/bench/run_ce_gpu.sh OUT_DIR [path/to/chunkloss-bench]
@@ -24,13 +25,13 @@ run smoke --loss ce --device cuda --dtype bf16 --rows 512 --hidden 256 --vocab 4
 
 # The table, each with the chunked floor.
 run ce-8192x4096x128256-1g "${ce[@]}" --rows 8192 --hidden 4096 --vocab 128256 \
-  --budget-mib 1024 --chunked-floor
+  --budget-mib 1024 --chunked-floor --phases
 run ce-16384x4096x128256-1g "${ce[@]}" --rows 16384 --hidden 4096 --vocab 128256 \
-  --budget-mib 1024 --chunked-floor
+  --budget-mib 1024 --chunked-floor --phases
 run ce-16384x2304x256000-1g "${ce[@]}" --rows 16384 --hidden 2304 --vocab 256000 \
-  --budget-mib 1024 --chunked-floor
+  --budget-mib 1024 --chunked-floor --phases
 run ce-16384x4096x128256-256m "${ce[@]}" --rows 16384 --hidden 4096 --vocab 128256 \
-  --budget-mib 256 --chunked-floor
+  --budget-mib 256 --chunked-floor --phases
 # V = 256000 with twice the budget (2048-row chunks), no naive run.
 run ce-16384x2304x256000-2g "${ce[@]}" --rows 16384 --hidden 2304 --vocab 256000 \
   --budget-mib 2048 --chunked-floor --no-naive

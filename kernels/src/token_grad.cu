@@ -25,28 +25,41 @@ __global__ void __launch_bounds__(kGradThreads)
   const bool zero = a == 0.0f && b == 0.0f && g == 0.0f;
   const std::int64_t y = valid_target(p, t) - v0;
   const float cap = p.softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
-  const std::int64_t step = static_cast<std::int64_t>(kGradThreads) * V;
-  for (std::int64_t base = 0; base < cols; base += step) {
-    const std::int64_t j = base + static_cast<std::int64_t>(threadIdx.x) * V;
-    float z[V];
-    if (!zero) load_floats(row, j, cols, vec, z);
-    if constexpr (kNarrowing) __syncthreads();
-    float d[V];
+  // kLoads vectors per thread are loaded before any is used (more bytes in flight at the clocks
+  // of a power-capped GPU); with narrowing the whole span is read before any thread stores.
+  constexpr std::int64_t kStep = static_cast<std::int64_t>(kGradThreads) * V;
+  const std::int64_t lane = static_cast<std::int64_t>(threadIdx.x) * V;
+  for (std::int64_t base = 0; base < cols; base += kStep * kLoads) {
+    float z[kLoads][V];
+    if (!zero) {
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const std::int64_t col = j + k;
-      if (zero || col >= cols) {
-        d[k] = 0.0f;
-        continue;
-      }
-      if constexpr (kPlain) {
-        d[k] = a * __expf(z[k] - lse) - (col == y ? b : 0.0f);
-      } else {
-        const float u = p.class_weights ? p.class_weights[v0 + col] : 1.0f;
-        d[k] = grad_element(z[k] + bias_at(p, v0 + col), col == y, lse, a, b, g, u, cap, inv_cap);
-      }
+      for (int u = 0; u < kLoads; ++u) load_floats(row, base + u * kStep + lane, cols, vec, z[u]);
     }
-    if (j < cols) store_floats<TG, V>(grow, j, cols, vec, d);
+    if constexpr (kNarrowing) __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const std::int64_t j = base + u * kStep + lane;
+      if (j >= cols) break;
+      // Per vector: the columns in the row (`live`) and the target's place (`hit`, -1: none).
+      const int live = zero ? 0 : cols - j < V ? static_cast<int>(cols - j) : V;
+      const std::int64_t dy = y - j;
+      const int hit = dy >= 0 && dy < V ? static_cast<int>(dy) : -1;
+      float d[V];
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        if (k >= live) {
+          d[k] = 0.0f;
+        } else if constexpr (kPlain) {
+          d[k] = a * __expf(z[u][k] - lse) - (k == hit ? b : 0.0f);
+        } else {
+          const std::int64_t col = j + k;
+          const float w = p.class_weights ? p.class_weights[v0 + col] : 1.0f;
+          d[k] =
+              grad_element(z[u][k] + bias_at(p, v0 + col), k == hit, lse, a, b, g, w, cap, inv_cap);
+        }
+      }
+      store_floats<TG, V>(grow, j, cols, vec, d);
+    }
   }
 }
 

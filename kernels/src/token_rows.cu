@@ -71,21 +71,22 @@ __global__ void __launch_bounds__(kStatsThreads)
   const bool want_sum = p.rule.eps != 0.0f || p.logit_sums;
 
   RowAcc acc = RowAcc::empty();
-  for (std::int64_t j = static_cast<std::int64_t>(threadIdx.x) * V; j < n; j += kStatsThreads * V) {
-    float z[V];
-    load_floats(row, j, n, vec, z);
+  // One vector of V logits starting at column j (< n).
+  auto add = [&](float(&z)[V], std::int64_t j) {
     if constexpr (kPlain) {
-      float vm = -INFINITY;
-      int vi = 0;
+      if (j + V > n) {  // the row's last, partial vector: its pads never win
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        if (j + k >= n) z[k] = -INFINITY;
-        if (z[k] > vm) {
-          vm = z[k];
-          vi = k;
-        }
+        for (int k = 0; k < V; ++k)
+          if (j + k >= n) z[k] = -INFINITY;
       }
-      if (vm > acc.m) {
+      float vm = z[0];
+#pragma unroll
+      for (int k = 1; k < V; ++k) vm = fmaxf(vm, z[k]);
+      if (vm > acc.m) {  // a new running max, at its first column in this vector
+        int vi = V - 1;
+#pragma unroll
+        for (int k = V - 1; k >= 0; --k)
+          if (z[k] == vm) vi = k;
         acc.s *= __expf(acc.m - vm);
         acc.m = vm;
         acc.arg = static_cast<int>(j) + vi;
@@ -97,9 +98,11 @@ __global__ void __launch_bounds__(kStatsThreads)
         for (int k = 0; k < V; ++k)
           if (j + k < n) acc.sz += z[k];
       }
+      const std::int64_t dy = y - j;  // the target's place in this vector, if there
+      if (dy >= 0 && dy < V) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        if (j + k == y) acc.zy = z[k];
+        for (int k = 0; k < V; ++k)
+          if (k == dy) acc.zy = z[k];
       }
     } else {
 #pragma unroll
@@ -110,6 +113,17 @@ __global__ void __launch_bounds__(kStatsThreads)
                          want_sum);
       }
     }
+  };
+  // kLoads vectors per thread are loaded before any is used, so enough bytes are in flight to
+  // keep DRAM busy at the clocks of a power-capped GPU.
+  constexpr std::int64_t kStep = static_cast<std::int64_t>(kStatsThreads) * V;
+  for (std::int64_t j0 = static_cast<std::int64_t>(threadIdx.x) * V; j0 < n; j0 += kStep * kLoads) {
+    float z[kLoads][V];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) load_floats(row, j0 + u * kStep, n, vec, z[u]);
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u)
+      if (j0 + u * kStep < n) add(z[u], j0 + u * kStep);
   }
   const RowAcc r = Reduce(tmp).Reduce(acc, MergeAcc());
   if (threadIdx.x == 0) apply_row_rule(p, t, y, r);
