@@ -75,7 +75,7 @@ class CudaTokenBackend final : public TokenBackend {
 
   void logits(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1) override {
     gpu::gemm(ctx_, x_rows(r0, r1), false, w_rows(v0, v1), true, tile_, plan_.logits_dtype, v1 - v0,
-              1.0f, 0.0f);
+              0.0f);
   }
 
   void row_stats(std::int64_t r0, std::int64_t r1) override {
@@ -108,7 +108,7 @@ class CudaTokenBackend final : public TokenBackend {
     if (host_dx_) {  // fp32 rows in the tile's free halves, times alpha, rounded once
       auto* st = reinterpret_cast<float*>(tile_ + free_offset_);
       gpu::gemm(ctx_, grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), false, st, DType::kF32,
-                c_.vocab, 1.0f, 0.0f);
+                c_.vocab, 0.0f);
       CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(
           dst, elem(c_.grad_x.dtype()), h, st, kern::Elem::kF32, c_.vocab,
           gemm_scalar(kern::kAlpha), r1 - r0, h, !first || c_.accumulate, stream_, 0));
@@ -293,7 +293,7 @@ class CudaTokenBackend final : public TokenBackend {
     auto* dst =
         static_cast<unsigned char*>(c_.grad_w.data()) + v0 * h * dtype_size(c_.grad_w.dtype());
     if (host_dw_ && r1 < c_.rows) {  // alpha deferred to the last chunk (see host_dw_)
-      gpu::gemm(ctx_, g, true, x, false, dst, c_.grad_w.dtype(), h, 1.0f, first ? 0.0f : 1.0f);
+      gpu::gemm(ctx_, g, true, x, false, dst, c_.grad_w.dtype(), h, first ? 0.0f : 1.0f);
       return;
     }
     if (host_dw_) {  // the last chunk: dw = alpha (dw + tile^T x)
@@ -302,8 +302,7 @@ class CudaTokenBackend final : public TokenBackend {
                                mean_alpha);
       return;
     }
-    grad_gemm(g, true, x, dst, c_.grad_w.dtype(), h, alpha,
-              first && !c_.accumulate ? 0.0f : keep);
+    grad_gemm(g, true, x, dst, c_.grad_w.dtype(), h, alpha, first && !c_.accumulate ? 0.0f : keep);
   }
   // The coefficient mantissa every row set since the last dW GEMM shares (0: none, or several).
   float shared_mantissa() const {
@@ -473,21 +472,22 @@ class CudaTokenBackend final : public TokenBackend {
   std::optional<float> uniform_alpha() const {
     return c_.scale == RowScale::kMean ? std::nullopt : std::optional<float>(1.0f);
   }
-  // dst (leading dimension ld) = alpha op(a) b + beta dst. Host scalars wherever alpha is known
-  // on the host (cuBLAS then runs its kernels for beta 0 and 1; with device scalars its
-  // generic-beta kernels measured 6-7% slower on the H200); without, the device's mean alpha,
-  // and beta 0 or 1.
+  // dst (leading dimension ld) = alpha op(a) b + beta dst; alpha none: the device's mean alpha.
+  // alpha = 1 goes to cuBLAS as host scalars, so it runs its kernels for beta 0 and 1 (its
+  // generic-beta kernels, which device scalars get, measured 6-7% slower on the H200). Any other
+  // alpha stays in device memory: with a host alpha = mantissa the bf16 dW against float64 rose
+  // from 1.76e-3 to 1.86e-3 (DPO, 2 x 1024) and from 1.88e-3 to 2.02e-3 (KTO) on the H200.
   void grad_gemm(const gpu::Matrix& a, bool trans_a, const gpu::Matrix& b, void* dst,
                  DType dst_dtype, std::int64_t ld, std::optional<float> alpha, float beta) {
-    if (alpha) {
-      gpu::gemm(ctx_, a, trans_a, b, false, dst, dst_dtype, ld, *alpha, beta);
+    if (alpha == 1.0f) {
+      gpu::gemm(ctx_, a, trans_a, b, false, dst, dst_dtype, ld, beta);
       return;
     }
-    CHUNKLOSS_CHECK(beta == 0.0f || beta == 1.0f, "CUDA backend: device-alpha GEMM with beta ",
-                    beta);
-    gpu::gemm_device_scalars(ctx_, a, trans_a, b, false, dst, dst_dtype, ld,
-                             gemm_scalar(kern::kAlpha),
-                             gemm_scalar(beta == 0.0f ? kern::kZero : kern::kOne));
+    const float* a_dev = alpha ? set_scalar(kern::kWeightAlpha, *alpha) : gemm_scalar(kern::kAlpha);
+    const float* b_dev = beta == 0.0f   ? gemm_scalar(kern::kZero)
+                         : beta == 1.0f ? gemm_scalar(kern::kOne)
+                                        : set_scalar(kern::kFactor, beta);
+    gpu::gemm_device_scalars(ctx_, a, trans_a, b, false, dst, dst_dtype, ld, a_dev, b_dev);
   }
   void flush(const TensorView& dst, const float* acc) {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_store_f32(dst.data(), elem(dst.dtype()), acc, dst.numel(),

@@ -40,7 +40,8 @@ void gemm_impl(const Context& ctx, const Matrix& a, bool trans_a, const Matrix& 
 }  // namespace
 
 void gemm(const Context& ctx, const Matrix& a, bool trans_a, const Matrix& b, bool trans_b, void* c,
-          DType c_dtype, std::int64_t ldc, float alpha, float beta) {
+          DType c_dtype, std::int64_t ldc, float beta) {
+  const float alpha = 1.0f;
   gemm_impl(ctx, a, trans_a, b, trans_b, c, c_dtype, ldc, &alpha, &beta, CUBLAS_POINTER_MODE_HOST);
 }
 

@@ -33,9 +33,10 @@ enum Scalar : int {
 /// (cuBLAS device pointer mode): the gradient tile holds dL/dz / alpha, where alpha is the
 /// mantissa of the mean's 1/D, so a uniform coefficient costs no bf16 rounding in the tile.
 inline constexpr int kGemmScalarsOffset = kNumScalars + 1;  // in doubles
-/// Set from the host: kFactor, the deferred regime's pair coefficient as the scale of its dH
-/// rows (GEMMs take host-known scalars from the host).
-enum GemmScalar : int { kAlpha = 0, kZero, kOne, kFactor, kNumGemmScalars };
+/// Set from the host: kFactor, the deferred regime's pair coefficient (beta of its last dW GEMM,
+/// the scale of its dH rows); kWeightAlpha, the alpha of a gradient GEMM other than 1 known on
+/// the host (a coefficient mantissa, times that factor).
+enum GemmScalar : int { kAlpha = 0, kZero, kOne, kFactor, kWeightAlpha, kNumGemmScalars };
 
 /// How a row's coefficient c_t is formed from its token weight tw_t.
 enum class Scale : std::uint8_t { kMean, kSum, kUpstream };

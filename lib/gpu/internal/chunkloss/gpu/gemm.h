@@ -16,11 +16,10 @@ struct Matrix {
   std::int64_t rows, cols, ld;
 };
 
-/// C = alpha op(A) op(B) + beta C, all row-major; `trans_a`/`trans_b` transpose the operand.
-/// C must be f32 or bf16; A and B share one dtype. Enqueued on the context's stream. Host
-/// scalars let cuBLAS pick its kernels specialised for beta 0 and 1.
+/// C = op(A) op(B) + beta C, all row-major; `trans_a`/`trans_b` transpose the operand.
+/// C must be f32 or bf16; A and B share one dtype. Enqueued on the context's stream.
 void gemm(const Context& ctx, const Matrix& a, bool trans_a, const Matrix& b, bool trans_b, void* c,
-          DType c_dtype, std::int64_t ldc, float alpha, float beta);
+          DType c_dtype, std::int64_t ldc, float beta);
 
 /// As gemm(), C = alpha op(A) op(B) + beta C with alpha and beta read from device memory when
 /// the GEMM runs (no host synchronisation).
