@@ -405,7 +405,7 @@ class CudaTokenBackend final : public TokenBackend {
     in_tile_ = c_.row_scales && !vocab_order &&
                staging_fits_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype());
     free_offset_ = tile_free_offset(c_.vocab);
-    // Only the mean's alpha lives on the device (uniform_alpha).
+    // The mean's alpha lives on the device; the other reductions' is 1 (uniform_alpha).
     const bool token_plain = !c_.row_scales && !vocab_order && c_.scale == RowScale::kMean;
     host_dx_ = token_plain && c_.grad_x.defined() && !dh_acc_ &&
                staging_fits_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype());
@@ -504,8 +504,8 @@ class CudaTokenBackend final : public TokenBackend {
   float* dh_stage_ = nullptr;
   bool x_scaled_ready_ = false;
   bool in_tile_ = false;  // row scales staged in the tile's free halves (tile_staging.h)
-  // The mean in token-chunk order without row scales: its gradient GEMMs take host scalars too
-  // (see grad_gemm). host_dx_: the dH GEMM into fp32 rows in the tile's free
+  // The mean in token-chunk order without row scales: its gradient GEMMs get alpha = 1 as host
+  // scalars too (see grad_gemm). host_dx_: the dH GEMM into fp32 rows in the tile's free
   // halves, then times the device alpha (the mean's mantissa), rounded once. host_dw_: the
   // chunks before the last accumulate dw + tile^T x unscaled in the caller's buffer, and the
   // last GEMM scales all of it by alpha, as the deferred regime does (one bf16 rounding per
