@@ -105,23 +105,17 @@ class CudaTokenBackend final : public TokenBackend {
     }
     auto* dst =
         static_cast<unsigned char*>(c_.grad_x.data()) + r0 * h * dtype_size(c_.grad_x.dtype());
-    if (host_dx_) {  // fp32 rows in the tile's free halves, times alpha, rounded once
-      auto* st = reinterpret_cast<float*>(tile_ + free_offset_);
-      gpu::gemm(ctx_, grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), false, st, DType::kF32,
-                c_.vocab, 0.0f);
-      CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(
-          dst, elem(c_.grad_x.dtype()), h, st, kern::Elem::kF32, c_.vocab,
-          gemm_scalar(kern::kAlpha), r1 - r0, h, !first || c_.accumulate, stream_, 0));
-      return;
-    }
-    if (dh_stage_ || in_tile_) {  // row scales: fp32 rows, scaled, rounded once into dH
-      float* st = in_tile_ ? reinterpret_cast<float*>(tile_ + free_offset_) : dh_stage_;
-      const std::int64_t ld = in_tile_ ? c_.vocab : h;  // in the tile: one fp32 row apart
+    // fp32 rows, scaled, rounded once into dH: by each row's scale (row scales), or by the
+    // mean's device alpha (host_dx_); in the tile's free halves (one fp32 row apart) or staging.
+    if (host_dx_ || dh_stage_ || in_tile_) {
+      float* st = dh_stage_ ? dh_stage_ : reinterpret_cast<float*>(tile_ + free_offset_);
+      const std::int64_t ld = dh_stage_ ? h : c_.vocab;
       grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), st, DType::kF32, ld,
-                uniform_alpha(), 0.0f);
-      CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(dst, elem(c_.grad_x.dtype()), h, st,
-                                                     kern::Elem::kF32, ld, p_.row.scale + r0,
-                                                     r1 - r0, h, !first || c_.accumulate, stream_));
+                host_dx_ ? 1.0f : uniform_alpha(), 0.0f);
+      const float* scale = host_dx_ ? gemm_scalar(kern::kAlpha) : p_.row.scale + r0;
+      CHUNKLOSS_LAUNCH_CHECK(
+          kern::launch_scale_rows(dst, elem(c_.grad_x.dtype()), h, st, kern::Elem::kF32, ld, scale,
+                                  r1 - r0, h, !first || c_.accumulate, stream_, host_dx_ ? 0 : 1));
       return;
     }
     grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), dst, c_.grad_x.dtype(), h,
