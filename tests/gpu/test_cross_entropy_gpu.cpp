@@ -302,6 +302,29 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("gpu: vocabularies of current models' size (odd ones too), row options, small chunks") {
+  if (!have_gpu()) return;
+  // Rows of 16000 to 270000 logits: the row kernels' loads in flight, partial last vectors and
+  // unaligned rows (100003, 250001) at the widths the shapes use.
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    for (std::int64_t v : {16000, 100003, 128256, 250001, 270000}) {
+      CAPTURE(v);
+      CrossEntropyOptions o;
+      compare({37, 32, v, t}, o);
+      o.label_smoothing = 0.1f;
+      o.z_loss = 1e-3f;
+      o.softcap = 5.0f;
+      o.compute_entropy = true;
+      Problem p{37, 32, v, t};
+      p.class_weights = p.token_weights = true;
+      compare(p, o);
+      o = {};
+      o.memory_budget_bytes = 8 * v * 4 + 64 * 1024;  // chunks of a few rows
+      compare({37, 32, v, t}, o);
+    }
+  }
+}
+
 TEST_CASE("gpu: bf16 logits chunk is close to fp32 logits") {
   if (!have_gpu()) return;
   const Problem p{256, 128, 4096, DType::kBF16};
