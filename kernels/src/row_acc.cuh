@@ -69,12 +69,15 @@ struct RowOut {
   float lse, a, b, g;
 };
 
-/// Row t's lse, entropy, argmax, scaled coefficients (divided by the GEMMs' alpha, see
+/// Writes row t's lse, entropy, argmax, scaled coefficients (divided by the GEMMs' alpha, see
 /// kGemmScalarsOffset), loss and z-loss from its merged statistics; `y` is valid_target(p, t).
-/// Writes them to the row arrays when `store`, and returns what the gradient needs.
 __device__ inline RowOut apply_row_rule(const TokenParams& p, std::int64_t t, std::int64_t y,
-                                        const RowAcc& r, bool store = true) {
+                                        const RowAcc& r) {
   const float lse = r.m + logf(r.s);
+  p.row.lse[t] = lse;
+  p.row.entropy[t] = p.entropy ? lse - r.sez / r.s : 0.0f;
+  p.row.argmax[t] = r.arg;
+  p.row.zsum[t] = p.logit_sums ? r.sz : 0.0f;
   float a = 0, b = 0, g = 0, loss = 0, zl = 0;
   if (is_valid(p, y)) {
     const float cw_y = p.class_weights ? p.class_weights[y] : 1.0f;
@@ -92,93 +95,12 @@ __device__ inline RowOut apply_row_rule(const TokenParams& p, std::int64_t t, st
     loss = tw * (rt.ce + rt.zloss);
     zl = tw * rt.zloss;
   }
-  if (store) {
-    p.row.lse[t] = lse;
-    p.row.entropy[t] = p.entropy ? lse - r.sez / r.s : 0.0f;
-    p.row.argmax[t] = r.arg;
-    p.row.zsum[t] = p.logit_sums ? r.sz : 0.0f;
-    p.row.a[t] = a;
-    p.row.b[t] = b;
-    p.row.g[t] = g;
-    p.row.loss[t] = loss;
-    p.row.zloss[t] = zl;
-  }
+  p.row.a[t] = a;
+  p.row.b[t] = b;
+  p.row.g[t] = g;
+  p.row.loss[t] = loss;
+  p.row.zloss[t] = zl;
   return {lse, a, b, g};
-}
-
-/// Adds one vector of V logits of row `y`'s row, starting at column j (< n = V), to `acc`.
-/// kPlain (see plain_rows): the vector's max first, so the running sum is rescaled at most once
-/// per vector instead of branching per element; its pads (past n) never win.
-template <int V, bool kPlain>
-__device__ __forceinline__ void accumulate_vector(RowAcc& acc, const TokenParams& p, float (&z)[V],
-                                                  std::int64_t j, std::int64_t n, std::int64_t y,
-                                                  float cap, float inv_cap, bool want_sum) {
-  if constexpr (kPlain) {
-    if (j + V > n) {
-#pragma unroll
-      for (int k = 0; k < V; ++k)
-        if (j + k >= n) z[k] = -INFINITY;
-    }
-    float vm = z[0];
-#pragma unroll
-    for (int k = 1; k < V; ++k) vm = fmaxf(vm, z[k]);
-    if (vm > acc.m) {  // a new running max, at its first column in this vector
-      int vi = V - 1;
-#pragma unroll
-      for (int k = V - 1; k >= 0; --k)
-        if (z[k] == vm) vi = k;
-      acc.s *= __expf(acc.m - vm);
-      acc.m = vm;
-      acc.arg = static_cast<int>(j) + vi;
-    }
-#pragma unroll
-    for (int k = 0; k < V; ++k) acc.s += __expf(z[k] - acc.m);
-    if (p.logit_sums) {
-#pragma unroll
-      for (int k = 0; k < V; ++k)
-        if (j + k < n) acc.sz += z[k];
-    }
-    const std::int64_t dy = y - j;  // the target's place in this vector, if there
-    if (dy >= 0 && dy < V) {
-#pragma unroll
-      for (int k = 0; k < V; ++k)
-        if (k == dy) acc.zy = z[k];
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const std::int64_t col = j + k;
-      if (col >= n) break;
-      accumulate_logit(acc, p, softcap_value(z[k] + bias_at(p, col), cap, inv_cap), col, y,
-                       want_sum);
-    }
-  }
-}
-
-/// dL/dz of one vector of V logits at tile column j (of `cols`; column v0 + j of the
-/// vocabulary), `y` the target's tile column; kPlain: a exp(z - lse) - b onehot.
-template <int V, bool kPlain>
-__device__ __forceinline__ void grad_vector(float (&d)[V], const float (&z)[V],
-                                            const TokenParams& p, const RowOut& r, std::int64_t j,
-                                            std::int64_t cols, std::int64_t v0, std::int64_t y,
-                                            float cap, float inv_cap) {
-  const bool zero = r.a == 0.0f && r.b == 0.0f && r.g == 0.0f;
-  // The columns in the row (`live`) and the target's place (`hit`, -1: none).
-  const int live = zero ? 0 : cols - j < V ? static_cast<int>(cols - j) : V;
-  const std::int64_t dy = y - j;
-  const int hit = dy >= 0 && dy < V ? static_cast<int>(dy) : -1;
-#pragma unroll
-  for (int k = 0; k < V; ++k) {
-    if (k >= live) {
-      d[k] = 0.0f;
-    } else if constexpr (kPlain) {
-      d[k] = r.a * __expf(z[k] - r.lse) - (k == hit ? r.b : 0.0f);
-    } else {
-      const std::int64_t col = v0 + j + k;
-      const float w = p.class_weights ? p.class_weights[col] : 1.0f;
-      d[k] = grad_element(z[k] + bias_at(p, col), k == hit, r.lse, r.a, r.b, r.g, w, cap, inv_cap);
-    }
-  }
 }
 
 }  // namespace chunkloss::kern

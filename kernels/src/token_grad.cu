@@ -3,7 +3,6 @@
 // the gradient element is narrower than the logits element each tile is fully read before any
 // thread stores, so a row's bf16 gradient can overwrite the first half of its own fp32 row.
 #include "device_util.cuh"
-#include "row_acc.cuh"
 
 namespace chunkloss::kern {
 namespace {
@@ -22,8 +21,8 @@ __global__ void __launch_bounds__(kGradThreads)
   TL* row = tile + i * ld;
   TG* grow = reinterpret_cast<TG*>(row);
   const bool vec = aligned16(tile) && (ld % V) == 0;
-  const RowOut r{p.row.lse[t], p.row.a[t], p.row.b[t], p.row.g[t]};
-  const bool zero = r.a == 0.0f && r.b == 0.0f && r.g == 0.0f;
+  const float lse = p.row.lse[t], a = p.row.a[t], b = p.row.b[t], g = p.row.g[t];
+  const bool zero = a == 0.0f && b == 0.0f && g == 0.0f;
   const std::int64_t y = valid_target(p, t) - v0;
   const float cap = p.softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   // kLoads vectors per thread are loaded before any is used (more bytes in flight at the clocks
@@ -41,8 +40,24 @@ __global__ void __launch_bounds__(kGradThreads)
     for (int u = 0; u < kLoads; ++u) {
       const std::int64_t j = base + u * kStep + lane;
       if (j >= cols) break;
+      // Per vector: the columns in the row (`live`) and the target's place (`hit`, -1: none).
+      const int live = zero ? 0 : cols - j < V ? static_cast<int>(cols - j) : V;
+      const std::int64_t dy = y - j;
+      const int hit = dy >= 0 && dy < V ? static_cast<int>(dy) : -1;
       float d[V];
-      grad_vector<V, kPlain>(d, z[u], p, r, j, cols, v0, y, cap, inv_cap);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        if (k >= live) {
+          d[k] = 0.0f;
+        } else if constexpr (kPlain) {
+          d[k] = a * __expf(z[u][k] - lse) - (k == hit ? b : 0.0f);
+        } else {
+          const std::int64_t col = j + k;
+          const float w = p.class_weights ? p.class_weights[v0 + col] : 1.0f;
+          d[k] =
+              grad_element(z[u][k] + bias_at(p, v0 + col), k == hit, lse, a, b, g, w, cap, inv_cap);
+        }
+      }
       store_floats<TG, V>(grow, j, cols, vec, d);
     }
   }

@@ -55,7 +55,8 @@ __global__ void token_begin_kernel(TokenParams p) {
   }
 }
 
-// kPlain: no bias, softcap, class weights, smoothing or entropy (see accumulate_vector).
+// kPlain: no bias, softcap, class weights, smoothing or entropy; each 16-byte vector then
+// rescales the running sum once (max of the vector first) instead of branching per element.
 template <typename TL, bool kPlain>
 __global__ void __launch_bounds__(kStatsThreads)
     row_stats_kernel(TokenParams p, const TL* logits, std::int64_t ld, std::int64_t r0) {
@@ -70,6 +71,49 @@ __global__ void __launch_bounds__(kStatsThreads)
   const bool want_sum = p.rule.eps != 0.0f || p.logit_sums;
 
   RowAcc acc = RowAcc::empty();
+  // One vector of V logits starting at column j (< n).
+  auto add = [&](float(&z)[V], std::int64_t j) {
+    if constexpr (kPlain) {
+      if (j + V > n) {  // the row's last, partial vector: its pads never win
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          if (j + k >= n) z[k] = -INFINITY;
+      }
+      float vm = z[0];
+#pragma unroll
+      for (int k = 1; k < V; ++k) vm = fmaxf(vm, z[k]);
+      if (vm > acc.m) {  // a new running max, at its first column in this vector
+        int vi = V - 1;
+#pragma unroll
+        for (int k = V - 1; k >= 0; --k)
+          if (z[k] == vm) vi = k;
+        acc.s *= __expf(acc.m - vm);
+        acc.m = vm;
+        acc.arg = static_cast<int>(j) + vi;
+      }
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc.s += __expf(z[k] - acc.m);
+      if (p.logit_sums) {
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          if (j + k < n) acc.sz += z[k];
+      }
+      const std::int64_t dy = y - j;  // the target's place in this vector, if there
+      if (dy >= 0 && dy < V) {
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          if (k == dy) acc.zy = z[k];
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const std::int64_t col = j + k;
+        if (col >= n) break;
+        accumulate_logit(acc, p, softcap_value(z[k] + bias_at(p, col), cap, inv_cap), col, y,
+                         want_sum);
+      }
+    }
+  };
   // kLoads vectors per thread are loaded before any is used, so enough bytes are in flight to
   // keep DRAM busy at the clocks of a power-capped GPU.
   constexpr std::int64_t kStep = static_cast<std::int64_t>(kStatsThreads) * V;
@@ -79,8 +123,7 @@ __global__ void __launch_bounds__(kStatsThreads)
     for (int u = 0; u < kLoads; ++u) load_floats(row, j0 + u * kStep, n, vec, z[u]);
 #pragma unroll
     for (int u = 0; u < kLoads; ++u)
-      if (j0 + u * kStep < n)
-        accumulate_vector<V, kPlain>(acc, p, z[u], j0 + u * kStep, n, y, cap, inv_cap, want_sum);
+      if (j0 + u * kStep < n) add(z[u], j0 + u * kStep);
   }
   const RowAcc r = Reduce(tmp).Reduce(acc, MergeAcc());
   if (threadIdx.x == 0) apply_row_rule(p, t, y, r);

@@ -60,7 +60,6 @@ class CudaTokenBackend final : public TokenBackend {
     p_.row_scales = call.row_scales;
     p_.scalars = scalars_;
     ctx.activate();
-    fused_rows_ = kern::row_fused_fits(call.vocab);
   }
 
   void begin() override {
@@ -93,16 +92,6 @@ class CudaTokenBackend final : public TokenBackend {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_grad_epilogue(p_, tile_, elem(plan_.logits_dtype),
                                                       elem(c_.x.dtype()), v1 - v0, r0, r1 - r0, v0,
                                                       v1 - v0, stream_));
-  }
-
-  // One kernel reading the logits once, unless the bias gradient wants them first.
-  void row_stats_and_grad(std::int64_t r0, std::int64_t r1) override {
-    if (db_acc_ || !fused_rows_) {
-      TokenBackend::row_stats_and_grad(r0, r1);
-      return;
-    }
-    CHUNKLOSS_LAUNCH_CHECK(kern::launch_row_fused(
-        p_, tile_, elem(plan_.logits_dtype), elem(c_.x.dtype()), c_.vocab, r0, r1 - r0, stream_));
   }
 
   void grad_x(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
@@ -516,7 +505,6 @@ class CudaTokenBackend final : public TokenBackend {
   // last GEMM scales all of it by alpha, as the deferred regime does (one bf16 rounding per
   // chunk, as before).
   bool host_dx_ = false, host_dw_ = false;
-  bool fused_rows_ = false;  // kern::launch_row_fused takes this vocabulary here
   std::size_t free_offset_ = 0;
   std::vector<float> pow2_, mant_;
   bool coef_consumed_ = true;

@@ -54,9 +54,9 @@ TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan&
   for (std::int64_t r0 = 0; r0 < n; r0 += c) {
     const std::int64_t r1 = std::min(n, r0 + c);
     backend->logits(r0, r1, 0, v);
-    if (!grads || !token_order) backend->row_stats(r0, r1);
+    backend->row_stats(r0, r1);
     if (grads && token_order) {
-      backend->row_stats_and_grad(r0, r1);
+      backend->grad_epilogue(r0, r1, 0, v);
       backend->grad_x(r0, r1, 0, v, true);
       backend->grad_w(r0, r1, 0, v, r0 == 0);
     }

@@ -66,11 +66,6 @@ class TokenBackend {
   /// Overwrites the tile with dL/dz using the stored per-row lse and coefficients.
   virtual void grad_epilogue(std::int64_t r0, std::int64_t r1, std::int64_t v0,
                              std::int64_t v1) = 0;
-  /// row_stats(r0, r1), then grad_epilogue(r0, r1, 0, V); a backend may fuse the two.
-  virtual void row_stats_and_grad(std::int64_t r0, std::int64_t r1) {
-    row_stats(r0, r1);
-    grad_epilogue(r0, r1, 0, call_vocab());
-  }
   /// dx[r0:r1] (+)= tile w[v0:v1]; `first` means this is the first contribution to these rows.
   virtual void grad_x(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
                       bool first) = 0;

@@ -88,16 +88,6 @@ int launch_grad_epilogue(const TokenParams& p, void* tile, Elem logits_elem, Ele
                          std::int64_t ld, std::int64_t r0, std::int64_t rows, std::int64_t v0,
                          std::int64_t cols, void* stream);
 
-/// Whether launch_row_fused takes rows of `vocab` logits on the current device: a cluster of at
-/// most 16 blocks holds a row in its shared memory, 32 or 64 KiB each (V <= 262144).
-bool row_fused_fits(std::int64_t vocab);
-
-/// launch_row_stats and then launch_grad_epilogue over the full width (v0 = 0, cols = V, ld =
-/// V) in one kernel that reads the logits once: one thread-block cluster per row. Same results
-/// up to the order of the statistics' reduction tree, itself fixed.
-int launch_row_fused(const TokenParams& p, void* tile, Elem logits_elem, Elem grad_elem,
-                     std::int64_t ld, std::int64_t r0, std::int64_t rows, void* stream);
-
 /// db[j] += sum over rows [r0, r0 + rows) of dL/dz[r, v0 + j], computed in fp32 from the logits
 /// tile (leading dimension `ld`) before launch_grad_epilogue overwrites it. No atomics.
 int launch_bias_grad(const TokenParams& p, const void* tile, Elem logits_elem, std::int64_t ld,
