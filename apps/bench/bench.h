@@ -41,6 +41,9 @@ struct CaseConfig {
   bool fp32_weight_grad_accumulator = false;  ///< the CrossEntropyOptions field of that name
   DType logits_dtype = DType::kF32;  ///< the options' logits_dtype (bf16: opt-in, CUDA only)
   bool exact = false;  ///< also compare with a float64 computation (where the runner has one)
+  /// cuda ce: the context's gpu::GemmSelection::kMeasured (floor and loss alike) instead of
+  /// cuBLAS's own choice
+  bool measured_gemms = false;
 
   // Preference losses: S = 2P sequences of T rows (chosen [0, P), rejected [P, 2P); KTO: the
   // same S sequences, labels alternating desirable/undesirable).
@@ -64,6 +67,12 @@ struct CaseResult {
   std::optional<double> chunked_floor_ms;               ///< floor GEMMs at the plan's chunk rows
   /// `phases`: the loss's median time with only some gradients ("loss only", "dX only", ...).
   std::vector<std::pair<std::string, double>> phase_ms;
+  /// measured_gemms: warm-up rounds of every timed call until each GEMM shape had its
+  /// algorithm, the shapes still measuring after them (0 when all were chosen), and the
+  /// context's gpu::Context::gemm_report().
+  std::optional<int> gemm_settle_rounds;
+  int gemm_shapes_unsettled = 0;
+  std::string gemm_choices;
   /// Preference losses: the same floor GEMMs over the valid rows only (the engine skips each
   /// sequence's prompt and padding), median of per-run sums.
   std::optional<double> valid_floor_ms;

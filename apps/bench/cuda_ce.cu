@@ -17,7 +17,8 @@
 namespace chunkloss::bench {
 namespace {
 
-constexpr int kIgnoreEvery = 7;  // one row in 7 ignored
+constexpr int kIgnoreEvery = 7;       // one row in 7 ignored
+constexpr int kMaxSettleRounds = 64;  // warm-up rounds at most under measured GEMM selection
 
 }  // namespace
 
@@ -34,7 +35,8 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
   const cudaDataType_t ct = bf16 ? CUDA_R_16BF : CUDA_R_32F;
 
   const std::size_t before_ctx = free_bytes();
-  gpu::Context ctx(0);
+  gpu::Context ctx(0, nullptr,
+                   c.measured_gemms ? gpu::GemmSelection::kMeasured : gpu::GemmSelection::kDefault);
   const std::size_t context_bytes = before_ctx - free_bytes();
   auto s = static_cast<cudaStream_t>(ctx.stream());
 
@@ -67,9 +69,11 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
   res.reduction = "mean";
   res.valid_rows = valid;
 
-  // The floor: the three GEMMs at full size, gradient operand of the input dtype. Its logits
-  // buffer lives through the timed rounds, which alternate the floor and the library.
+  // The floor: the three GEMMs at full size, gradient operand of the input dtype, through the
+  // context's GEMM selection as the library's. Its logits buffer lives through the timed rounds,
+  // which alternate the floor and the library. gm: the naive's GEMMs, cuBLAS's own choice.
   Gemms gm{static_cast<cublasHandle_t>(ctx.cublas()), ct, ct};
+  Gemms fm{gm.h, ct, ct, &ctx};
   auto z = std::make_unique<gpu::DeviceBuffer>(n * v * es);
   // The floor's three GEMMs run back to back, as the library runs its GEMMs; events between
   // them, one set per call (the warm-up and each round), give each GEMM's time.
@@ -77,16 +81,20 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
   for (auto& m : marks)
     for (cudaEvent_t& e : m) BENCH_CHECK(cudaEventCreate(&e));
   std::size_t floor_calls = 0;
-  auto floor = [&] {
-    const auto& m = marks[floor_calls++];
-    BENCH_CHECK(cudaEventRecord(m[0], s));
-    gm.logits(x.data(), w.data(), z->data(), int(n), int(h), int(v), ct, CUBLAS_COMPUTE_32F);
-    BENCH_CHECK(cudaEventRecord(m[1], s));
-    gm.dx(z->data(), w.data(), dx.data(), int(n), int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F);
-    BENCH_CHECK(cudaEventRecord(m[2], s));
-    gm.dw(z->data(), x.data(), dw.data(), int(n), int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F);
-    BENCH_CHECK(cudaEventRecord(m[3], s));
+  // With marks (the warm-up and the timed rounds) or without (settling the GEMM selection).
+  auto floor_gemms = [&](const std::array<cudaEvent_t, 4>* m) {
+    const auto mark = [&](int i) {
+      if (m) BENCH_CHECK(cudaEventRecord((*m)[i], s));
+    };
+    mark(0);
+    fm.logits(x.data(), w.data(), z->data(), int(n), int(h), int(v), ct, CUBLAS_COMPUTE_32F);
+    mark(1);
+    fm.dx(z->data(), w.data(), dx.data(), int(n), int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F);
+    mark(2);
+    fm.dw(z->data(), x.data(), dw.data(), int(n), int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F);
+    mark(3);
   };
+  auto floor = [&] { floor_gemms(&marks[floor_calls++]); };
   const char* floor_names[] = {"logits X W^T", "dX = G W", "dW = G^T X"};
 
   // The library.
@@ -122,15 +130,15 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
     for (std::int64_t r0 = 0; r0 < n; r0 += cr) {
       const int rows = static_cast<int>(std::min(n, r0 + cr) - r0);
       const auto* xr = static_cast<const unsigned char*>(x.data()) + r0 * h * es;
-      gm.logits(xr, w.data(), chunk.data(), rows, int(h), int(v), CUDA_R_32F, CUBLAS_COMPUTE_32F);
+      fm.logits(xr, w.data(), chunk.data(), rows, int(h), int(v), CUDA_R_32F, CUBLAS_COMPUTE_32F);
       const int ldg = static_cast<int>(v * 4 / es);
       if (bf16)
-        gm.dx(chunk.data(), w.data(), chunk.as<unsigned char>() + v * 2, rows, int(h), int(v), ct,
+        fm.dx(chunk.data(), w.data(), chunk.as<unsigned char>() + v * 2, rows, int(h), int(v), ct,
               ct, CUDA_R_32F, CUBLAS_COMPUTE_32F, ldg, int(v));
       else
-        gm.dx(chunk.data(), w.data(), static_cast<unsigned char*>(dx.data()) + r0 * h * es, rows,
+        fm.dx(chunk.data(), w.data(), static_cast<unsigned char*>(dx.data()) + r0 * h * es, rows,
               int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F, ldg);
-      gm.dw(chunk.data(), xr, dw.data(), rows, int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F, ldg,
+      fm.dw(chunk.data(), xr, dw.data(), rows, int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F, ldg,
             r0 > 0);
     }
   };
@@ -141,7 +149,6 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
   res.extra_measured = {before_ws - free_bytes(),
                         "cudaMemGetInfo: free before allocating the workspace minus free after the "
                         "first call"};
-  const double first_loss = res.loss_value;
   std::vector<std::function<void()>> variants = {floor};
   if (do_chunked) variants.emplace_back(chunked_floor);
   // --phases: the loss with only some gradients, in the same rounds.
@@ -152,6 +159,22 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
   if (c.phases) phases = {{"loss only", {}}, {"dX only", only_dx}, {"dW only", only_dw}};
   for (const auto& [name, g] : phases)
     variants.emplace_back([&ce, &ctx, &in, &wsv, &g] { ce.forward_backward(ctx, in, g, {}, wsv); });
+  if (c.measured_gemms) {
+    // Every timed call, the floor without its marks, until each GEMM shape has its algorithm.
+    std::vector<std::function<void()>> settle = variants;
+    settle[0] = [&] { floor_gemms(nullptr); };
+    settle.emplace_back([&] { ce.forward_backward(ctx, in, gr, {}, wsv); });
+    int rounds = 0;
+    for (; ctx.gemm_shapes_measuring() > 0 && rounds < kMaxSettleRounds; ++rounds) {
+      for (const auto& fn : settle) fn();
+      ctx.synchronize();
+    }
+    res.gemm_settle_rounds = rounds;
+    res.gemm_shapes_unsettled = ctx.gemm_shapes_measuring();
+    res.gemm_choices = ctx.gemm_report();
+    res.loss_value = ce.forward_backward(ctx, in, gr, {}, wsv).loss;
+  }
+  const double first_loss = res.loss_value;
   variants.emplace_back([&] {
     res.loss_value = ce.forward_backward(ctx, in, gr, {}, wsv).loss;
     res.loss_repeatable = res.loss_repeatable && res.loss_value == first_loss;

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <chunkloss/core/error.h>
+#include <chunkloss/gpu/gemm.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -92,10 +93,13 @@ double time_ms(cudaStream_t s, int repeats, Fn&& fn, std::vector<double>* sample
 }
 
 /// Row-major cuBLAS GEMMs: Z[N, V] = X W^T; dX[N, H] = G W; dW[V, H] = G^T X (see
-/// lib/gpu/src/gemm.cpp); `in` is the dtype of X and W for the logits GEMM.
+/// lib/gpu/src/gemm.cpp); `in` is the dtype of X and W for the logits GEMM. With `ctx`, the
+/// fp32-accumulating ones go through its algorithm selection (gpu::gemm_column_major), as the
+/// library's GEMMs do.
 struct Gemms {
   cublasHandle_t h;
   cudaDataType_t in, out;
+  const gpu::Context* ctx = nullptr;
   void logits(const void* x, const void* w, void* z, int n, int hd, int v, cudaDataType_t zt,
               cublasComputeType_t ct) {
     call(CUBLAS_OP_T, CUBLAS_OP_N, v, n, hd, w, in, x, in, z, zt, v, ct);
@@ -122,6 +126,14 @@ struct Gemms {
     const bool f64 = ct == CUBLAS_COMPUTE_64F;
     const int lda = ta == CUBLAS_OP_T ? k : m;
     if (ldb == 0) ldb = tb == CUBLAS_OP_T ? n : k;
+    if (ctx && ct == CUBLAS_COMPUTE_32F && at == bt) {
+      const auto dtype = [](cudaDataType_t t) {
+        return t == CUDA_R_32F ? DType::kF32 : DType::kBF16;
+      };
+      gpu::gemm_column_major(*ctx, ta == CUBLAS_OP_T, tb == CUBLAS_OP_T, m, n, k, a, lda, b, ldb,
+                             dtype(at), c, ldc, dtype(ctype), accumulate ? 1.0f : 0.0f);
+      return;
+    }
     const void* beta = f64 ? (accumulate ? static_cast<const void*>(&one) : &zero)
                            : (accumulate ? static_cast<const void*>(&onef) : &zerof);
     BENCH_CHECK(cublasGemmEx(h, ta, tb, m, n, k, f64 ? static_cast<const void*>(&one) : &onef, a,

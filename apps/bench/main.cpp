@@ -84,6 +84,7 @@ std::string case_command(const std::string& prog, const CaseConfig& c) {
   if (c.phases) w.emplace_back("--phases");
   if (c.fp32_weight_grad_accumulator) w.emplace_back("--fp32-dw-accum");
   if (c.exact) w.emplace_back("--exact");
+  if (c.measured_gemms) w.insert(w.end(), {"--gemm-selection", "measured"});
   return apps::shell_join(w);
 }
 
@@ -121,6 +122,7 @@ Cli parse(int argc, char** argv) {
     ("phases", po::bool_switch()->default_value(false, "off"), "cuda ce: also time the loss with no gradients, with dX only and with dW only, in the same rounds (what each gradient adds)")
     ("logits-dtype", po::value<std::string>()->default_value("f32"), "f32|bf16: the loss's logits chunk (bf16: the opt-in speed/memory mode, cuda only)")
     ("fp32-dw-accum", po::bool_switch()->default_value(false, "off"), "accumulate dW in an fp32 workspace buffer (V*H*4 bytes on top of the budget; matters for bf16)")
+    ("gemm-selection", po::value<std::string>()->default_value("default"), "cuda ce: default (cuBLAS's own algorithm per GEMM shape) | measured (gpu::GemmSelection::kMeasured: cuBLAS's and cuBLASLt's candidates timed on the first calls of each shape, the fastest kept; the floor and the loss alike, warmed up until every shape has its algorithm)")
     ("exact", po::bool_switch()->default_value(false, "off"), "also compare the loss and gradients with a float64 computation on the same input values (ce: cuda; preference losses: cpu and cuda)");
   // clang-format on
   po::variables_map vm;
@@ -158,6 +160,12 @@ Cli parse(int argc, char** argv) {
     throw apps::UsageError("--chunked-floor is for --loss ce");
   if (vm["phases"].as<bool>() && (pref || vm["device"].as<std::string>() != "cuda"))
     throw apps::UsageError("--phases is for --loss ce --device cuda");
+  const std::string selection = vm["gemm-selection"].as<std::string>();
+  if (selection != "default" && selection != "measured")
+    throw apps::UsageError("--gemm-selection: '" + selection + "' is not default or measured");
+  base.measured_gemms = selection == "measured";
+  if (base.measured_gemms && (pref || vm["device"].as<std::string>() != "cuda"))
+    throw apps::UsageError("--gemm-selection measured is for --loss ce --device cuda");
   if (base.loss != "dpo" && given("dpo-loss"))
     throw apps::UsageError("--dpo-loss is for --loss dpo");
   base.prompt_frac = vm["prompt-frac"].as<double>();

@@ -60,6 +60,15 @@ std::string case_details(const CaseRecord& rec) {
     os << "  floor at the plan's " << r.plan.chunk_rows
        << "-row chunks: " << fmt("%.2f", *r.chunked_floor_ms) << " ms (ratio "
        << fmt("%.3f", r.time_ms / *r.chunked_floor_ms) << " of the loss over it)\n";
+  if (r.gemm_settle_rounds) {
+    os << "  GEMM algorithms measured (gpu::GemmSelection::kMeasured): " << *r.gemm_settle_rounds
+       << " warm-up rounds of every timed call";
+    if (r.gemm_shapes_unsettled)
+      os << "; " << r.gemm_shapes_unsettled << " shapes still measuring after them";
+    os << "\n";
+    std::istringstream lines(r.gemm_choices);
+    for (std::string line; std::getline(lines, line);) os << "    " << line << "\n";
+  }
   if (!r.phase_ms.empty()) {
     os << "  the loss with some gradients:";
     for (const auto& [name, ms] : r.phase_ms) os << " " << name << " " << fmt("%.2f", ms) << " ms;";
@@ -183,6 +192,10 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   for (const auto& [name, ms] : r.gemm_ms) j["gemm_" + name + "_ms"] = ms;
   j["chunked_floor_ms"] = opt(r.chunked_floor_ms);
   for (const auto& [name, ms] : r.phase_ms) j["phase_" + name + "_ms"] = ms;
+  j["gemm_selection"] = r.gemm_settle_rounds ? "measured" : "default";
+  j["gemm_settle_rounds"] = opt(r.gemm_settle_rounds);
+  j["gemm_shapes_unsettled"] = r.gemm_shapes_unsettled;
+  j["gemm_choices"] = r.gemm_choices;
   j["valid_floor_ms"] = opt(r.valid_floor_ms);
   j["ratio_valid"] = r.valid_floor_ms ? nlohmann::json(r.time_ms / *r.valid_floor_ms) : nullptr;
   j["extra_measured_bytes"] = r.extra_measured.bytes;

@@ -5,10 +5,12 @@
 # also times the library's own GEMMs over its chunks, so a ratio splits into the chunking's share
 # and the epilogue's; --phases also times the loss with no gradients, dX only and dW only, so each
 # gradient's share shows. OUT/gpu-trace.csv samples the clocks, power and throttle reasons while it
-# runs. About 3-4 minutes of GPU time at REPEATS=10.
+# runs. About 3-4 minutes of GPU time at REPEATS=10. GEMMS=measured runs every case with
+# --gemm-selection measured (the context times cuBLAS's and cuBLASLt's candidates per GEMM shape;
+# the floor's GEMMs alike).
 #
 #   apps/bench/run_ce_gpu.sh OUT_DIR [path/to/chunkloss-bench]
-#   (env: REPEATS, default 10)
+#   (env: REPEATS, default 10; GEMMS, default or measured, default default)
 set -u
 source "$(dirname "$0")/gpu_cases.sh"
 parse_case_args "$@"
@@ -20,8 +22,10 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
 trace=$!
 trap 'kill $trace 2>/dev/null' EXIT
 
-ce=(--loss ce --device cuda --dtype bf16 --repeats "$repeats")
-run smoke --loss ce --device cuda --dtype bf16 --rows 512 --hidden 256 --vocab 4096 --repeats 1
+sel=(--gemm-selection "${GEMMS:-default}")
+ce=(--loss ce --device cuda --dtype bf16 --repeats "$repeats" "${sel[@]}")
+run smoke --loss ce --device cuda --dtype bf16 --rows 512 --hidden 256 --vocab 4096 --repeats 1 \
+  "${sel[@]}"
 
 # The issue's table, each with the chunked floor.
 run ce-8192x4096x128256-1g "${ce[@]}" --rows 8192 --hidden 4096 --vocab 128256 \
@@ -41,7 +45,7 @@ run exact-bf16-4096x4096x128256 "${ce[@]}" --rows 4096 --hidden 4096 --vocab 128
   --budget-mib 1024 --exact
 run exact-bf16-4096x4096x128256-fp32dw "${ce[@]}" --rows 4096 --hidden 4096 --vocab 128256 \
   --budget-mib 1024 --exact --fp32-dw-accum --no-naive
-run exact-f32-4096x4096x32768 --loss ce --device cuda --dtype f32 --repeats "$repeats" \
+run exact-f32-4096x4096x32768 --loss ce --device cuda --dtype f32 --repeats "$repeats" "${sel[@]}" \
   --rows 4096 --hidden 4096 --vocab 32768 --budget-mib 1024 --exact
 
 summarize "chunkloss-bench cross-entropy cases"

@@ -45,6 +45,7 @@ struct Settings {
   model::LlamaConfig config;
   std::uint64_t seed = 0;
   std::string device = "cpu";
+  bool measured_gemms = false;
   int threads = 1;
   std::string init, resume, save, metrics, chart;
   std::int64_t steps = 0, batch_size = 0, grad_accum = 1, log_every = 0, save_every = 0;
@@ -79,6 +80,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("config", po::value<std::string>()->default_value("", "none"), "read options from this INI file (key = value, keys are the long option names; the command line wins)")
     ("loss", po::value<std::string>()->default_value("ce"), "ce (SFT) | dpo | orpo | simpo | cpo | kto")
     ("device", po::value<std::string>()->default_value("cpu"), "where the loss runs: cpu | cuda (CUDA device 0; each step's hidden states and lm_head are copied there and the gradients back; the model layer runs on the CPU)")
+    ("gemm-selection", po::value<std::string>()->default_value("default"), "with --device cuda: default (cuBLAS's own algorithm for each GEMM shape, the same bits in every run) | measured (cuBLAS's and cuBLASLt's candidates timed on each shape's first calls, the fastest kept: faster on large heads, exact, but bits may differ between runs)")
     ("threads", po::value<int>()->default_value(1), "CPU threads for the model and the loss (0: all cores; the bundled model is too small to gain from more than 1)")
     ("seed", po::value<std::uint64_t>()->default_value(0), "seed of the model init and the data order");
   po::options_description data_opts("Data");
@@ -155,6 +157,12 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.device = vm["device"].as<std::string>();
   if (const std::string bad = LossDevice::usage_error(s.device); !bad.empty())
     throw apps::UsageError(bad);
+  const std::string selection = vm["gemm-selection"].as<std::string>();
+  if (selection != "default" && selection != "measured")
+    throw apps::UsageError("--gemm-selection: '" + selection + "' is not default or measured");
+  s.measured_gemms = selection == "measured";
+  if (s.measured_gemms && s.device != "cuda")
+    throw apps::UsageError("--gemm-selection measured is for --device cuda");
   s.threads = in_range<int>(vm, "threads", 0, 4096);
   s.seed = vm["seed"].as<std::uint64_t>();
 
@@ -302,7 +310,7 @@ int run(const Settings& s, const std::string& invocation) {
   }
 
   std::fprintf(stderr, "%s: %s\n", kProg, policy->summary().c_str());
-  LossDevice device(s.device, s.threads);
+  LossDevice device(s.device, s.threads, s.measured_gemms);
   std::unique_ptr<Trainer> trainer = make_trainer(s, device, std::move(reference));
   const data::BatchSampler sampler(trainer->size(), static_cast<std::size_t>(s.batch_size), s.seed);
   const std::int64_t per_epoch = static_cast<std::int64_t>(sampler.batches_per_epoch());

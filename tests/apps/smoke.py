@@ -7,7 +7,8 @@ CASE is one of: sft (a few SFT steps from a new model: the loss goes down, the m
 one line per step, the chart is written), dpo|orpo|simpo|cpo|kto (a few steps from the sft
 case's checkpoint: the loss goes down), resume (12 steps straight == 7 steps, save, resume, 5
 more; bitwise), eval (chunkloss-eval --json on the sft checkpoint), usage (bad options: one line,
-exit code 2), cuda (ctest label gpu: SFT then DPO with the loss on the GPU, step by step within
+exit code 2), cuda (ctest label gpu: SFT then DPO (measured GEMM algorithms) with the loss on the
+GPU, step by step within
 1e-4 of the CPU run; exits with 77, skipped, where there is no CUDA backend or device).
 """
 import json
@@ -120,6 +121,8 @@ def main():
     elif case == "usage":
         for cmd in ([train, "--no-such-option"], [train, "--loss", "nope"],
                     [train, "--steps", "0"], [train, "--device", "tpu"],
+                    [train, "--gemm-selection", "measured"],
+                    [train, "--device", "cuda", "--gemm-selection", "fastest"],
                     [train, "--init", sft, "--hidden-size", "8"], [evaluate],
                     [evaluate, "--model", sft, "--beta", "-1"]):
             p = run(cmd, expect=2)
@@ -165,12 +168,14 @@ def cuda_case(train, evaluate, work, small):
         if p.returncode != 0:
             fail("--device %s sft exited %d:\n%s" % (dev, p.returncode, p.stderr))
         runs[dev] = [losses(os.path.join(sft, "metrics.jsonl"))]
-    # DPO from the CPU's SFT model on both, the reference's log-probs on the loss's device.
+    # DPO from the CPU's SFT model on both, the reference's log-probs on the loss's device; on
+    # the GPU with measured GEMM algorithms (exact too, so the same tolerance).
     for dev in ("cuda", "cpu"):
         dpo = os.path.join(work, "cuda-check-" + dev, "dpo")
         run([train, "--device", dev, "--loss", "dpo", "--init",
              os.path.join(work, "cuda-check-cpu", "sft"), "--steps", "16",
-             "--warmup-steps", "0", "--lr", "3e-3", "--batch-size", "16", "--save", dpo])
+             "--warmup-steps", "0", "--lr", "3e-3", "--batch-size", "16", "--save", dpo] +
+            (["--gemm-selection", "measured"] if dev == "cuda" else []))
         runs[dev].append(losses(os.path.join(dpo, "metrics.jsonl")))
     check_went_down(os.path.join(work, "cuda-check-cuda", "sft", "metrics.jsonl"), 40)
     check_went_down(os.path.join(work, "cuda-check-cuda", "dpo", "metrics.jsonl"), 16)

@@ -41,6 +41,7 @@ init=/tmp/chunkloss-smoke/cuda-check-cpu/sft  # the smoke test's SFT model, or a
   --save "$init" >/dev/null 2>&1
 check memcheck_train "${san[@]}" --tool memcheck "$train" --device cuda \
   --loss dpo --init "$init" --steps 2 --warmup-steps 0 --batch-size 4 --save /tmp/chunkloss-memcheck
+check memcheck_measured "${san[@]}" --tool memcheck "$ce" -tc='gpu: measured*'
 check memcheck_ce "${san[@]}" --tool memcheck "$ce" \
   -tc='gpu: shapes*,gpu: all rows*,gpu: out-of-range*,gpu: results left*'
 check memcheck_pref "${san[@]}" --tool memcheck "$pref" \

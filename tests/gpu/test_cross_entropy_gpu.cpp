@@ -1,6 +1,7 @@
 // GPU suite of LinearCrossEntropy: the CUDA path against the CPU path (itself checked against
 // the float64 oracle) on the same inputs, every option, both loop orders, fp32 and bf16, odd
-// shapes, budget invariance, bitwise run-to-run equality, all-ignored rows and bad targets.
+// shapes, budget invariance, bitwise run-to-run equality, measured GEMM selection (every call
+// exact, then bitwise repeatable), all-ignored rows and bad targets.
 // Skips itself, with a message, when no CUDA device exists.
 #include <doctest/doctest.h>
 
@@ -11,6 +12,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -87,9 +89,10 @@ std::vector<float> as_floats(const std::vector<unsigned char>& raw, DType t) {
   return f;
 }
 
-// Runs one call on `dev` with gradient buffers pre-filled with `prefill` (for accumulate).
+// Runs one call on `dev` with gradient buffers pre-filled with `prefill` (for accumulate); on
+// CUDA in `shared` when given, else in a fresh context.
 Outcome run(const Problem& p, const HostData& d, const CrossEntropyOptions& o, Device dev,
-            bool grads = true, bool accumulate = false) {
+            bool grads = true, bool accumulate = false, gpu::Context* shared = nullptr) {
   const std::size_t es = dtype_size(p.dtype);
   const std::int64_t n = p.n, h = p.h, v = p.v;
   std::vector<unsigned char> dx0(static_cast<std::size_t>(n * h) * es),
@@ -158,7 +161,8 @@ Outcome run(const Problem& p, const HostData& d, const CrossEntropyOptions& o, D
   res.plan = ce.plan(in, gr);
   const std::size_t wsb = res.plan.workspace_bytes();
   if (dev == Device::kCuda) {
-    gpu::Context ctx(0);
+    std::optional<gpu::Context> own;
+    gpu::Context& ctx = shared ? *shared : own.emplace(0);
     gpu::DeviceBuffer ws(wsb);
     res.r = ce.forward_backward(ctx, in, gr, out, Workspace(ws.data(), wsb, Device::kCuda));
   } else {
@@ -197,10 +201,9 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
-void compare(const Problem& p, const CrossEntropyOptions& o, bool accumulate = false) {
-  const HostData d = make_data(p);
-  const Outcome c = run(p, d, o, Device::kCpu, true, accumulate);
-  const Outcome g = run(p, d, o, Device::kCuda, true, accumulate);
+// The GPU outcome `g` against the CPU path's `c` on the same problem and options.
+void check_close(const Problem& p, const CrossEntropyOptions& o, const Outcome& g,
+                 const Outcome& c) {
   const bool f32 = p.dtype == DType::kF32;
   // bf16: both paths round the same fp32 gradients to bf16 (1 ulp = 2^-8 relative); a bf16 dW
   // summed over several chunks also rounds each partial sum, which cancellation can amplify.
@@ -222,6 +225,19 @@ void compare(const Problem& p, const CrossEntropyOptions& o, bool accumulate = f
   int differ = 0;
   for (std::size_t i = 0; i < c.pred.size(); ++i) differ += c.pred[i] != g.pred[i];
   CHECK(differ <= static_cast<int>(c.pred.size() / 100));
+}
+
+void compare(const Problem& p, const CrossEntropyOptions& o, bool accumulate = false) {
+  const HostData d = make_data(p);
+  check_close(p, o, run(p, d, o, Device::kCuda, true, accumulate),
+              run(p, d, o, Device::kCpu, true, accumulate));
+}
+
+bool bitwise_equal(const Outcome& a, const Outcome& b) {
+  const auto same = [](const std::vector<float>& x, const std::vector<float>& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * 4) == 0;
+  };
+  return a.r.loss == b.r.loss && same(a.dx, b.dx) && same(a.dw, b.dw) && same(a.db, b.db);
 }
 
 }  // namespace
@@ -343,10 +359,7 @@ TEST_CASE("gpu: bitwise run-to-run equality and budget invariance") {
   const HostData d = make_data(p);
   CrossEntropyOptions o;
   const Outcome a = run(p, d, o, Device::kCuda), b = run(p, d, o, Device::kCuda);
-  CHECK(a.r.loss == b.r.loss);
-  CHECK(std::memcmp(a.dx.data(), b.dx.data(), a.dx.size() * 4) == 0);
-  CHECK(std::memcmp(a.dw.data(), b.dw.data(), a.dw.size() * 4) == 0);
-  CHECK(std::memcmp(a.db.data(), b.db.data(), a.db.size() * 4) == 0);
+  CHECK(bitwise_equal(a, b));
   o.memory_budget_bytes = 128 * 8192 * 4 + 200000;
   o.fp32_weight_grad_accumulator = true;
   const Outcome c = run(p, d, o, Device::kCuda);
@@ -354,6 +367,45 @@ TEST_CASE("gpu: bitwise run-to-run equality and budget invariance") {
   CHECK(std::abs(c.r.loss - a.r.loss) <= 1e-5 * std::abs(a.r.loss));
   CHECK(rel_err(c.dx, a.dx) <= 1e-2);
   CHECK(rel_err(c.dw, a.dw) <= 1e-2);
+}
+
+TEST_CASE(
+    "gpu: measured GEMM selection: every call matches the CPU path; then one algorithm a "
+    "shape, bitwise repeatable") {
+  if (!have_gpu()) return;
+  gpu::Context ctx(0, nullptr, gpu::GemmSelection::kMeasured);
+  CHECK(ctx.gemm_selection() == gpu::GemmSelection::kMeasured);
+  const gpu::Context plain(0);
+  CHECK(plain.gemm_selection() == gpu::GemmSelection::kDefault);
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    // Several chunks: dW GEMMs with beta 0, beta 1 and the mean's device scalars, a shorter last
+    // chunk; odd H and V put operands and outputs at 2- and 4-byte alignments.
+    for (const Problem& p : {Problem{600, 256, 4096, t, true}, Problem{300, 123, 507, t}}) {
+      CAPTURE(p.n);
+      CAPTURE(dtype_name(t));
+      const HostData d = make_data(p);
+      CrossEntropyOptions o;
+      o.memory_budget_bytes = 128 * p.v * 4 + 100000;  // chunks of 64 or 128 rows
+      const Outcome c = run(p, d, o, Device::kCpu);
+      int calls = 0;
+      do {
+        const Outcome g = run(p, d, o, Device::kCuda, true, false, &ctx);
+        CHECK(g.plan.num_chunks > 2);
+        check_close(p, o, g, c);
+        ctx.synchronize();
+      } while (++calls < 64 && ctx.gemm_shapes_measuring() > 0);
+      CHECK(ctx.gemm_shapes_measuring() == 0);
+      const Outcome a = run(p, d, o, Device::kCuda, true, false, &ctx),
+                    b = run(p, d, o, Device::kCuda, true, false, &ctx);
+      CHECK(bitwise_equal(a, b));
+      check_close(p, o, a, c);
+    }
+  }
+  const std::string report = ctx.gemm_report();
+  INFO(report);
+  CHECK(report.find("measuring") == std::string::npos);
+  CHECK(report.find("device scalars") != std::string::npos);
+  CHECK(plain.gemm_report().empty());
 }
 
 TEST_CASE("gpu: all rows ignored gives loss 0 and zero gradients; forward only") {

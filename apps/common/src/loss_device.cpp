@@ -61,13 +61,15 @@ struct LossDevice::Impl {
   }
 };
 
-LossDevice::LossDevice(const std::string& device, int threads) : impl_(std::make_unique<Impl>()) {
+LossDevice::LossDevice(const std::string& device, int threads, [[maybe_unused]] bool measured_gemms)
+    : impl_(std::make_unique<Impl>()) {
   const std::string bad = usage_error(device);
   CHUNKLOSS_CHECK(bad.empty(), bad);
 #if CHUNKLOSS_APPS_CUDA
   if (device == "cuda") {
     CHUNKLOSS_CHECK(gpu::device_count() > 0, "--device cuda: no CUDA device is visible");
-    impl_->gpu = std::make_unique<gpu::Context>(0);
+    impl_->gpu = std::make_unique<gpu::Context>(
+        0, nullptr, measured_gemms ? gpu::GemmSelection::kMeasured : gpu::GemmSelection::kDefault);
     return;
   }
 #endif

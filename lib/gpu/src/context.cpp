@@ -2,6 +2,7 @@
 #include "chunkloss/gpu/context.h"
 
 #include "chunkloss/gpu/check.h"
+#include "gemm_selector.h"
 
 namespace chunkloss::gpu {
 
@@ -15,9 +16,11 @@ struct Context::Impl {
   bool owns_stream = false;
   cublasHandle_t cublas = nullptr;
   void* cublas_ws = nullptr;
+  std::unique_ptr<GemmSelector> selector;
 };
 
-Context::Context(int device, void* stream) : impl_(std::make_unique<Impl>()) {
+Context::Context(int device, void* stream, GemmSelection gemm_selection)
+    : impl_(std::make_unique<Impl>()) {
   const int n = device_count();
   CHUNKLOSS_CHECK(device >= 0 && device < n, "gpu::Context: device ", device, " does not exist (",
                   n, " CUDA devices visible)");
@@ -33,11 +36,14 @@ Context::Context(int device, void* stream) : impl_(std::make_unique<Impl>()) {
   CHUNKLOSS_GPU_CHECK(cublasSetStream(impl_->cublas, impl_->stream));
   CHUNKLOSS_GPU_CHECK(cudaMalloc(&impl_->cublas_ws, kCublasWorkspace));
   CHUNKLOSS_GPU_CHECK(cublasSetWorkspace(impl_->cublas, impl_->cublas_ws, kCublasWorkspace));
+  impl_->selector = std::make_unique<GemmSelector>(gemm_selection, impl_->cublas, impl_->stream,
+                                                   impl_->cublas_ws, kCublasWorkspace);
 }
 
 Context::~Context() {
   (void)cudaSetDevice(impl_->device);
   if (impl_->stream) (void)cudaStreamSynchronize(impl_->stream);
+  impl_->selector.reset();
   if (impl_->cublas) (void)cublasDestroy(impl_->cublas);
   if (impl_->cublas_ws) (void)cudaFree(impl_->cublas_ws);
   if (impl_->owns_stream) (void)cudaStreamDestroy(impl_->stream);
@@ -48,6 +54,10 @@ void* Context::stream() const { return impl_->stream; }
 void* Context::cublas() const { return impl_->cublas; }
 void Context::activate() const { CHUNKLOSS_GPU_CHECK(cudaSetDevice(impl_->device)); }
 void Context::synchronize() const { CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(impl_->stream)); }
+GemmSelection Context::gemm_selection() const { return impl_->selector->mode(); }
+int Context::gemm_shapes_measuring() const { return impl_->selector->shapes_measuring(); }
+std::string Context::gemm_report() const { return impl_->selector->report(); }
+GemmSelector& Context::gemm_selector() const { return *impl_->selector; }
 
 int device_count() {
   int n = 0;

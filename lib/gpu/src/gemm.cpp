@@ -1,8 +1,9 @@
-// Row-major GEMMs through cublasGemmEx: a row-major C = op(A) op(B) is the column-major
-// C^T = op(B)^T op(A)^T, so the operands swap and keep their transposes.
+// Row-major GEMMs through the context's GemmSelector: a row-major C = op(A) op(B) is the
+// column-major C^T = op(B)^T op(A)^T, so the operands swap and keep their transposes.
 #include "chunkloss/gpu/gemm.h"
 
 #include "chunkloss/gpu/check.h"
+#include "gemm_selector.h"
 
 namespace chunkloss::gpu {
 namespace {
@@ -13,10 +14,10 @@ cudaDataType_t cuda_type(DType t) {
   return t == DType::kF32 ? CUDA_R_32F : CUDA_R_16BF;
 }
 
-// The one cublasGemmEx call; alpha and beta point to host or device memory per `mode`.
+// The row-major GEMM in its column-major form; alpha and beta point to host or device memory.
 void gemm_impl(const Context& ctx, const Matrix& a, bool trans_a, const Matrix& b, bool trans_b,
                void* c, DType c_dtype, std::int64_t ldc, const float* alpha, const float* beta,
-               cublasPointerMode_t mode) {
+               bool device_scalars) {
   CHUNKLOSS_CHECK(a.dtype == b.dtype, "gpu::gemm: A is ", dtype_name(a.dtype), ", B is ",
                   dtype_name(b.dtype));
   const std::int64_t m = trans_a ? a.cols : a.rows;  // rows of C
@@ -24,17 +25,11 @@ void gemm_impl(const Context& ctx, const Matrix& a, bool trans_a, const Matrix& 
   const std::int64_t n = trans_b ? b.rows : b.cols;  // cols of C
   CHUNKLOSS_CHECK(k == (trans_b ? b.cols : b.rows), "gpu::gemm: inner dimensions ", k, " and ",
                   trans_b ? b.cols : b.rows, " differ");
-  auto h = static_cast<cublasHandle_t>(ctx.cublas());
-  CHUNKLOSS_GPU_CHECK(cublasSetPointerMode(h, mode));
   // Column-major: C^T [n, m] = op(B)^T [n, k] * op(A)^T [k, m].
-  const cublasStatus_t st =
-      cublasGemmEx(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                   static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), alpha, b.data,
-                   cuda_type(b.dtype), static_cast<int>(b.ld), a.data, cuda_type(a.dtype),
-                   static_cast<int>(a.ld), beta, c, cuda_type(c_dtype), static_cast<int>(ldc),
-                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  CHUNKLOSS_GPU_CHECK(cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST));
-  CHUNKLOSS_GPU_CHECK(st);
+  ctx.gemm_selector().run({trans_b, trans_a, static_cast<int>(n), static_cast<int>(m),
+                           static_cast<int>(k), b.data, static_cast<int>(b.ld), a.data,
+                           static_cast<int>(a.ld), cuda_type(a.dtype), c, static_cast<int>(ldc),
+                           cuda_type(c_dtype), alpha, beta, device_scalars});
 }
 
 }  // namespace
@@ -42,13 +37,21 @@ void gemm_impl(const Context& ctx, const Matrix& a, bool trans_a, const Matrix& 
 void gemm(const Context& ctx, const Matrix& a, bool trans_a, const Matrix& b, bool trans_b, void* c,
           DType c_dtype, std::int64_t ldc, float beta) {
   const float alpha = 1.0f;
-  gemm_impl(ctx, a, trans_a, b, trans_b, c, c_dtype, ldc, &alpha, &beta, CUBLAS_POINTER_MODE_HOST);
+  gemm_impl(ctx, a, trans_a, b, trans_b, c, c_dtype, ldc, &alpha, &beta, false);
+}
+
+void gemm_column_major(const Context& ctx, bool trans_a, bool trans_b, int m, int n, int k,
+                       const void* a, int lda, const void* b, int ldb, DType ab_dtype, void* c,
+                       int ldc, DType c_dtype, float beta) {
+  const float alpha = 1.0f;
+  ctx.gemm_selector().run({trans_a, trans_b, m, n, k, a, lda, b, ldb, cuda_type(ab_dtype), c, ldc,
+                           cuda_type(c_dtype), &alpha, &beta, false});
 }
 
 void gemm_device_scalars(const Context& ctx, const Matrix& a, bool trans_a, const Matrix& b,
                          bool trans_b, void* c, DType c_dtype, std::int64_t ldc, const float* alpha,
                          const float* beta) {
-  gemm_impl(ctx, a, trans_a, b, trans_b, c, c_dtype, ldc, alpha, beta, CUBLAS_POINTER_MODE_DEVICE);
+  gemm_impl(ctx, a, trans_a, b, trans_b, c, c_dtype, ldc, alpha, beta, true);
 }
 
 }  // namespace chunkloss::gpu

@@ -20,9 +20,10 @@ namespace chunkloss::apps {
 /// views unspecified. Objects that keep a LossDevice& must not outlive it. Not thread-safe.
 class LossDevice {
  public:
-  /// `device` is "cpu" (`threads` CPU threads, 0 = all cores) or "cuda" (device 0). Throws
+  /// `device` is "cpu" (`threads` CPU threads, 0 = all cores) or "cuda" (device 0; its context
+  /// measures each GEMM shape's algorithm with `measured_gemms`, gpu::GemmSelection). Throws
   /// chunkloss::Error for "cuda" in a build without the CUDA backend or with no device.
-  LossDevice(const std::string& device, int threads);
+  LossDevice(const std::string& device, int threads, bool measured_gemms = false);
   ~LossDevice();
   LossDevice(const LossDevice&) = delete;
   LossDevice& operator=(const LossDevice&) = delete;

@@ -4,10 +4,29 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
 
 #include "chunkloss/core/context.h"
 
 namespace chunkloss::gpu {
+
+/// How a context picks the cuBLAS algorithm of each GEMM shape it runs.
+enum class GemmSelection {
+  /// cuBLAS's own choice (cublasGemmEx): the same algorithm, and so the same bits, in every run
+  /// and process.
+  kDefault,
+  /// Measured: the first calls of each shape (operand layouts, leading dimensions, alignments,
+  /// dtypes, scalar mode) run cuBLAS's own choice and up to 8 cuBLASLt heuristic candidates in
+  /// turn, two timed calls each (CUDA events, read later without waiting); from then on the
+  /// fastest serves that shape for the context's life. Every call computes the full GEMM with
+  /// fp32 accumulation (split-K only with fp32 partial sums), so results stay exact, but their
+  /// bits may differ between calls made while a shape is still being measured, and between
+  /// processes. The opt-in speed mode, in the spirit of cudnn.benchmark. While the stream is
+  /// being captured into a CUDA graph, unmeasured shapes run cuBLAS's own choice, untimed.
+  kMeasured,
+};
+
+class GemmSelector;  // internal (lib/gpu/src/gemm_selector.h)
 
 /// A CUDA context. Streams are passed as void* (a cudaStream_t); with `stream == nullptr` the
 /// context creates and owns a non-blocking stream. Work is enqueued on the stream; calls of the
@@ -15,7 +34,8 @@ namespace chunkloss::gpu {
 /// Throws chunkloss::Error when the device does not exist or CUDA/cuBLAS fail.
 class Context final : public chunkloss::Context {
  public:
-  explicit Context(int device = 0, void* stream = nullptr);
+  explicit Context(int device = 0, void* stream = nullptr,
+                   GemmSelection gemm_selection = GemmSelection::kDefault);
   ~Context() override;
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
@@ -30,6 +50,16 @@ class Context final : public chunkloss::Context {
   void activate() const;
   /// Waits for all work on the stream.
   void synchronize() const;
+
+  GemmSelection gemm_selection() const;
+  /// GemmSelection::kMeasured: the number of GEMM shapes seen whose algorithm is not chosen yet
+  /// (a shape is decided at its next call once its timed calls have finished); 0 otherwise.
+  int gemm_shapes_measuring() const;
+  /// One line per GEMM shape seen under kMeasured: the shape, the algorithm serving it and the
+  /// measured times (empty under kDefault).
+  std::string gemm_report() const;
+  /// The selector gpu::gemm runs its calls through (internal).
+  GemmSelector& gemm_selector() const;
 
  private:
   struct Impl;

@@ -1,5 +1,6 @@
-// GEMM wrapper over cublasGemmEx for the engine (internal): row-major operands of f32 or bf16,
-// fp32 accumulation (never TF32), selectable output dtype, beta for accumulation.
+// GEMM wrapper over cuBLAS for the engine (internal): row-major operands of f32 or bf16, fp32
+// accumulation (never TF32), selectable output dtype, beta for accumulation; each shape's
+// algorithm as the context's GemmSelection picks it.
 #pragma once
 
 #include <cstdint>
@@ -26,5 +27,12 @@ void gemm(const Context& ctx, const Matrix& a, bool trans_a, const Matrix& b, bo
 void gemm_device_scalars(const Context& ctx, const Matrix& a, bool trans_a, const Matrix& b,
                          bool trans_b, void* c, DType c_dtype, std::int64_t ldc, const float* alpha,
                          const float* beta);
+
+/// The column-major form gemm() issues (cuBLAS's convention, leading dimensions in elements):
+/// C[m, n] = op(A) op(B) + beta C with host scalars, through the same algorithm selection; for
+/// benchmarks that time bare GEMMs as the library runs them.
+void gemm_column_major(const Context& ctx, bool trans_a, bool trans_b, int m, int n, int k,
+                       const void* a, int lda, const void* b, int ldb, DType ab_dtype, void* c,
+                       int ldc, DType c_dtype, float beta);
 
 }  // namespace chunkloss::gpu
