@@ -165,10 +165,10 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
     settle[0] = [&] { floor_gemms(nullptr); };
     settle.emplace_back([&] { ce.forward_backward(ctx, in, gr, {}, wsv); });
     int rounds = 0;
-    for (; ctx.gemm_shapes_measuring() > 0 && rounds < kMaxSettleRounds; ++rounds) {
+    do {  // the first round also introduces the floor's shapes to the context
       for (const auto& fn : settle) fn();
       ctx.synchronize();
-    }
+    } while (++rounds < kMaxSettleRounds && ctx.gemm_shapes_measuring() > 0);
     res.gemm_settle_rounds = rounds;
     res.gemm_shapes_unsettled = ctx.gemm_shapes_measuring();
     res.gemm_choices = ctx.gemm_report();

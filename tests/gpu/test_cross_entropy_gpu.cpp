@@ -14,6 +14,7 @@
 #include <cstring>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -404,6 +405,16 @@ TEST_CASE(
   const std::string report = ctx.gemm_report();
   INFO(report);
   CHECK(report.find("measuring") == std::string::npos);
+  // Every cuBLASLt candidate launched (each call above was checked), and shapes had some.
+  int shapes = 0, clean = 0, several = 0;
+  std::istringstream lines(report);
+  for (std::string line; std::getline(lines, line); ++shapes) {
+    clean += line.find(" candidates, 0 failed to launch)") != std::string::npos;
+    several += line.find("(1 candidates") == std::string::npos;
+  }
+  CHECK(shapes > 10);
+  CHECK(clean == shapes);
+  CHECK(several > 0);
   CHECK(report.find("device scalars") != std::string::npos);
   CHECK(plain.gemm_report().empty());
 }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <sstream>
 
 #include "chunkloss/gpu/check.h"
@@ -55,18 +56,20 @@ GemmSelector::GemmSelector(GemmSelection mode, cublasHandle_t cublas, cudaStream
 
 // The owning context has synchronised its stream: every recorded event has completed.
 GemmSelector::~GemmSelector() {
-  for (auto& [key, s] : shapes_) {
-    for (const Timing& t : s.pending) {
-      (void)cudaEventDestroy(t.start);
-      (void)cudaEventDestroy(t.stop);
-    }
-    (void)cublasLtMatrixLayoutDestroy(s.la);
-    (void)cublasLtMatrixLayoutDestroy(s.lb);
-    (void)cublasLtMatrixLayoutDestroy(s.lc);
-    (void)cublasLtMatmulDescDestroy(s.desc);
-  }
+  for (auto& [key, s] : shapes_) destroy(s);
   for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
   if (lt_) (void)cublasLtDestroy(lt_);
+}
+
+void GemmSelector::destroy(Shape& s) {
+  for (const Timing& t : s.pending) {
+    (void)cudaEventDestroy(t.start);
+    (void)cudaEventDestroy(t.stop);
+  }
+  if (s.la) (void)cublasLtMatrixLayoutDestroy(s.la);
+  if (s.lb) (void)cublasLtMatrixLayoutDestroy(s.lb);
+  if (s.lc) (void)cublasLtMatrixLayoutDestroy(s.lc);
+  if (s.desc) (void)cublasLtMatmulDescDestroy(s.desc);
 }
 
 void GemmSelector::run(const GemmCall& g) {
@@ -75,15 +78,18 @@ void GemmSelector::run(const GemmCall& g) {
     return;
   }
   Shape& s = shape_of(key_of(g), g);
-  if (s.chosen < 0) collect(s);
+  if (s.chosen < 0) {
+    // A captured stream's events may be neither timed nor queried: cuBLAS's own choice, untimed.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CHUNKLOSS_GPU_CHECK(cudaStreamIsCapturing(stream_, &capture));
+    if (capture != cudaStreamCaptureStatusNone) {
+      run_gemm_ex(g);
+      return;
+    }
+    collect(s);
+  }
   if (s.chosen >= 0) {
     if (!launch(s, static_cast<std::size_t>(s.chosen), g)) run_gemm_ex(g);
-    return;
-  }
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  CHUNKLOSS_GPU_CHECK(cudaStreamIsCapturing(stream_, &capture));
-  if (capture != cudaStreamCaptureStatusNone) {
-    run_gemm_ex(g);
     return;
   }
   // The candidate with the fewest timed and pending calls (cuBLAS's own choice first on ties).
@@ -97,16 +103,27 @@ void GemmSelector::run(const GemmCall& g) {
       fewest = c.timed + c.in_flight;
     }
   }
-  const Timing t{next, event(), event()};
-  CHUNKLOSS_GPU_CHECK(cudaEventRecord(t.start, stream_));
-  if (!launch(s, next, g)) {
+  Timing t{next, event(), nullptr};
+  const auto release = [&] {
+    for (cudaEvent_t e : {t.start, t.stop})
+      if (e) free_events_.push_back(e);
+  };
+  bool launched = false;
+  try {
+    t.stop = event();
+    CHUNKLOSS_GPU_CHECK(cudaEventRecord(t.start, stream_));
+    launched = launch(s, next, g);
+    if (launched) CHUNKLOSS_GPU_CHECK(cudaEventRecord(t.stop, stream_));
+  } catch (...) {
+    release();
+    throw;
+  }
+  if (!launched) {
     s.candidates[next].failed = true;
-    free_events_.push_back(t.start);
-    free_events_.push_back(t.stop);
+    release();
     run_gemm_ex(g);
     return;
   }
-  CHUNKLOSS_GPU_CHECK(cudaEventRecord(t.stop, stream_));
   ++s.candidates[next].in_flight;
   s.pending.push_back(t);
 }
@@ -134,7 +151,10 @@ std::string GemmSelector::report() const {
     const Candidate& c = s.candidates[static_cast<std::size_t>(s.chosen)];
     os << c.what << " " << c.best_ms << " ms";
     if (s.chosen != 0) os << "; cuBLAS's own choice " << s.candidates[0].best_ms << " ms";
-    os << " (" << s.candidates.size() << " candidates)\n";
+    os << " (" << s.candidates.size() << " candidates, "
+       << std::count_if(s.candidates.begin(), s.candidates.end(),
+                        [](const Candidate& x) { return x.failed; })
+       << " failed to launch)\n";
   }
   return os.str();
 }
@@ -149,7 +169,17 @@ GemmSelector::Key GemmSelector::key_of(const GemmCall& g) {
 GemmSelector::Shape& GemmSelector::shape_of(const Key& key, const GemmCall& g) {
   const auto found = shapes_.find(key);
   if (found != shapes_.end()) return found->second;
-  Shape& s = shapes_[key];
+  Shape s;  // kept only once complete
+  try {
+    describe(s, key, g);
+  } catch (...) {
+    destroy(s);
+    throw;
+  }
+  return shapes_.emplace(key, std::move(s)).first->second;
+}
+
+void GemmSelector::describe(Shape& s, const Key& key, const GemmCall& g) {
   CHUNKLOSS_GPU_CHECK(cublasLtMatmulDescCreate(&s.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   set_desc(s.desc, CUBLASLT_MATMUL_DESC_TRANSA, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N);
   set_desc(s.desc, CUBLASLT_MATMUL_DESC_TRANSB, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
@@ -160,36 +190,33 @@ GemmSelector::Shape& GemmSelector::shape_of(const Key& key, const GemmCall& g) {
   CHUNKLOSS_GPU_CHECK(cublasLtMatrixLayoutCreate(&s.lb, g.ab_type, g.trans_b ? g.n : g.k,
                                                  g.trans_b ? g.k : g.n, g.ldb));
   CHUNKLOSS_GPU_CHECK(cublasLtMatrixLayoutCreate(&s.lc, g.c_type, g.m, g.n, g.ldc));
-  cublasLtMatmulPreference_t pref = nullptr;
-  CHUNKLOSS_GPU_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  cublasLtMatmulHeuristicResult_t found_algos[kHeuristics];
+  cublasLtMatmulPreference_t raw = nullptr;
+  CHUNKLOSS_GPU_CHECK(cublasLtMatmulPreferenceCreate(&raw));
+  const std::unique_ptr<cublasLtMatmulPreferenceOpaque_t,
+                        decltype(&cublasLtMatmulPreferenceDestroy)>
+      pref(raw, &cublasLtMatmulPreferenceDestroy);
+  set_pref(raw, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+           static_cast<std::uint64_t>(workspace_bytes_));
+  // Split-K partial sums in fp32 only (never added up in a bf16 output).
+  set_pref(raw, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+           static_cast<std::uint32_t>(CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE));
+  set_pref(raw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+           static_cast<std::uint32_t>(key.align_a));
+  set_pref(raw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+           static_cast<std::uint32_t>(key.align_b));
+  set_pref(raw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+           static_cast<std::uint32_t>(key.align_c));
+  set_pref(raw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+           static_cast<std::uint32_t>(key.align_c));
+  cublasLtMatmulHeuristicResult_t found[kHeuristics];
   int count = 0;
-  try {
-    set_pref(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-             static_cast<std::uint64_t>(workspace_bytes_));
-    // Split-K partial sums in fp32 only (never added up in a bf16 output).
-    set_pref(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-             static_cast<std::uint32_t>(CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE));
-    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-             static_cast<std::uint32_t>(key.align_a));
-    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-             static_cast<std::uint32_t>(key.align_b));
-    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-             static_cast<std::uint32_t>(key.align_c));
-    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-             static_cast<std::uint32_t>(key.align_c));
-    // No usable candidate is not an error: cuBLAS's own choice then serves alone.
-    if (cublasLtMatmulAlgoGetHeuristic(lt_, s.desc, s.la, s.lb, s.lc, s.lc, pref, kHeuristics,
-                                       found_algos, &count) != CUBLAS_STATUS_SUCCESS)
-      count = 0;
-  } catch (...) {
-    (void)cublasLtMatmulPreferenceDestroy(pref);
-    throw;
-  }
-  (void)cublasLtMatmulPreferenceDestroy(pref);
+  // No usable candidate is not an error: cuBLAS's own choice then serves alone.
+  if (cublasLtMatmulAlgoGetHeuristic(lt_, s.desc, s.la, s.lb, s.lc, s.lc, raw, kHeuristics, found,
+                                     &count) != CUBLAS_STATUS_SUCCESS)
+    count = 0;
   s.candidates.push_back({.what = "cuBLAS's own choice (cublasGemmEx)"});
   for (int i = 0; i < count; ++i) {
-    const cublasLtMatmulHeuristicResult_t& r = found_algos[i];
+    const cublasLtMatmulHeuristicResult_t& r = found[i];
     if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > workspace_bytes_) continue;
     std::ostringstream what;
     what << "cuBLASLt heuristic #" << i << " (algo " << algo_config(r.algo, CUBLASLT_ALGO_CONFIG_ID)
@@ -199,7 +226,6 @@ GemmSelector::Shape& GemmSelector::shape_of(const Key& key, const GemmCall& g) {
     s.candidates.push_back({.algo = r.algo, .what = what.str()});
   }
   if (s.candidates.size() == 1) s.chosen = 0;
-  return s;
 }
 
 void GemmSelector::collect(Shape& s) {
@@ -207,7 +233,8 @@ void GemmSelector::collect(Shape& s) {
     const Timing t = s.pending.front();
     const cudaError_t done = cudaEventQuery(t.stop);
     if (done == cudaErrorNotReady) {
-      (void)cudaGetLastError();  // not an error: leave no trace for the next launch check
+      // Not an error: clear it if the runtime recorded it, and nothing else.
+      if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
       break;
     }
     CHUNKLOSS_GPU_CHECK(done);

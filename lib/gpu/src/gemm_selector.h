@@ -81,6 +81,9 @@ class GemmSelector {
 
   static Key key_of(const GemmCall& g);
   Shape& shape_of(const Key& key, const GemmCall& g);
+  // Fills s's descriptors and candidates (cuBLASLt's heuristic for the shape).
+  void describe(Shape& s, const Key& key, const GemmCall& g);
+  static void destroy(Shape& s);  // its descriptors and pending events
   void collect(Shape& s);  // reads the finished timings; chooses once every candidate has its
   bool launch(const Shape& s, std::size_t candidate, const GemmCall& g);
   void run_gemm_ex(const GemmCall& g) const;
