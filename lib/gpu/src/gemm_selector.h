@@ -84,7 +84,8 @@ class GemmSelector {
   // Fills s's descriptors and candidates (cuBLASLt's heuristic for the shape).
   void describe(Shape& s, const Key& key, const GemmCall& g);
   static void destroy(Shape& s);  // its descriptors and pending events
-  void collect(Shape& s);  // reads the finished timings; chooses once every candidate has its
+  // Reads the finished timings; chooses once every candidate has its timed calls.
+  void collect(Shape& s);
   bool launch(const Shape& s, std::size_t candidate, const GemmCall& g);
   void run_gemm_ex(const GemmCall& g) const;
   cudaEvent_t event();
