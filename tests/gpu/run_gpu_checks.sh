@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's checks of a CUDA build, run from the source root: both GPU suites, the CUDA
 # smoke test of chunkloss-train (the loss on the GPU against the CPU run), compute-sanitizer
-# memcheck over the suites and a CUDA training run, racecheck of both suites (see racecheck.py)
-# and synccheck of the project's kernels. Test binaries run directly, not through CTest:
+# memcheck over the suites and a CUDA training run, racecheck of 18 of the suites' 20 cases
+# (see below) and synccheck of the project's kernels. Test binaries run directly, not through CTest:
 # CTest files hold the build machine's paths. Writes OUT/NAME.txt per check and OUT/summary.txt.
 #
 #   tests/gpu/run_gpu_checks.sh BUILD_DIR OUT_DIR
