@@ -17,6 +17,9 @@
 
 namespace chunkloss::bench {
 
+/// v as printf's %g writes it (command lines and descriptions).
+std::string fmt_g(double v);
+
 /// Whether `loss` is one of the preference losses (sequence objectives): dpo, orpo, simpo, cpo,
 /// kto.
 bool is_preference_loss(std::string_view loss);
@@ -41,6 +44,8 @@ struct CaseConfig {
   bool fp32_weight_grad_accumulator = false;  ///< the CrossEntropyOptions field of that name
   DType logits_dtype = DType::kF32;  ///< the options' logits_dtype (bf16: opt-in, CUDA only)
   bool exact = false;  ///< also compare with a float64 computation (where the runner has one)
+  /// cuda: weight ~ N(0, logit_std^2 / H) with hidden ~ N(0, 1), so the logits' standard deviation
+  double logit_std = 2.0;
   /// cuda ce: the context's gpu::GemmSelection::kMeasured (floor and loss alike) instead of
   /// cuBLAS's own choice
   bool measured_gemms = false;
@@ -87,6 +92,9 @@ struct CaseResult {
   std::optional<std::size_t> naive_logits_bytes;
   std::optional<double> max_rel_err_vs_naive, err_loss, err_grad_hidden, err_grad_weight;
   std::optional<double> f64_err_grad_hidden, f64_err_grad_weight;  ///< vs float64 (exact)
+  /// cuda ce, exact: the median, 99th percentile and largest relative error of a dX row (rows
+  /// with a gradient), vs float64: the tail a norm over all rows hides
+  std::optional<std::array<double, 3>> f64_row_err_grad_hidden;
   std::optional<double> bf16_storage_err;  ///< error of storing the naive's gradients in bf16
   std::optional<double> f64_err_loss;      ///< |loss - float64 loss| / |float64 loss| (exact)
   std::string reference;                   ///< how the naive computation was done, in words

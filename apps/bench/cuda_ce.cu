@@ -42,8 +42,8 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
 
   // Inputs, gradients and targets (not counted as extra memory).
   gpu::DeviceBuffer x(n * h * es), w(v * h * es), dx(n * h * es), dw(v * h * es), y(n * 4);
-  const float wscale = 2.0f / std::sqrt(static_cast<float>(h));
-  const auto seed = static_cast<unsigned>(c.seed * 2654435761u);
+  const auto wscale = static_cast<float>(c.logit_std / std::sqrt(static_cast<double>(h)));
+  const std::uint64_t seed = c.seed * 4;  // fill_random streams seed, seed + 1, ...: independent
   if (bf16) {
     fill_random(x.as<__nv_bfloat16>(), n * h, 1.0f, seed, s);
     fill_random(w.as<__nv_bfloat16>(), v * h, wscale, seed + 1, s);
@@ -62,9 +62,9 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
     valid += hy[static_cast<std::size_t>(i)] >= 0;
   }
   gpu::copy_to_device(y.data(), hy.data(), hy.size() * 4);
-  res.inputs =
-      "hidden ~ N(0, 1), weight ~ N(0, 4/H) (hashed sums of 4 uniforms, about normal), targets "
-      "uniform in [0, V)";
+  res.inputs = "hidden ~ N(0, 1), weight ~ N(0, s^2/H) with s = " + fmt_g(c.logit_std) +
+               " (logits' standard deviation), targets "
+               "uniform in [0, V)";
   res.ignored_rows = "1 in 7 (rows t with t % 7 == 3)";
   res.reduction = "mean";
   res.valid_rows = valid;
@@ -275,6 +275,9 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
                                    : rel_err(dx.as<float>(), dxd.as<double>(), n * h);
     res.f64_err_grad_weight = bf16 ? rel_err(dw.as<__nv_bfloat16>(), dwd.as<double>(), v * h)
                                    : rel_err(dw.as<float>(), dwd.as<double>(), v * h);
+    res.f64_row_err_grad_hidden =
+        bf16 ? row_err_quantiles(dx.as<__nv_bfloat16>(), dxd.as<double>(), n, h)
+             : row_err_quantiles(dx.as<float>(), dxd.as<double>(), n, h);
   }
   return res;
 }

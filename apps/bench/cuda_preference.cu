@@ -122,8 +122,8 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
   gpu::DeviceBuffer x(nh * es), w(vh * es), xr(ref_operands ? nh * es : 0),
       wr(ref_operands ? vh * es : 0), dx(nh * es), dw(vh * es), y(n * 4),
       labels(b.paired ? 0 : sq * 4), ref_lp_dev(ref_logps ? sq * 4 : 0);
-  const float wscale = 2.0f / std::sqrt(static_cast<float>(h));
-  const auto seed = static_cast<unsigned>(c.seed * 2654435761u);
+  const auto wscale = static_cast<float>(c.logit_std / std::sqrt(static_cast<double>(h)));
+  const std::uint64_t seed = c.seed * 4;  // fill_random streams seed, seed + 1, ...: independent
   if (bf16) {
     fill_random(x.as<__nv_bfloat16>(), nh, 1.0f, seed, s);
     fill_random(w.as<__nv_bfloat16>(), vh, wscale, seed + 1, s);
@@ -144,7 +144,8 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
   gpu::copy_to_device(y.data(), b.targets.data(), b.targets.size() * 4);
   if (!b.paired) gpu::copy_to_device(labels.data(), b.labels.data(), b.labels.size() * 4);
   res.inputs =
-      "hidden ~ N(0, 1), weight ~ N(0, 4/H) (hashed sums of 4 uniforms, about normal), targets "
+      "hidden ~ N(0, 1), weight ~ N(0, s^2/H) with s = " + fmt_g(c.logit_std) +
+      " (logits' standard deviation), targets "
       "uniform in [0, V); reference head (when used) = the policy's hidden and weight plus 10% "
       "noise";
 

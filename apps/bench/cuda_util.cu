@@ -3,6 +3,7 @@
 // reduction in double.
 #include <chunkloss/gpu/context.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "cuda_util.cuh"
@@ -28,20 +29,29 @@ __device__ T from_float(float v) {
     return v;
 }
 
-// Deterministic pseudo-random normal-ish values (sum of uniforms), scaled, plus an optional base.
+// SplitMix64's output function: a bijection of 64-bit words whose outputs for consecutive
+// inputs are statistically independent.
+__device__ __host__ inline std::uint64_t mix64(std::uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Deterministic N(0, 1) values, scaled, plus an optional base: element i of the tensor with key
+// k is a Box-Muller normal from the two 32-bit halves of mix64(k + (i + 1) * golden), the i-th
+// output of a SplitMix64 stream seeded with k. Keys are mix64 of the caller's seed, so tensors
+// with nearby seeds are independent (the hash this replaces on 2026-12-04 was not: it gave every
+// row t of the bench's hidden a logit near -25 against weight row t, and 7-8 sigma outliers).
 template <typename T>
-__global__ void fill_random_kernel(T* p, std::size_t n, float scale, unsigned seed, const T* base) {
+__global__ void fill_random_kernel(T* p, std::size_t n, float scale, std::uint64_t key,
+                                   const T* base) {
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    float acc = 0;
-    for (unsigned k = 0; k < 4; ++k) {
-      unsigned h = static_cast<unsigned>(i * 4 + k) * 2654435761u ^ seed;
-      h ^= h >> 13;
-      h *= 0x5bd1e995u;
-      h ^= h >> 15;
-      acc += static_cast<float>(h & 0xffffff) / 16777216.0f - 0.5f;
-    }
-    const float v = acc * 1.7320508f * scale;  // var of the sum of 4 U(-.5,.5) is 1/3
+    const std::uint64_t h =
+        mix64(key + (static_cast<std::uint64_t>(i) + 1) * 0x9e3779b97f4a7c15ull);
+    const float u1 = (static_cast<float>(h >> 40) + 0.5f) * 0x1p-24f;  // (0, 1)
+    const float u2 = static_cast<float>((h >> 8) & 0xffffff) * 0x1p-24f;
+    const float v = sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2) * scale;
     p[i] = from_float<T>(base ? static_cast<float>(as_double(base[i])) + v : v);
   }
 }
@@ -105,17 +115,9 @@ __global__ void dense_rows_kernel(T* z, const int* y, std::int64_t v, const doub
   }
 }
 
-// Per-block partial sums of (a - b)^2 and b^2.
-template <typename A, typename B>
-__global__ void err_partials(const A* a, const B* b, std::size_t n, double* out) {
+// out[0], out[1] = the sums of e and of r over the block's kThreads threads.
+__device__ void block_sums(double e, double r, double* out) {
   __shared__ double s1[kThreads], s2[kThreads];
-  double e = 0, r = 0;
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const double x = as_double(a[i]), yv = as_double(b[i]);
-    e += (x - yv) * (x - yv);
-    r += yv * yv;
-  }
   s1[threadIdx.x] = e;
   s2[threadIdx.x] = r;
   __syncthreads();
@@ -127,9 +129,52 @@ __global__ void err_partials(const A* a, const B* b, std::size_t n, double* out)
     __syncthreads();
   }
   if (threadIdx.x == 0) {
-    out[2 * blockIdx.x] = s1[0];
-    out[2 * blockIdx.x + 1] = s2[0];
+    out[0] = s1[0];
+    out[1] = s2[0];
   }
+}
+
+// Per-block partial sums of (a - b)^2 and b^2.
+template <typename A, typename B>
+__global__ void err_partials(const A* a, const B* b, std::size_t n, double* out) {
+  double e = 0, r = 0;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const double x = as_double(a[i]), yv = as_double(b[i]);
+    e += (x - yv) * (x - yv);
+    r += yv * yv;
+  }
+  block_sums(e, r, out + 2 * blockIdx.x);
+}
+
+// Per row (one block each): the sums of (a - b)^2 and b^2 over its `cols` elements.
+template <typename A>
+__global__ void row_err_kernel(const A* a, const double* b, std::int64_t cols, double* out) {
+  const std::size_t row = static_cast<std::size_t>(blockIdx.x) * static_cast<std::size_t>(cols);
+  double e = 0, r = 0;
+  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    const double x = as_double(a[row + j]), yv = b[row + j];
+    e += (x - yv) * (x - yv);
+    r += yv * yv;
+  }
+  block_sums(e, r, out + 2 * blockIdx.x);
+}
+
+template <typename A>
+std::array<double, 3> row_err_quantiles_of(const A* a, const double* b, std::int64_t rows,
+                                           std::int64_t cols) {
+  BENCH_CHECK(cudaDeviceSynchronize());  // a and b are written on other streams
+  gpu::DeviceBuffer part(static_cast<std::size_t>(rows) * 2 * sizeof(double));
+  row_err_kernel<<<static_cast<unsigned>(rows), kThreads>>>(a, b, cols, part.as<double>());
+  BENCH_CHECK(cudaGetLastError());
+  std::vector<double> h(static_cast<std::size_t>(rows) * 2);
+  gpu::copy_to_host(h.data(), part.data(), h.size() * sizeof(double));
+  std::vector<double> err;
+  for (std::size_t i = 0; i < h.size(); i += 2)
+    if (h[i + 1] > 0) err.push_back(std::sqrt(h[i] / h[i + 1]));
+  if (err.empty()) return {0, 0, 0};
+  std::sort(err.begin(), err.end());
+  return {err[err.size() / 2], err[err.size() * 99 / 100], err.back()};
 }
 
 template <typename A, typename B>
@@ -159,14 +204,14 @@ void dense_rows_of(T* z, const int* y, std::int64_t n, std::int64_t v, const dou
 
 }  // namespace
 
-void fill_random(float* p, std::size_t n, float scale, unsigned seed, cudaStream_t s,
+void fill_random(float* p, std::size_t n, float scale, std::uint64_t seed, cudaStream_t s,
                  const float* base) {
-  fill_random_kernel<<<1024, kThreads, 0, s>>>(p, n, scale, seed, base);
+  fill_random_kernel<<<1024, kThreads, 0, s>>>(p, n, scale, mix64(seed), base);
   BENCH_CHECK(cudaGetLastError());
 }
-void fill_random(__nv_bfloat16* p, std::size_t n, float scale, unsigned seed, cudaStream_t s,
+void fill_random(__nv_bfloat16* p, std::size_t n, float scale, std::uint64_t seed, cudaStream_t s,
                  const __nv_bfloat16* base) {
-  fill_random_kernel<<<1024, kThreads, 0, s>>>(p, n, scale, seed, base);
+  fill_random_kernel<<<1024, kThreads, 0, s>>>(p, n, scale, mix64(seed), base);
   BENCH_CHECK(cudaGetLastError());
 }
 
@@ -199,6 +244,14 @@ double rel_err(const __nv_bfloat16* a, const float* b, std::size_t n) {
 double rel_err(const float* a, const double* b, std::size_t n) { return rel_err_of(a, b, n); }
 double rel_err(const __nv_bfloat16* a, const double* b, std::size_t n) {
   return rel_err_of(a, b, n);
+}
+std::array<double, 3> row_err_quantiles(const float* a, const double* b, std::int64_t rows,
+                                        std::int64_t cols) {
+  return row_err_quantiles_of(a, b, rows, cols);
+}
+std::array<double, 3> row_err_quantiles(const __nv_bfloat16* a, const double* b, std::int64_t rows,
+                                        std::int64_t cols) {
+  return row_err_quantiles_of(a, b, rows, cols);
 }
 
 std::size_t free_bytes() {

@@ -11,6 +11,7 @@
 #include <chunkloss/core/error.h>
 #include <chunkloss/gpu/gemm.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -27,11 +28,11 @@ namespace chunkloss::bench {
                     static_cast<int>(s_));                                    \
   } while (0)
 
-/// p[i] = base[i] (0 without base) + scale * a deterministic pseudo-random value of unit variance
-/// (a hashed sum of 4 uniforms, so about N(0, 1)), on stream s.
-void fill_random(float* p, std::size_t n, float scale, unsigned seed, cudaStream_t s,
+/// p[i] = base[i] (0 without base) + scale * a deterministic N(0, 1) value (element i of a
+/// counter-based stream; different seeds give independent streams), on stream s.
+void fill_random(float* p, std::size_t n, float scale, std::uint64_t seed, cudaStream_t s,
                  const float* base = nullptr);
-void fill_random(__nv_bfloat16* p, std::size_t n, float scale, unsigned seed, cudaStream_t s,
+void fill_random(__nv_bfloat16* p, std::size_t n, float scale, std::uint64_t seed, cudaStream_t s,
                  const __nv_bfloat16* base = nullptr);
 
 /// dst[i] = double(src[i]) / bf16(src[i]), on stream s.
@@ -54,6 +55,12 @@ double rel_err(const float* a, const float* b, std::size_t n);
 double rel_err(const __nv_bfloat16* a, const float* b, std::size_t n);
 double rel_err(const float* a, const double* b, std::size_t n);
 double rel_err(const __nv_bfloat16* a, const double* b, std::size_t n);
+/// The median, 99th percentile and largest of the relative-norm errors of the `rows` rows (of
+/// `cols`) of a against the float64 b; rows of b that are all zero are left out.
+std::array<double, 3> row_err_quantiles(const float* a, const double* b, std::int64_t rows,
+                                        std::int64_t cols);
+std::array<double, 3> row_err_quantiles(const __nv_bfloat16* a, const double* b, std::int64_t rows,
+                                        std::int64_t cols);
 
 /// Free device memory after synchronising the device (cudaMemGetInfo).
 std::size_t free_bytes();

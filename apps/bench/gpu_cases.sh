@@ -53,7 +53,7 @@ summarize() {
     echo
     echo "plans, floors and float64 errors:"
     for f in "$out"/*.json; do
-      grep -h -E '^case:|^  plan:|^  floor|^  error vs' "${f%.json}.txt"
+      grep -h -E '^case:|^  plan:|^  floor|^  error vs|^  dX rows' "${f%.json}.txt"
     done
   } >"$out/summary.md" 2>/dev/null
   echo "wrote $out (summary.md); $failed case(s) failed"

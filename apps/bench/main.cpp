@@ -55,12 +55,6 @@ Regime parse_regime(const std::string& s) {
   throw apps::UsageError("--regime: '" + s + "' is not auto, resident, recompute or deferred");
 }
 
-std::string fmt_g(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", v);
-  return buf;
-}
-
 // Every option explicit, so the line reproduces this case alone on any machine.
 std::string case_command(const std::string& prog, const CaseConfig& c) {
   std::vector<std::string> w = {prog, "--loss", c.loss, "--device", c.device};
@@ -85,6 +79,7 @@ std::string case_command(const std::string& prog, const CaseConfig& c) {
   if (c.fp32_weight_grad_accumulator) w.emplace_back("--fp32-dw-accum");
   if (c.exact) w.emplace_back("--exact");
   if (c.measured_gemms) w.insert(w.end(), {"--gemm-selection", "measured"});
+  if (c.device == "cuda") w.insert(w.end(), {"--logit-std", fmt_g(c.logit_std)});
   return apps::shell_join(w);
 }
 
@@ -121,6 +116,7 @@ Cli parse(int argc, char** argv) {
     ("chunked-floor", po::bool_switch()->default_value(false, "off"), "also time the floor GEMMs at the plan's chunk rows (token_chunk order; cuda: the library's GEMMs, fp32 logits chunk and its in-place gradient operand)")
     ("phases", po::bool_switch()->default_value(false, "off"), "cuda ce: also time the loss with no gradients, with dX only and with dW only, in the same rounds (what each gradient adds)")
     ("logits-dtype", po::value<std::string>()->default_value("f32"), "f32|bf16: the loss's logits chunk (bf16: the opt-in speed/memory mode, cuda only)")
+    ("logit-std", po::value<double>()->default_value(2.0), "cuda: the logits' standard deviation s (weight ~ N(0, s^2/H), hidden ~ N(0, 1)); trained models' confident rows have larger logits")
     ("fp32-dw-accum", po::bool_switch()->default_value(false, "off"), "accumulate dW in an fp32 workspace buffer (V*H*4 bytes on top of the budget; matters for bf16)")
     ("gemm-selection", po::value<std::string>()->default_value("default"), "cuda ce: default (cuBLAS's own algorithm per GEMM shape) | measured (gpu::GemmSelection::kMeasured: cuBLAS's and cuBLASLt's candidates timed on the first calls of each shape, the fastest kept; the floor and the loss alike, warmed up until every shape has its algorithm)")
     ("exact", po::bool_switch()->default_value(false, "off"), "also compare the loss and gradients with a float64 computation on the same input values (ce: cuda; preference losses: cpu and cuda)");
@@ -204,6 +200,12 @@ Cli parse(int argc, char** argv) {
   base.fp32_weight_grad_accumulator = vm["fp32-dw-accum"].as<bool>();
   base.logits_dtype = parse_dtype(vm["logits-dtype"].as<std::string>(), "--logits-dtype");
   base.exact = vm["exact"].as<bool>();
+  base.logit_std = vm["logit-std"].as<double>();
+  if (!(base.logit_std > 0 && base.logit_std <= 1000))
+    throw apps::UsageError("--logit-std: " + fmt_g(base.logit_std) + " is not in (0, 1000]");
+  if (!vm["logit-std"].defaulted() && base.device != "cuda")
+    throw apps::UsageError("--logit-std: only the cuda cases take it (--device " + base.device +
+                           ")");
   cli.json = vm["json"].as<std::string>();
 
   constexpr std::int64_t kMaxDim = std::int64_t{1} << 31;

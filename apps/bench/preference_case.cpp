@@ -5,7 +5,6 @@
 #include <chunkloss/losses/preference.h>
 
 #include <cmath>
-#include <cstdio>
 #include <span>
 
 namespace chunkloss::bench {
@@ -25,12 +24,6 @@ double log_sigmoid(double x) {
 void smoothed_logistic(double z, double eps, double& loss, double& dz) {
   loss = -(1.0 - eps) * log_sigmoid(z) - eps * log_sigmoid(-z);
   dz = -(1.0 - eps) * sigmoid(-z) + eps * sigmoid(z);
-}
-
-std::string fmt_g(double x) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", x);
-  return buf;
 }
 
 bool chosen_sequence(const PreferenceBatch& b, std::int64_t s) {

@@ -97,6 +97,9 @@ std::string case_details(const CaseRecord& rec) {
     os << " dX " << fmt("%.3g", *r.f64_err_grad_hidden) << ", dW "
        << fmt("%.3g", *r.f64_err_grad_weight) << "\n";
   }
+  if (const auto& q = r.f64_row_err_grad_hidden)
+    os << "  dX rows vs float64 (relative norm of each row): median " << fmt("%.3g", (*q)[0])
+       << ", p99 " << fmt("%.3g", (*q)[1]) << ", max " << fmt("%.3g", (*q)[2]) << "\n";
   os << "  device: " << r.device_desc << "\n";
   os << "  loadavg before: " << r.load_before << ", after: " << r.load_after << "\n";
   return os.str();
@@ -215,6 +218,11 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   j["f64_err_loss"] = opt(r.f64_err_loss);
   j["f64_err_grad_hidden"] = opt(r.f64_err_grad_hidden);
   j["f64_err_grad_weight"] = opt(r.f64_err_grad_weight);
+  j["f64_row_err_grad_hidden"] = r.f64_row_err_grad_hidden
+                                     ? nlohmann::json{{"median", (*r.f64_row_err_grad_hidden)[0]},
+                                                      {"p99", (*r.f64_row_err_grad_hidden)[1]},
+                                                      {"max", (*r.f64_row_err_grad_hidden)[2]}}
+                                     : nullptr;
   j["reference"] = r.reference;
   j["loss_value"] = r.loss_value;
   j["naive_loss_value"] = opt(r.naive_loss_value);

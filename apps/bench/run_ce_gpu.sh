@@ -5,9 +5,10 @@
 # also times the library's own GEMMs over its chunks, so a ratio splits into the chunking's share
 # and the epilogue's; --phases also times the loss with no gradients, dX only and dW only, so each
 # gradient's share shows. OUT/gpu-trace.csv samples the clocks, power and throttle reasons while it
-# runs. About 3-4 minutes of GPU time at REPEATS=10. GEMMS=measured runs every case with
+# runs. About 1-2 minutes of GPU time at REPEATS=10 on the H200. GEMMS=measured runs every case with
 # --gemm-selection measured (the context times cuBLAS's and cuBLASLt's candidates per GEMM shape;
-# the floor's GEMMs alike).
+# the floor's GEMMs alike). Then the opt-in bf16 logits chunk at the same shapes, and exactness
+# with larger logits (--logit-std 8).
 #
 #   apps/bench/run_ce_gpu.sh OUT_DIR [path/to/chunkloss-bench]
 #   (env: REPEATS, default 10; GEMMS, default or measured, default default)
@@ -47,6 +48,22 @@ run exact-bf16-4096x4096x128256-fp32dw "${ce[@]}" --rows 4096 --hidden 4096 --vo
   --budget-mib 1024 --exact --fp32-dw-accum --no-naive
 run exact-f32-4096x4096x32768 --loss ce --device cuda --dtype f32 --repeats "$repeats" "${sel[@]}" \
   --rows 4096 --hidden 4096 --vocab 32768 --budget-mib 1024 --exact
+
+# The opt-in bf16 logits chunk (logits_dtype bf16): the table's shapes, and its exactness.
+for shape in 8192x4096x128256-1024 16384x4096x128256-1024 16384x2304x256000-1024 \
+  16384x4096x128256-256; do
+  IFS=x- read -r n h v b <<<"$shape"
+  run "bf16-logits-ce-${n}x${h}x${v}-${b}m" "${ce[@]}" --logits-dtype bf16 --rows "$n" \
+    --hidden "$h" --vocab "$v" --budget-mib "$b" --chunked-floor --no-naive
+done
+run exact-bf16-logits-4096x4096x128256 "${ce[@]}" --logits-dtype bf16 --rows 4096 --hidden 4096 \
+  --vocab 128256 --budget-mib 1024 --exact --no-naive
+# Exactness with logits of standard deviation 8 (a trained model's confident rows reach such
+# logits): the fp32 chunk, and the bf16 chunk, whose rounding of large logits then shows.
+for ld in f32 bf16; do
+  run "exact-logit-std8-${ld}-logits-4096x4096x128256" "${ce[@]}" --logits-dtype "$ld" \
+    --logit-std 8 --rows 4096 --hidden 4096 --vocab 128256 --budget-mib 1024 --exact --no-naive
+done
 
 summarize "chunkloss-bench cross-entropy cases"
 [ "$failed" = 0 ]
