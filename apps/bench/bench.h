@@ -17,8 +17,8 @@
 
 namespace chunkloss::bench {
 
-/// v as printf's %g writes it (command lines and descriptions).
-std::string fmt_g(double v);
+/// v as printf writes it with the one-value format `f` (for example "%g", "%.3g").
+std::string fmt(const char* f, double v);
 
 /// Whether `loss` is one of the preference losses (sequence objectives): dpo, orpo, simpo, cpo,
 /// kto.

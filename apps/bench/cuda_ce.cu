@@ -62,7 +62,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
     valid += hy[static_cast<std::size_t>(i)] >= 0;
   }
   gpu::copy_to_device(y.data(), hy.data(), hy.size() * 4);
-  res.inputs = "hidden ~ N(0, 1), weight ~ N(0, s^2/H) with s = " + fmt_g(c.logit_std) +
+  res.inputs = "hidden ~ N(0, 1), weight ~ N(0, s^2/H) with s = " + fmt("%g", c.logit_std) +
                " (logits' standard deviation), targets "
                "uniform in [0, V)";
   res.ignored_rows = "1 in 7 (rows t with t % 7 == 3)";

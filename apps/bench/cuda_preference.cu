@@ -144,7 +144,7 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
   gpu::copy_to_device(y.data(), b.targets.data(), b.targets.size() * 4);
   if (!b.paired) gpu::copy_to_device(labels.data(), b.labels.data(), b.labels.size() * 4);
   res.inputs =
-      "hidden ~ N(0, 1), weight ~ N(0, s^2/H) with s = " + fmt_g(c.logit_std) +
+      "hidden ~ N(0, 1), weight ~ N(0, s^2/H) with s = " + fmt("%g", c.logit_std) +
       " (logits' standard deviation), targets "
       "uniform in [0, V); reference head (when used) = the policy's hidden and weight plus 10% "
       "noise";

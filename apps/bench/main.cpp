@@ -60,26 +60,27 @@ std::string case_command(const std::string& prog, const CaseConfig& c) {
   std::vector<std::string> w = {prog, "--loss", c.loss, "--device", c.device};
   if (c.preference()) {
     w.insert(w.end(), {"--pairs", std::to_string(c.pairs), "--seq-len", std::to_string(c.seq_len),
-                       "--prompt-frac", fmt_g(c.prompt_frac), "--reference", c.reference,
+                       "--prompt-frac", fmt("%g", c.prompt_frac), "--reference", c.reference,
                        "--regime", std::string(regime_name(c.regime))});
     if (c.loss == "dpo") w.insert(w.end(), {"--dpo-loss", c.dpo_loss});
-    if (c.label_smoothing != 0) w.insert(w.end(), {"--label-smoothing", fmt_g(c.label_smoothing)});
+    if (c.label_smoothing != 0)
+      w.insert(w.end(), {"--label-smoothing", fmt("%g", c.label_smoothing)});
   } else {
     w.insert(w.end(), {"--rows", std::to_string(c.rows)});
   }
-  w.insert(w.end(),
-           {"--hidden", std::to_string(c.hidden), "--vocab", std::to_string(c.vocab), "--dtype",
-            std::string(dtype_name(c.dtype)), "--logits-dtype",
-            std::string(dtype_name(c.logits_dtype)), "--budget-mib", fmt_g(c.budget_mib), "--order",
-            std::string(loop_order_name(c.order)), "--repeats", std::to_string(c.repeats),
-            "--threads", std::to_string(c.threads), "--seed", std::to_string(c.seed)});
+  w.insert(w.end(), {"--hidden", std::to_string(c.hidden), "--vocab", std::to_string(c.vocab),
+                     "--dtype", std::string(dtype_name(c.dtype)), "--logits-dtype",
+                     std::string(dtype_name(c.logits_dtype)), "--budget-mib",
+                     fmt("%g", c.budget_mib), "--order", std::string(loop_order_name(c.order)),
+                     "--repeats", std::to_string(c.repeats), "--threads", std::to_string(c.threads),
+                     "--seed", std::to_string(c.seed)});
   if (!c.naive) w.emplace_back("--no-naive");
   if (c.chunked_floor) w.emplace_back("--chunked-floor");
   if (c.phases) w.emplace_back("--phases");
   if (c.fp32_weight_grad_accumulator) w.emplace_back("--fp32-dw-accum");
   if (c.exact) w.emplace_back("--exact");
   if (c.measured_gemms) w.insert(w.end(), {"--gemm-selection", "measured"});
-  if (c.device == "cuda") w.insert(w.end(), {"--logit-std", fmt_g(c.logit_std)});
+  if (c.device == "cuda") w.insert(w.end(), {"--logit-std", fmt("%g", c.logit_std)});
   return apps::shell_join(w);
 }
 
@@ -166,10 +167,10 @@ Cli parse(int argc, char** argv) {
     throw apps::UsageError("--dpo-loss is for --loss dpo");
   base.prompt_frac = vm["prompt-frac"].as<double>();
   if (!(base.prompt_frac >= 0 && base.prompt_frac < 1))
-    throw apps::UsageError("--prompt-frac: " + fmt_g(base.prompt_frac) + " is not in [0, 1)");
+    throw apps::UsageError("--prompt-frac: " + fmt("%g", base.prompt_frac) + " is not in [0, 1)");
   base.label_smoothing = vm["label-smoothing"].as<double>();
   if (!(base.label_smoothing >= 0 && base.label_smoothing < 1))
-    throw apps::UsageError("--label-smoothing: " + fmt_g(base.label_smoothing) +
+    throw apps::UsageError("--label-smoothing: " + fmt("%g", base.label_smoothing) +
                            " is not in [0, 1)");
   base.dpo_loss = vm["dpo-loss"].as<std::string>();
   try {
@@ -202,7 +203,7 @@ Cli parse(int argc, char** argv) {
   base.exact = vm["exact"].as<bool>();
   base.logit_std = vm["logit-std"].as<double>();
   if (!(base.logit_std > 0 && base.logit_std <= 1000))
-    throw apps::UsageError("--logit-std: " + fmt_g(base.logit_std) + " is not in (0, 1000]");
+    throw apps::UsageError("--logit-std: " + fmt("%g", base.logit_std) + " is not in (0, 1000]");
   if (!vm["logit-std"].defaulted() && base.device != "cuda")
     throw apps::UsageError("--logit-std: only the cuda cases take it (--device " + base.device +
                            ")");

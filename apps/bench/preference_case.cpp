@@ -132,7 +132,7 @@ NaiveSequenceResult naive_sequence_objective(const CaseConfig& c, const Sequence
       g[static_cast<std::size_t>(i)] += beta * dd / units;
       g[static_cast<std::size_t>(i + p)] -= beta * dd / units;
     }
-    r.how = "DPO sigmoid written out (beta " + fmt_g(beta) + ", sums)";
+    r.how = "DPO sigmoid written out (beta " + fmt("%g", beta) + ", sums)";
   } else if (c.loss == "orpo") {
     // NLL(chosen) - beta mean logsig(lo), lo = (a_c - a_r) - (log(1 - e^a_c) - log(1 - e^a_r)).
     const double beta = OrpoOptions{}.beta;
@@ -145,7 +145,7 @@ NaiveSequenceResult naive_sequence_objective(const CaseConfig& c, const Sequence
       g[static_cast<std::size_t>(i + p)] -= dlo / (1.0 - std::exp(ar)) / n_tok(i + p);
     }
     nll_weight = 1.0;
-    r.how = "ORPO written out (beta " + fmt_g(beta) + ", averages, NLL weight 1)";
+    r.how = "ORPO written out (beta " + fmt("%g", beta) + ", averages, NLL weight 1)";
   } else if (c.loss == "simpo" || c.loss == "cpo") {
     // z = beta (c - r) - gamma: SimPO on averages with gamma, CPO on sums with the NLL term.
     const bool simpo = c.loss == "simpo";
@@ -161,9 +161,9 @@ NaiveSequenceResult naive_sequence_objective(const CaseConfig& c, const Sequence
       g[static_cast<std::size_t>(i)] += beta * dz * kc / units;
       g[static_cast<std::size_t>(i + p)] -= beta * dz * kr / units;
     }
-    r.how = std::string(simpo ? "SimPO" : "CPO") + " written out (beta " + fmt_g(beta) +
-            (simpo ? ", gamma " + fmt_g(gamma) + ", averages" : ", sums") + ", NLL weight " +
-            fmt_g(nll_weight) + ")";
+    r.how = std::string(simpo ? "SimPO" : "CPO") + " written out (beta " + fmt("%g", beta) +
+            (simpo ? ", gamma " + fmt("%g", gamma) + ", averages" : ", sums") + ", NLL weight " +
+            fmt("%g", nll_weight) + ")";
   } else if (c.loss == "kto") {
     // rho = logp - ref; desirable 1 - sigmoid(beta rho), undesirable 1 - sigmoid(-beta rho)
     // (KL reference point 0: no kl or kl_batch given), weights 1, mean over sequences.
@@ -175,7 +175,7 @@ NaiveSequenceResult naive_sequence_objective(const CaseConfig& c, const Sequence
       r.loss += (1.0 - sg) / units;
       g[static_cast<std::size_t>(s)] += -sign * beta * sg * (1.0 - sg) / units;
     }
-    r.how = "KTO written out (beta " + fmt_g(beta) + ", weights 1, KL point 0)";
+    r.how = "KTO written out (beta " + fmt("%g", beta) + ", weights 1, KL point 0)";
   } else {
     // Other DPO loss types: the library's per-pair math, the rest written out here.
     const SequenceObjective& obj = loss.objective();
@@ -217,7 +217,7 @@ void describe_preference_case(const CaseConfig& c, const PreferenceBatch& b,
                               const PreferenceResult& first, CaseResult& res) {
   res.ignored_rows = "the first " + std::to_string(b.prompt) + " of each sequence's " +
                      std::to_string(b.seq_len) + " targets (prompt, --prompt-frac " +
-                     fmt_g(c.prompt_frac) + ")";
+                     fmt("%g", c.prompt_frac) + ")";
   res.reduction = b.paired ? "mean over pairs (+ the loss's NLL term over chosen tokens)"
                            : "mean over sequences; labels alternate desirable/undesirable";
   res.valid_rows = b.valid_rows;

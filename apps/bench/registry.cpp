@@ -1,6 +1,5 @@
 // The (loss, device) -> runner table of chunkloss-bench. A new loss or device adds one row.
 #include <algorithm>
-#include <cstdio>
 
 #include "bench.h"
 
@@ -32,12 +31,6 @@ constexpr Entry kRunners[] = {
 constexpr std::string_view kPreferenceLosses[] = {"dpo", "orpo", "simpo", "cpo", "kto"};
 
 }  // namespace
-
-std::string fmt_g(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", v);
-  return buf;
-}
 
 bool is_preference_loss(std::string_view loss) {
   return std::find(std::begin(kPreferenceLosses), std::end(kPreferenceLosses), loss) !=

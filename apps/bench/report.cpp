@@ -5,13 +5,14 @@
 #include <sstream>
 
 namespace chunkloss::bench {
-namespace {
 
 std::string fmt(const char* f, double v) {
   char buf[64];
   std::snprintf(buf, sizeof buf, f, v);
   return buf;
 }
+
+namespace {
 
 std::string mib(std::size_t b) {
   const double m = static_cast<double>(b) / (1 << 20);
