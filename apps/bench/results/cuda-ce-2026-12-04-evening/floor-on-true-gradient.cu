@@ -141,15 +141,26 @@ int main(int argc, char** argv) {
   dw(G);
   std::vector<float> t[6];
   for (int r = 0; r < 9; ++r) {
-    t[0].push_back(timeit([&] { logits(); dx(Z); dw(Z); }));
-    t[1].push_back(timeit([&] { logits(); dx(G); dw(G); }));
+    t[0].push_back(timeit([&] {
+      logits();
+      dx(Z);
+      dw(Z);
+    }));
+    t[1].push_back(timeit([&] {
+      logits();
+      dx(G);
+      dw(G);
+    }));
     t[2].push_back(timeit([&] { dx(Z); }));
     t[3].push_back(timeit([&] { dx(G); }));
     t[4].push_back(timeit([&] { dw(Z); }));
     t[5].push_back(timeit([&] { dw(G); }));
   }
-  const char* names[] = {"floor, G = logits (the bench)", "floor, G = true gradient",
-                         "dX on logits", "dX on true gradient", "dW on logits",
+  const char* names[] = {"floor, G = logits (the bench)",
+                         "floor, G = true gradient",
+                         "dX on logits",
+                         "dX on true gradient",
+                         "dW on logits",
                          "dW on true gradient"};
   printf("N %lld H %lld V %lld (1 in 7 rows ignored, mean's power of two %g)\n", (long long)N,
          (long long)Hd, (long long)V, c);

@@ -8,11 +8,11 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <cmath>
 #include <vector>
 #define CK(x)                                                 \
   do {                                                        \
@@ -67,7 +67,8 @@ __device__ void acc4(float4 v, float& m, float& s) {
   s += __expf(v.x - m) + __expf(v.y - m) + __expf(v.z - m) + __expf(v.w - m);
 }
 __device__ uint2 grad4(float4 v, float L, int64_t j, int64_t y) {
-  __nv_bfloat162 p = __floats2bfloat162_rn(__expf(v.x - L) - (j == y), __expf(v.y - L) - (j + 1 == y));
+  __nv_bfloat162 p =
+      __floats2bfloat162_rn(__expf(v.x - L) - (j == y), __expf(v.y - L) - (j + 1 == y));
   __nv_bfloat162 q =
       __floats2bfloat162_rn(__expf(v.z - L) - (j + 2 == y), __expf(v.w - L) - (j + 3 == y));
   uint2 u;
@@ -87,7 +88,8 @@ __global__ void __launch_bounds__(T) stats(const float* t, int64_t V, float* lse
     float4 v[kLoads];
 #pragma unroll
     for (int u = 0; u < kLoads; ++u)
-      v[u] = b + u * T < n4 ? r[b + u * T] : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+      v[u] =
+          b + u * T < n4 ? r[b + u * T] : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
 #pragma unroll
     for (int u = 0; u < kLoads; ++u)
       if (b + u * T < n4) acc4(v[u], m, s);
@@ -96,7 +98,8 @@ __global__ void __launch_bounds__(T) stats(const float* t, int64_t V, float* lse
   if (threadIdx.x == 0) lse[blockIdx.x] = ms.x + __logf(ms.y);
 }
 template <int T>
-__global__ void __launch_bounds__(T) grad_first_half(float* t, int64_t V, const float* lse, const int* tgt) {
+__global__ void __launch_bounds__(T)
+    grad_first_half(float* t, int64_t V, const float* lse, const int* tgt) {
   float4* r = reinterpret_cast<float4*>(t + blockIdx.x * V);
   uint2* o = reinterpret_cast<uint2*>(t + blockIdx.x * V);
   const float L = lse[blockIdx.x];
@@ -128,7 +131,8 @@ __global__ void __launch_bounds__(T, MINB) fused(float* t, int64_t V, float* lse
     float4 v[kLoads];
 #pragma unroll
     for (int u = 0; u < kLoads; ++u)
-      v[u] = b + u * T < n4 ? r[b + u * T] : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+      v[u] =
+          b + u * T < n4 ? r[b + u * T] : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
 #pragma unroll
     for (int u = 0; u < kLoads; ++u)
       if (b + u * T < n4) acc4(v[u], m, s);
@@ -158,8 +162,8 @@ __global__ void __launch_bounds__(T, MINB) fused(float* t, int64_t V, float* lse
 // then each re-reads its slice backward into a bf16 gradient held in shared memory, and after a
 // second cluster barrier (every slice read) stores it over the row's second half.
 template <int T>
-__global__ void __launch_bounds__(T) clu(float* t, int64_t V, int64_t S, float* lse,
-                                         const int* tgt) {
+__global__ void __launch_bounds__(T)
+    clu(float* t, int64_t V, int64_t S, float* lse, const int* tgt) {
   extern __shared__ uint2 out[];
   __shared__ float sh[64];
   __shared__ float2 part;
@@ -175,7 +179,8 @@ __global__ void __launch_bounds__(T) clu(float* t, int64_t V, int64_t S, float* 
     float4 v[kLoads];
 #pragma unroll
     for (int u = 0; u < kLoads; ++u)
-      v[u] = b + u * T < b4 ? r[b + u * T] : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+      v[u] =
+          b + u * T < b4 ? r[b + u * T] : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
 #pragma unroll
     for (int u = 0; u < kLoads; ++u)
       if (b + u * T < b4) acc4(v[u], m, s);
@@ -271,8 +276,10 @@ int main(int argc, char** argv) {
     memcpy(&a[i * V], reinterpret_cast<char*>(ha.data()) + i * V * 4, V * 2);
   const int Ccheck = argc > 3 ? atoi(argv[3]) : 0;
   timeit([&] {
-    if (Ccheck) launch_clu<256>(T, R, V, Ccheck, lse2, tgt);
-    else fused<1024, 1><<<R, 1024>>>(T, V, lse2, tgt);
+    if (Ccheck)
+      launch_clu<256>(T, R, V, Ccheck, lse2, tgt);
+    else
+      fused<1024, 1><<<R, 1024>>>(T, V, lse2, tgt);
   });
   CK(cudaMemcpy(ha.data(), T, n * 4, cudaMemcpyDeviceToHost));
   for (int64_t i = 0; i < R; ++i)
@@ -285,8 +292,9 @@ int main(int argc, char** argv) {
   }
   printf("R %lld V %lld: fused vs two kernels, max |diff| %.3g (max |g| %.3g)\n", (long long)R,
          (long long)V, d, r2);
-  std::vector<const char*> names = {"two kernels 512", "two kernels 256", "fused 1024x1",
-                                    "fused 1024 (2/SM)", "fused 512", "fused 256", "cluster 8x256", "cluster 16x256", "cluster 8x512", "cluster 4x512"};
+  std::vector<const char*> names = {
+      "two kernels 512", "two kernels 256", "fused 1024x1",   "fused 1024 (2/SM)", "fused 512",
+      "fused 256",       "cluster 8x256",   "cluster 16x256", "cluster 8x512",     "cluster 4x512"};
   std::vector<std::vector<float>> t(names.size());
   for (int rep = 0; rep < 15; ++rep) {
     int k = 0;

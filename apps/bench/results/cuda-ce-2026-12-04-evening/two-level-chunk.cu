@@ -11,13 +11,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
-#define CK(x)                                                       \
-  do {                                                              \
-    auto e_ = (x);                                                  \
-    if ((int)e_) {                                                  \
-      printf("fail %s: %d line %d\n", #x, (int)e_, __LINE__);       \
-      exit(1);                                                      \
-    }                                                               \
+#define CK(x)                                                 \
+  do {                                                        \
+    auto e_ = (x);                                            \
+    if ((int)e_) {                                            \
+      printf("fail %s: %d line %d\n", #x, (int)e_, __LINE__); \
+      exit(1);                                                \
+    }                                                         \
   } while (0)
 using bf16 = __nv_bfloat16;
 
@@ -105,8 +105,8 @@ __global__ void grad_f32(const float* t, int64_t V, const float* lse, bf16* g, i
 // Scheme B pass 1: one block per row of a sub-block (Vb fp32 values, Vb % 4 == 0): block max,
 // sum of exp relative to it, bf16 (z - max) into the chunk's bf16 logits.
 template <int PER>
-__global__ void sub_stats(const float* sub, int Vb, bf16* g, int64_t ldg, int64_t v0, int nb,
-                          int b, float2* part) {
+__global__ void sub_stats(const float* sub, int Vb, bf16* g, int64_t ldg, int64_t v0, int nb, int b,
+                          float2* part) {
   __shared__ float sh[33];
   const float4* r = reinterpret_cast<const float4*>(sub + (int64_t)blockIdx.x * Vb);
   float4 v[PER];
@@ -142,7 +142,8 @@ __global__ void sub_grad(bf16* g, int64_t V, int64_t ldg, int Vb, int nb, const 
   __shared__ float sh[33];
   __shared__ float shift[1024];
   float m = -INFINITY;
-  for (int b = threadIdx.x; b < nb; b += blockDim.x) m = fmaxf(m, part[(int64_t)blockIdx.x * nb + b].x);
+  for (int b = threadIdx.x; b < nb; b += blockDim.x)
+    m = fmaxf(m, part[(int64_t)blockIdx.x * nb + b].x);
   const float M = block_max(m, sh);
   float s = 0.f;
   for (int b = threadIdx.x; b < nb; b += blockDim.x) {
@@ -191,7 +192,7 @@ int main(int argc, char** argv) {
   bf16 *X, *W, *dX, *dW, *G;
   float* T;
   int* tgt;
-  float *lse;
+  float* lse;
   float2* part;
   CK(cudaMalloc(&X, N * Hd * 2));
   CK(cudaMalloc(&W, V * Hd * 2));
@@ -228,8 +229,7 @@ int main(int argc, char** argv) {
         grad_f32<<<R, 512, 0, st>>>(T, V, lse + r0, G, 2 * V, tgt + r0);
         g = G;
       }
-      gemm(CUBLAS_OP_N, CUBLAS_OP_N, Hd, R, V, W, Hd, g, 2 * V, dX + r0 * Hd, CUDA_R_16BF, Hd,
-           0.f);
+      gemm(CUBLAS_OP_N, CUBLAS_OP_N, Hd, R, V, W, Hd, g, 2 * V, dX + r0 * Hd, CUDA_R_16BF, Hd, 0.f);
       gemm(CUBLAS_OP_N, CUBLAS_OP_T, Hd, V, R, X + r0 * Hd, Hd, g, 2 * V, dW, CUDA_R_16BF, Hd,
            c ? 1.f : 0.f);
     }
