@@ -42,15 +42,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
 
   // Inputs, gradients and targets (not counted as extra memory).
   gpu::DeviceBuffer x(n * h * es), w(v * h * es), dx(n * h * es), dw(v * h * es), y(n * 4);
-  const auto wscale = static_cast<float>(c.logit_std / std::sqrt(static_cast<double>(h)));
-  const std::uint64_t seed = c.seed * 4;  // fill_random streams seed, seed + 1, ...: independent
-  if (bf16) {
-    fill_random(x.as<__nv_bfloat16>(), n * h, 1.0f, seed, s);
-    fill_random(w.as<__nv_bfloat16>(), v * h, wscale, seed + 1, s);
-  } else {
-    fill_random(x.as<float>(), n * h, 1.0f, seed, s);
-    fill_random(w.as<float>(), v * h, wscale, seed + 1, s);
-  }
+  const RandomOperands ops = fill_operands(c, x.data(), w.data(), n * h, v * h, h, bf16, s);
   std::vector<int> hy(static_cast<std::size_t>(n));
   std::uint64_t state = c.seed;
   std::int64_t valid = 0;
@@ -62,9 +54,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
     valid += hy[static_cast<std::size_t>(i)] >= 0;
   }
   gpu::copy_to_device(y.data(), hy.data(), hy.size() * 4);
-  res.inputs = "hidden ~ N(0, 1), weight ~ N(0, s^2/H) with s = " + fmt("%g", c.logit_std) +
-               " (logits' standard deviation), targets "
-               "uniform in [0, V)";
+  res.inputs = ops.description;
   res.ignored_rows = "1 in 7 (rows t with t % 7 == 3)";
   res.reduction = "mean";
   res.valid_rows = valid;

@@ -122,32 +122,21 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
   gpu::DeviceBuffer x(nh * es), w(vh * es), xr(ref_operands ? nh * es : 0),
       wr(ref_operands ? vh * es : 0), dx(nh * es), dw(vh * es), y(n * 4),
       labels(b.paired ? 0 : sq * 4), ref_lp_dev(ref_logps ? sq * 4 : 0);
-  const auto wscale = static_cast<float>(c.logit_std / std::sqrt(static_cast<double>(h)));
-  const std::uint64_t seed = c.seed * 4;  // fill_random streams seed, seed + 1, ...: independent
-  if (bf16) {
-    fill_random(x.as<__nv_bfloat16>(), nh, 1.0f, seed, s);
-    fill_random(w.as<__nv_bfloat16>(), vh, wscale, seed + 1, s);
-    if (ref_operands) {
-      fill_random(xr.as<__nv_bfloat16>(), nh, kReferenceNoise, seed + 2, s, x.as<__nv_bfloat16>());
-      fill_random(wr.as<__nv_bfloat16>(), vh, kReferenceNoise * wscale, seed + 3, s,
-                  w.as<__nv_bfloat16>());
-    }
-  } else {
-    fill_random(x.as<float>(), nh, 1.0f, seed, s);
-    fill_random(w.as<float>(), vh, wscale, seed + 1, s);
-    if (ref_operands) {
-      fill_random(xr.as<float>(), nh, kReferenceNoise, seed + 2, s, x.as<float>());
-      fill_random(wr.as<float>(), vh, kReferenceNoise * wscale, seed + 3, s, w.as<float>());
-    }
+  const RandomOperands ops = fill_operands(c, x.data(), w.data(), nh, vh, h, bf16, s);
+  const float ref_wscale = kReferenceNoise * ops.weight_scale;
+  if (ref_operands && bf16) {
+    fill_random(xr.as<__nv_bfloat16>(), nh, kReferenceNoise, ops.seed + 2, s,
+                x.as<__nv_bfloat16>());
+    fill_random(wr.as<__nv_bfloat16>(), vh, ref_wscale, ops.seed + 3, s, w.as<__nv_bfloat16>());
+  } else if (ref_operands) {
+    fill_random(xr.as<float>(), nh, kReferenceNoise, ops.seed + 2, s, x.as<float>());
+    fill_random(wr.as<float>(), vh, ref_wscale, ops.seed + 3, s, w.as<float>());
   }
   BENCH_CHECK(cudaStreamSynchronize(s));
   gpu::copy_to_device(y.data(), b.targets.data(), b.targets.size() * 4);
   if (!b.paired) gpu::copy_to_device(labels.data(), b.labels.data(), b.labels.size() * 4);
-  res.inputs =
-      "hidden ~ N(0, 1), weight ~ N(0, s^2/H) with s = " + fmt("%g", c.logit_std) +
-      " (logits' standard deviation), targets "
-      "uniform in [0, V); reference head (when used) = the policy's hidden and weight plus 10% "
-      "noise";
+  res.inputs = ops.description +
+               "; reference head (when used) = the policy's hidden and weight plus 10% noise";
 
   // The floor: the GEMMs at full size, gradient operand of the input dtype.
   Gemms gm{static_cast<cublasHandle_t>(ctx.cublas()), ct, ct};

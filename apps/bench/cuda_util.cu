@@ -215,6 +215,23 @@ void fill_random(__nv_bfloat16* p, std::size_t n, float scale, std::uint64_t see
   BENCH_CHECK(cudaGetLastError());
 }
 
+RandomOperands fill_operands(const CaseConfig& c, void* x, void* w, std::size_t nh, std::size_t vh,
+                             std::int64_t h, bool bf16, cudaStream_t s) {
+  RandomOperands r;
+  r.seed = c.seed * 4;
+  r.weight_scale = static_cast<float>(c.logit_std / std::sqrt(static_cast<double>(h)));
+  if (bf16) {
+    fill_random(static_cast<__nv_bfloat16*>(x), nh, 1.0f, r.seed, s);
+    fill_random(static_cast<__nv_bfloat16*>(w), vh, r.weight_scale, r.seed + 1, s);
+  } else {
+    fill_random(static_cast<float*>(x), nh, 1.0f, r.seed, s);
+    fill_random(static_cast<float*>(w), vh, r.weight_scale, r.seed + 1, s);
+  }
+  r.description = "hidden ~ N(0, 1), weight ~ N(0, s^2/H) with s = " + fmt("%g", c.logit_std) +
+                  " (logits' standard deviation), targets uniform in [0, V)";
+  return r;
+}
+
 void widen(const float* src, double* dst, std::size_t n, cudaStream_t s) {
   widen_kernel<<<4096, kThreads, 0, s>>>(src, dst, n);
   BENCH_CHECK(cudaGetLastError());

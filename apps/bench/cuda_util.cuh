@@ -15,8 +15,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
+#include "bench.h"
 #include "device.h"
 
 namespace chunkloss::bench {
@@ -34,6 +36,18 @@ void fill_random(float* p, std::size_t n, float scale, std::uint64_t seed, cudaS
                  const float* base = nullptr);
 void fill_random(__nv_bfloat16* p, std::size_t n, float scale, std::uint64_t seed, cudaStream_t s,
                  const __nv_bfloat16* base = nullptr);
+
+/// A case's random operands (the bf16 or fp32 buffers x [nh] and w [vh], H = h): hidden ~ N(0, 1)
+/// and weight ~ N(0, s^2/H) with s = c.logit_std, so the logits' standard deviation is about s,
+/// from fill_random streams `seed` and seed + 1 (seed = 4 c.seed; seed + 2 and + 3 are free for
+/// a case's further tensors), on stream s_.
+struct RandomOperands {
+  std::uint64_t seed;
+  float weight_scale;
+  std::string description;  ///< the operands and targets, in words, for CaseResult::inputs
+};
+RandomOperands fill_operands(const CaseConfig& c, void* x, void* w, std::size_t nh, std::size_t vh,
+                             std::int64_t h, bool bf16, cudaStream_t s_);
 
 /// dst[i] = double(src[i]) / bf16(src[i]), on stream s.
 void widen(const float* src, double* dst, std::size_t n, cudaStream_t s);
