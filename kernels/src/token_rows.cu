@@ -19,7 +19,7 @@ __global__ void token_begin_kernel(TokenParams p) {
   for (std::int64_t t = threadIdx.x; t < p.rows; t += kFinishThreads) {
     const std::int64_t y = target_at(p, t);
     if (y == p.ignore_index) continue;
-    if (y < 0 || y >= p.vocab) {
+    if (y < 0 || y >= p.vocab_total) {
       bad += 1;
       continue;
     }
@@ -34,7 +34,8 @@ __global__ void token_begin_kernel(TokenParams p) {
   __syncthreads();
   double cw = 0;
   if (p.class_weights)
-    for (std::int64_t j = threadIdx.x; j < p.vocab; j += kFinishThreads) cw += p.class_weights[j];
+    for (std::int64_t j = threadIdx.x; j < p.vocab_total; j += kFinishThreads)
+      cw += p.class_weights[j];
   const double cw_sum = Reduce(tmp).Sum(cw);
   if (threadIdx.x == 0) {
     for (int i = 0; i < kNumScalars; ++i) p.scalars[i] = 0;
@@ -51,7 +52,7 @@ __global__ void token_begin_kernel(TokenParams p) {
     gemm[kZero] = 0.0f;
     gemm[kOne] = 1.0f;
     p.scalars[kBadTargets] = b;
-    p.scalars[kClassWeightSum] = p.class_weights ? cw_sum : static_cast<double>(p.vocab);
+    p.scalars[kClassWeightSum] = p.class_weights ? cw_sum : static_cast<double>(p.vocab_total);
   }
 }
 
@@ -66,7 +67,7 @@ __global__ void __launch_bounds__(kStatsThreads)
   const std::int64_t i = blockIdx.x, t = r0 + i, n = p.vocab;
   const TL* row = logits + i * ld;
   const bool vec = aligned16(logits) && (ld % V) == 0;
-  const std::int64_t y = valid_target(p, t);
+  const std::int64_t y = valid_target(p, t), y_col = y - p.vocab_offset;  // its column here
   const float cap = p.softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   const bool want_sum = p.rule.eps != 0.0f || p.logit_sums;
 
@@ -98,7 +99,7 @@ __global__ void __launch_bounds__(kStatsThreads)
         for (int k = 0; k < V; ++k)
           if (j + k < n) acc.sz += z[k];
       }
-      const std::int64_t dy = y - j;  // the target's place in this vector, if there
+      const std::int64_t dy = y_col - j;  // the target's place in this vector, if there
       if (dy >= 0 && dy < V) {
 #pragma unroll
         for (int k = 0; k < V; ++k)
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(kStatsThreads)
       for (int k = 0; k < V; ++k) {
         const std::int64_t col = j + k;
         if (col >= n) break;
-        accumulate_logit(acc, p, softcap_value(z[k] + bias_at(p, col), cap, inv_cap), col, y,
+        accumulate_logit(acc, p, softcap_value(z[k] + bias_at(p, col), cap, inv_cap), col, y_col,
                          want_sum);
       }
     }
@@ -125,8 +126,23 @@ __global__ void __launch_bounds__(kStatsThreads)
     for (int u = 0; u < kLoads; ++u)
       if (j0 + u * kStep < n) add(z[u], j0 + u * kStep);
   }
-  const RowAcc r = Reduce(tmp).Reduce(acc, MergeAcc());
-  if (threadIdx.x == 0) apply_row_rule(p, t, y, r);
+  RowAcc r = Reduce(tmp).Reduce(acc, MergeAcc());
+  if (threadIdx.x != 0) return;
+  if (!p.partials) {
+    apply_row_rule(p, t, y, r);
+    return;
+  }
+  r.arg += static_cast<int>(p.vocab_offset);
+  p.partials[i] = r;
+}
+
+__global__ void merge_row_stats_kernel(TokenParams p, const RowStats* stats, int ranks,
+                                       std::int64_t r0, std::int64_t rows) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows) return;
+  RowStats r = stats[i];
+  for (int k = 1; k < ranks; ++k) r = merge_stats(r, stats[k * rows + i]);
+  apply_row_rule(p, r0 + i, valid_target(p, r0 + i), r);
 }
 
 struct Totals {
@@ -204,6 +220,16 @@ int launch_row_stats(const TokenParams& p, const void* logits, Elem logits_elem,
       row_stats_kernel<__nv_bfloat16, kPlain>
           <<<grid, kStatsThreads, 0, s>>>(p, static_cast<const __nv_bfloat16*>(logits), ld, r0);
   });
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_merge_row_stats(const TokenParams& p, const RowStats* stats, int ranks, std::int64_t r0,
+                           std::int64_t rows, void* stream) {
+  if (rows == 0) return 0;
+  constexpr int kThreads = 128;
+  const auto grid = static_cast<unsigned>((rows + kThreads - 1) / kThreads);
+  merge_row_stats_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, stats, ranks,
+                                                                                  r0, rows);
   return static_cast<int>(cudaGetLastError());
 }
 
