@@ -99,8 +99,9 @@ __global__ void __launch_bounds__(kStatsThreads)
         for (int k = 0; k < V; ++k)
           if (j + k < n) acc.sz += z[k];
       }
-      const std::int64_t dy = y_col - j;  // the target's place in this vector, if there
-      if (dy >= 0 && dy < V) {
+      // The target's place in this vector, if there (not a pad: another rank's column).
+      const std::int64_t dy = y_col - j;
+      if (dy >= 0 && dy < V && y_col < n) {
 #pragma unroll
         for (int k = 0; k < V; ++k)
           if (k == dy) acc.zy = z[k];

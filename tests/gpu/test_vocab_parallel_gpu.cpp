@@ -1,0 +1,338 @@
+// Vocabulary parallelism on CUDA: LinearCrossEntropy with the weight split by rows over a group,
+// against the unsplit call on the CPU and on CUDA with the same data. Two ranks on one device
+// through the in-process group (the CUDA backend's exchange path: statistics kernel, merge
+// kernel, fp32 dH rows), and with two or more devices through NCCL, including bitwise run-to-run
+// equality. Skips itself, with a message, without a device (or, for NCCL, a second one).
+#include <doctest/doctest.h>
+
+#include <chunkloss/core/error.h>
+#include <chunkloss/dist/communicator.h>
+#include <chunkloss/dist/nccl.h>
+#include <chunkloss/gpu/context.h>
+#include <chunkloss/losses/cross_entropy.h>
+
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "support/compare.h"
+#include "support/workspace.h"
+
+namespace chunkloss::test {
+namespace {
+
+struct Case {
+  std::int64_t n = 300, h = 96, v = 1003;
+  DType dtype = DType::kF32;  // inputs and gradients
+  bool options = false;       // bias, class and token weights, smoothing, z-loss, softcap, entropy
+  Reduction reduction = Reduction::kMean;
+  std::size_t budget = 0;
+  bool accumulate = false;
+};
+
+// Host data as the library sees it (bf16-exact values when bf16).
+struct Data {
+  std::vector<float> x, w, b, cw, tw, up;
+  std::vector<std::int64_t> y;
+};
+
+Data make_data(const Case& c, std::uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  auto fill = [&](std::int64_t count, float scale) {
+    std::vector<float> f(static_cast<std::size_t>(count));
+    for (float& e : f) {
+      e = nd(g) * scale;
+      if (c.dtype == DType::kBF16) e = static_cast<float>(BFloat16(e));
+    }
+    return f;
+  };
+  Data d;
+  d.x = fill(c.n * c.h, 1.0f);
+  d.w = fill(c.v * c.h, 3.0f / std::sqrt(static_cast<float>(c.h)));
+  if (c.options) d.b = fill(c.v, 0.5f);
+  for (std::int64_t i = 0; i < c.n; ++i)
+    d.y.push_back(u(g) < 1.0f / 7 ? -100 : static_cast<std::int64_t>(g() % c.v));
+  for (std::int64_t j = 0; c.options && j < c.v; ++j) d.cw.push_back(0.5f + u(g));
+  for (std::int64_t i = 0; c.options && i < c.n; ++i) d.tw.push_back(2 * u(g));
+  for (std::int64_t i = 0; i < c.n; ++i) d.up.push_back(u(g) - 0.3f);
+  return d;
+}
+
+CrossEntropyOptions options_of(const Case& c) {
+  CrossEntropyOptions o;
+  o.reduction = c.reduction;
+  o.memory_budget_bytes = c.budget;
+  if (c.options) {
+    o.label_smoothing = 0.1f;
+    o.z_loss = 1e-3f;
+    o.softcap = 5.0f;
+    o.compute_entropy = true;
+  }
+  return o;
+}
+
+struct Result {
+  CrossEntropyResult r;
+  std::vector<float> dx, dw, db, lse, row_loss;
+  std::vector<std::int32_t> pred;
+};
+
+// Memory for one view on the call's device (a host vector on the CPU), filled from floats in
+// `t` or from raw bytes.
+class Buffer {
+ public:
+  Buffer(Device dev, std::size_t bytes, const void* src) : dev_(dev), host_(bytes) {
+    if (src && bytes) std::memcpy(host_.data(), src, bytes);
+    if (dev == Device::kCuda && bytes) {
+      mem_ = gpu::DeviceBuffer(bytes);
+      gpu::copy_to_device(mem_.data(), host_.data(), bytes);
+    }
+  }
+  static Buffer floats(Device dev, const float* f, std::size_t count, DType t) {
+    std::vector<unsigned char> raw(count * dtype_size(t));
+    for (std::size_t i = 0; i < count; ++i) {
+      if (t == DType::kF32)
+        std::memcpy(raw.data() + i * 4, &f[i], 4);
+      else
+        reinterpret_cast<BFloat16*>(raw.data())[i] = BFloat16(f[i]);
+    }
+    return Buffer(dev, raw.size(), raw.data());
+  }
+  void* ptr() { return dev_ == Device::kCuda ? mem_.data() : host_.data(); }
+  std::vector<float> read(DType t) {
+    if (dev_ == Device::kCuda && !host_.empty())
+      gpu::copy_to_host(host_.data(), mem_.data(), host_.size());
+    std::vector<float> f(host_.size() / dtype_size(t));
+    for (std::size_t i = 0; i < f.size(); ++i)
+      f[i] = t == DType::kF32 ? reinterpret_cast<const float*>(host_.data())[i]
+                              : static_cast<float>(reinterpret_cast<const BFloat16*>(host_.data())[i]);
+    return f;
+  }
+
+ private:
+  Device dev_;
+  std::vector<unsigned char> host_;
+  gpu::DeviceBuffer mem_;
+};
+
+// One call with weight rows [off, end) (the whole weight when `group` is null) on the CPU
+// (device < 0) or CUDA device `device`; gradient buffers hold 0.25 before it with accumulate.
+Result call(const Case& c, const Data& d, std::int64_t off, std::int64_t end,
+            dist::Communicator* group, int device) {
+  const Device dev = device < 0 ? Device::kCpu : Device::kCuda;
+  std::optional<gpu::Context> gctx;
+  if (dev == Device::kCuda) gctx.emplace(device);  // first: buffers go to its device
+  const std::int64_t n = c.n, h = c.h, vl = end - off;
+  const auto sz = [](std::int64_t k) { return static_cast<std::size_t>(k); };
+  const DType t = c.dtype;
+  Buffer x = Buffer::floats(dev, d.x.data(), sz(n * h), t);
+  Buffer w = Buffer::floats(dev, d.w.data() + off * h, sz(vl * h), t);
+  Buffer b = Buffer::floats(dev, d.b.empty() ? nullptr : d.b.data() + off, d.b.empty() ? 0 : sz(vl), t);
+  Buffer y(dev, d.y.size() * 8, d.y.data()), cw(dev, d.cw.size() * 4, d.cw.data()),
+      tw(dev, d.tw.size() * 4, d.tw.data()), up(dev, d.up.size() * 4, d.up.data());
+  const std::vector<float> fill_h(sz(n * h), 0.25f), fill_w(sz(vl * h), 0.25f), fill_b(sz(vl), 0.25f);
+  Buffer gx = Buffer::floats(dev, fill_h.data(), fill_h.size(), t);
+  Buffer gw = Buffer::floats(dev, fill_w.data(), fill_w.size(), t);
+  Buffer gb = Buffer::floats(dev, fill_b.data(), d.b.empty() ? 0 : fill_b.size(), t);
+  Buffer lse(dev, sz(n) * 4, nullptr), loss(dev, sz(n) * 4, nullptr), pred(dev, sz(n) * 4, nullptr);
+
+  const CrossEntropyOptions o = options_of(c);
+  CrossEntropyInputs in;
+  in.hidden = TensorView(x.ptr(), t, {n, h}, dev);
+  in.weight = TensorView(w.ptr(), t, {vl, h}, dev);
+  if (c.options) {
+    in.bias = TensorView(b.ptr(), t, {vl}, dev);
+    in.class_weights = TensorView(cw.ptr(), DType::kF32, {c.v}, dev);
+    in.token_weights = TensorView(tw.ptr(), DType::kF32, {n}, dev);
+  }
+  in.targets = TensorView(y.ptr(), DType::kI64, {n}, dev);
+  if (c.reduction == Reduction::kNone) in.grad_output = TensorView(up.ptr(), DType::kF32, {n}, dev);
+  if (group) in.vocab_shard = {group, off, c.v};
+  CrossEntropyGrads gr;
+  gr.hidden = TensorView(gx.ptr(), t, {n, h}, dev);
+  gr.weight = TensorView(gw.ptr(), t, {vl, h}, dev);
+  if (c.options) gr.bias = TensorView(gb.ptr(), t, {vl}, dev);
+  gr.accumulate = c.accumulate;
+  CrossEntropyOutputs out;
+  out.lse = TensorView(lse.ptr(), DType::kF32, {n}, dev);
+  out.row_loss = TensorView(loss.ptr(), DType::kF32, {n}, dev);
+  out.predictions = TensorView(pred.ptr(), DType::kI32, {n}, dev);
+
+  const LinearCrossEntropy ce(o);
+  const std::size_t wsb = ce.workspace_bytes(in, gr);
+  Result res;
+  if (gctx) {
+    gpu::DeviceBuffer ws(wsb);
+    res.r = ce.forward_backward(*gctx, in, gr, out, Workspace(ws.data(), wsb, Device::kCuda));
+    gctx->synchronize();
+  } else {
+    CpuContext ctx(2);
+    AlignedBuffer ws(wsb);
+    res.r = ce.forward_backward(ctx, in, gr, out, ws.workspace());
+  }
+  res.dx = gx.read(t);
+  res.dw = gw.read(t);
+  res.db = gb.read(t);
+  res.lse = lse.read(DType::kF32);
+  res.row_loss = loss.read(DType::kF32);
+  const std::vector<float> p = pred.read(DType::kF32);
+  res.pred.resize(p.size());
+  std::memcpy(res.pred.data(), p.data(), p.size() * 4);
+  return res;
+}
+
+// Rank r of `comms` on device devices[r], each on its own thread, with shards cut at `offsets`.
+std::vector<Result> call_split(const Case& c, const Data& d, const std::vector<std::int64_t>& offsets,
+                               const std::function<dist::Communicator&(int)>& comm,
+                               const std::vector<int>& devices) {
+  const std::size_t ranks = offsets.size();
+  std::vector<std::optional<Result>> out(ranks);
+  std::vector<std::exception_ptr> errors(ranks);
+  std::vector<std::thread> threads;
+  for (std::size_t r = 0; r < ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        const std::int64_t end = r + 1 < ranks ? offsets[r + 1] : c.v;
+        out[r].emplace(call(c, d, offsets[r], end, &comm(static_cast<int>(r)), devices[r]));
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  std::vector<Result> res;
+  for (auto& r : out) res.push_back(std::move(*r));
+  return res;
+}
+
+// The split results against an unsplit reference (CPU or CUDA): every rank's loss, outputs and
+// dH equal to rank 0's, and the concatenated dW and db shards.
+void check_split(const Case& c, const std::vector<Result>& split, const Result& whole,
+                 double grad_tol) {
+  const Result& r0 = split.front();
+  check_scalar("loss", r0.r.loss, whole.r.loss, 2e-5);
+  check_scalar("z_loss", r0.r.z_loss, whole.r.z_loss, 2e-5);
+  check_scalar("accuracy", r0.r.accuracy, whole.r.accuracy, 0);
+  check_scalar("entropy", r0.r.entropy, whole.r.entropy, 2e-5);
+  CHECK(r0.r.valid_rows == whole.r.valid_rows);
+  check_close("lse", r0.lse, whole.lse, 2e-6);
+  check_close("row_loss", r0.row_loss, whole.row_loss, 2e-5);
+  CHECK(r0.pred == whole.pred);
+  check_close("grad_hidden", r0.dx, whole.dx, grad_tol);
+  std::vector<float> dw, db;
+  for (const Result& r : split) {
+    dw.insert(dw.end(), r.dw.begin(), r.dw.end());
+    db.insert(db.end(), r.db.begin(), r.db.end());
+    CHECK(r.r.loss == r0.r.loss);
+    CHECK(r.lse == r0.lse);
+    CHECK(r.pred == r0.pred);
+    CHECK(r.dx == r0.dx);
+  }
+  check_close("grad_weight", dw, whole.dw, grad_tol);
+  if (c.options) check_close("grad_bias", db, whole.db, grad_tol);
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  Case plain;
+  out.push_back(plain);
+  Case all = plain;
+  all.options = true;
+  all.reduction = Reduction::kNone;
+  out.push_back(all);
+  Case chunks = plain;
+  chunks.budget = 1 << 20;  // several chunks
+  chunks.accumulate = true;
+  chunks.reduction = Reduction::kSum;
+  out.push_back(chunks);
+  Case bf16 = plain;
+  bf16.dtype = DType::kBF16;
+  bf16.options = true;
+  out.push_back(bf16);
+  return out;
+}
+
+double grad_tolerance(const Case& c) { return c.dtype == DType::kBF16 ? 4e-3 : 2e-5; }
+
+}  // namespace
+
+TEST_CASE("vocab parallel on CUDA: two ranks on one device (in-process group) match the unsplit "
+          "CPU and CUDA calls") {
+  if (gpu::device_count() == 0) {
+    MESSAGE("no CUDA device: GPU test skipped");
+    return;
+  }
+  const std::vector<std::int64_t> offsets{0, 517};
+  for (const Case& c : cases()) {
+    INFO("dtype=", dtype_name(c.dtype), " options=", c.options, " budget=", c.budget,
+         " accumulate=", c.accumulate);
+    const Data d = make_data(c, 7);
+    dist::InProcessGroup g(2);
+    const std::vector<Result> split =
+        call_split(c, d, offsets, [&](int r) -> dist::Communicator& { return g.comm(r); }, {0, 0});
+    check_split(c, split, call(c, d, 0, c.v, nullptr, 0), grad_tolerance(c));
+    check_split(c, split, call(c, d, 0, c.v, nullptr, -1), c.dtype == DType::kBF16 ? 4e-3 : 1e-4);
+  }
+}
+
+TEST_CASE("vocab parallel on CUDA over NCCL: every device a rank, against the unsplit call, "
+          "bitwise run to run") {
+  const int devices = gpu::device_count();
+  if (devices < 2) {
+    MESSAGE("fewer than 2 CUDA devices (", devices, "): NCCL test skipped");
+    return;
+  }
+  std::vector<int> ids;
+  std::vector<std::int64_t> offsets;
+  const Case base;
+  for (int i = 0; i < devices; ++i) {
+    ids.push_back(i);
+    offsets.push_back(base.v * i / devices + (i > 0 ? 3 : 0));  // uneven shards
+  }
+  auto comms = dist::NcclCommunicator::create_all(ids);
+  for (int i = 0; i < devices; ++i) CHECK(comms[static_cast<std::size_t>(i)]->rank() == i);
+  auto comm = [&](int r) -> dist::Communicator& { return *comms[static_cast<std::size_t>(r)]; };
+  for (const Case& c : cases()) {
+    INFO("ranks=", devices, " dtype=", dtype_name(c.dtype), " options=", c.options,
+         " budget=", c.budget, " accumulate=", c.accumulate);
+    const Data d = make_data(c, 8);
+    const std::vector<Result> split = call_split(c, d, offsets, comm, ids);
+    check_split(c, split, call(c, d, 0, c.v, nullptr, 0), grad_tolerance(c));
+    const std::vector<Result> again = call_split(c, d, offsets, comm, ids);
+    for (std::size_t r = 0; r < split.size(); ++r) {
+      CHECK(again[r].r.loss == split[r].r.loss);
+      CHECK(again[r].dx == split[r].dx);
+      CHECK(again[r].dw == split[r].dw);
+      CHECK(again[r].lse == split[r].lse);
+    }
+  }
+}
+
+TEST_CASE("NcclCommunicator: bad device lists and a context on another device") {
+  if (gpu::device_count() == 0) {
+    MESSAGE("no CUDA device: GPU test skipped");
+    return;
+  }
+  CHECK_THROWS_WITH_AS(dist::NcclCommunicator::create_all({}), doctest::Contains("no devices"),
+                       Error);
+  CHECK_THROWS_WITH_AS(dist::NcclCommunicator::create_all({0, 0}),
+                       doctest::Contains("device 0 is listed twice"), Error);
+  CHECK_THROWS_WITH_AS(dist::NcclCommunicator::create_all({gpu::device_count()}),
+                       doctest::Contains("does not exist"), Error);
+  auto one = dist::NcclCommunicator::create_all({0});
+  CpuContext cpu;
+  float x = 1.0f;
+  CHECK_THROWS_WITH_AS(one[0]->all_reduce_sum(cpu, &x, 1),
+                       doctest::Contains("the communicator is on cuda device 0"), Error);
+}
+
+}  // namespace chunkloss::test
