@@ -11,6 +11,7 @@
 #include <chunkloss/gpu/context.h>
 #include <chunkloss/losses/cross_entropy.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -145,26 +146,27 @@ Result call(const Case& c, const Data& d, std::int64_t off, std::int64_t end,
   Buffer lse(dev, sz(n) * 4, nullptr), loss(dev, sz(n) * 4, nullptr), pred(dev, sz(n) * 4, nullptr);
 
   const CrossEntropyOptions o = options_of(c);
+  const int index = std::max(device, 0);
   CrossEntropyInputs in;
-  in.hidden = TensorView(x.ptr(), t, {n, h}, dev);
-  in.weight = TensorView(w.ptr(), t, {vl, h}, dev);
+  in.hidden = TensorView(x.ptr(), t, {n, h}, dev, index);
+  in.weight = TensorView(w.ptr(), t, {vl, h}, dev, index);
   if (c.options) {
-    in.bias = TensorView(b.ptr(), t, {vl}, dev);
-    in.class_weights = TensorView(cw.ptr(), DType::kF32, {c.v}, dev);
-    in.token_weights = TensorView(tw.ptr(), DType::kF32, {n}, dev);
+    in.bias = TensorView(b.ptr(), t, {vl}, dev, index);
+    in.class_weights = TensorView(cw.ptr(), DType::kF32, {c.v}, dev, index);
+    in.token_weights = TensorView(tw.ptr(), DType::kF32, {n}, dev, index);
   }
-  in.targets = TensorView(y.ptr(), DType::kI64, {n}, dev);
-  if (c.reduction == Reduction::kNone) in.grad_output = TensorView(up.ptr(), DType::kF32, {n}, dev);
+  in.targets = TensorView(y.ptr(), DType::kI64, {n}, dev, index);
+  if (c.reduction == Reduction::kNone) in.grad_output = TensorView(up.ptr(), DType::kF32, {n}, dev, index);
   if (group) in.vocab_shard = {group, off, c.v};
   CrossEntropyGrads gr;
-  gr.hidden = TensorView(gx.ptr(), t, {n, h}, dev);
-  gr.weight = TensorView(gw.ptr(), t, {vl, h}, dev);
-  if (c.options) gr.bias = TensorView(gb.ptr(), t, {vl}, dev);
+  gr.hidden = TensorView(gx.ptr(), t, {n, h}, dev, index);
+  gr.weight = TensorView(gw.ptr(), t, {vl, h}, dev, index);
+  if (c.options) gr.bias = TensorView(gb.ptr(), t, {vl}, dev, index);
   gr.accumulate = c.accumulate;
   CrossEntropyOutputs out;
-  out.lse = TensorView(lse.ptr(), DType::kF32, {n}, dev);
-  out.row_loss = TensorView(loss.ptr(), DType::kF32, {n}, dev);
-  out.predictions = TensorView(pred.ptr(), DType::kI32, {n}, dev);
+  out.lse = TensorView(lse.ptr(), DType::kF32, {n}, dev, index);
+  out.row_loss = TensorView(loss.ptr(), DType::kF32, {n}, dev, index);
+  out.predictions = TensorView(pred.ptr(), DType::kI32, {n}, dev, index);
 
   const LinearCrossEntropy ce(o);
   const std::size_t wsb = ce.workspace_bytes(in, gr);
