@@ -12,6 +12,20 @@ namespace {
 constexpr int kStatsThreads = 256;
 constexpr int kFinishThreads = 1024;
 
+// The mean's 1/D from the divisor D in scalars[kWeightSum]: 1/D = alpha * 2^e with alpha in
+// [0.5, 1); the tile carries 2^e exactly, the GEMMs alpha.
+__device__ void set_divisor(const TokenParams& p) {
+  const double d = p.scalars[kWeightSum];
+  const double inv = d > 0 ? 1.0 / d : 0.0;
+  p.scalars[kInvDenom] = inv;
+  int e = 0;
+  const double alpha = p.scale == Scale::kMean && inv > 0 ? frexp(inv, &e) : 1.0;
+  p.scalars[kRowScale] = p.scale == Scale::kMean ? ldexp(1.0, e) : 1.0;
+  reinterpret_cast<float*>(p.scalars + kGemmScalarsOffset)[kAlpha] = static_cast<float>(alpha);
+}
+
+__global__ void divisor_kernel(TokenParams p) { set_divisor(p); }
+
 __global__ void token_begin_kernel(TokenParams p) {
   using Reduce = cub::BlockReduce<double, kFinishThreads>;
   __shared__ typename Reduce::TempStorage tmp;
@@ -41,14 +55,8 @@ __global__ void token_begin_kernel(TokenParams p) {
     for (int i = 0; i < kNumScalars; ++i) p.scalars[i] = 0;
     p.scalars[kValidRows] = v;
     p.scalars[kWeightSum] = d;
-    const double inv = d > 0 ? 1.0 / d : 0.0;
-    p.scalars[kInvDenom] = inv;
-    // 1/D = alpha * 2^e with alpha in [0.5, 1): the tile carries 2^e exactly, the GEMMs alpha.
-    int e = 0;
-    const double alpha = p.scale == Scale::kMean && inv > 0 ? frexp(inv, &e) : 1.0;
-    p.scalars[kRowScale] = p.scale == Scale::kMean ? ldexp(1.0, e) : 1.0;
+    set_divisor(p);
     float* gemm = reinterpret_cast<float*>(p.scalars + kGemmScalarsOffset);
-    gemm[kAlpha] = static_cast<float>(alpha);
     gemm[kZero] = 0.0f;
     gemm[kOne] = 1.0f;
     p.scalars[kBadTargets] = b;
@@ -155,8 +163,18 @@ struct SumTotals {
   }
 };
 
+// The totals in scalars[kLoss, kEntropy] (sums over the rows) into the reported values.
+__device__ void scale_totals(const TokenParams& p) {
+  const double valid = p.scalars[kValidRows];
+  const double scale = p.scale == Scale::kMean ? p.scalars[kInvDenom] : 1.0;
+  p.scalars[kLoss] *= scale;
+  p.scalars[kZLoss] *= scale;
+  p.scalars[kAccuracy] = valid > 0 ? p.scalars[kAccuracy] / valid : 0.0;
+  p.scalars[kEntropy] = valid > 0 ? p.scalars[kEntropy] / valid : 0.0;
+}
+
 __global__ void token_finish_kernel(TokenParams p, float* out_row_loss, float* out_lse,
-                                    std::int32_t* out_pred) {
+                                    std::int32_t* out_pred, bool defer_scaling) {
   using Reduce = cub::BlockReduce<Totals, kFinishThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   Totals acc{0, 0, 0, 0};
@@ -175,13 +193,14 @@ __global__ void token_finish_kernel(TokenParams p, float* out_row_loss, float* o
   }
   const Totals r = Reduce(tmp).Reduce(acc, SumTotals());
   if (threadIdx.x != 0) return;
-  const double valid = p.scalars[kValidRows];
-  const double scale = p.scale == Scale::kMean ? p.scalars[kInvDenom] : 1.0;
-  p.scalars[kLoss] = r.loss * scale;
-  p.scalars[kZLoss] = r.zloss * scale;
-  p.scalars[kAccuracy] = valid > 0 ? r.correct / valid : 0.0;
-  p.scalars[kEntropy] = valid > 0 ? r.entropy / valid : 0.0;
+  p.scalars[kLoss] = r.loss;
+  p.scalars[kZLoss] = r.zloss;
+  p.scalars[kAccuracy] = r.correct;
+  p.scalars[kEntropy] = r.entropy;
+  if (!defer_scaling) scale_totals(p);
 }
+
+__global__ void scale_totals_kernel(TokenParams p) { scale_totals(p); }
 
 __global__ void export_scalars_kernel(const double* s, float* out) {
   unsigned long long nonfinite;
@@ -235,9 +254,19 @@ int launch_merge_row_stats(const TokenParams& p, const RowStats* stats, int rank
 }
 
 int launch_token_finish(const TokenParams& p, float* out_row_loss, float* out_lse,
-                        std::int32_t* out_pred, void* stream) {
+                        std::int32_t* out_pred, bool defer_scaling, void* stream) {
   token_finish_kernel<<<1, kFinishThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      p, out_row_loss, out_lse, out_pred);
+      p, out_row_loss, out_lse, out_pred, defer_scaling);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_scale_totals(const TokenParams& p, void* stream) {
+  scale_totals_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_set_divisor(const TokenParams& p, void* stream) {
+  divisor_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 

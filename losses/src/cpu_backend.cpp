@@ -90,6 +90,12 @@ class CpuTokenBackend final : public TokenBackend {
       ++valid_;
       denom_ += cw_ ? static_cast<double>(cw_[y]) : 1.0;
     }
+    if (c_.data_group) {  // the valid rows and the divisor over the group's rows
+      double sums[2] = {static_cast<double>(valid_), denom_};
+      c_.data_group->all_reduce_sum(ctx_, sums, 2);
+      valid_ = static_cast<std::int64_t>(sums[0]);
+      denom_ = sums[1];
+    }
     inv_denom_ = denom_ > 0 ? static_cast<float>(1.0 / denom_) : 0.0f;
     if (db_acc_) std::fill_n(db_acc_, v_, 0.0f);
   }
@@ -265,6 +271,14 @@ class CpuTokenBackend final : public TokenBackend {
       if (c_.out_row_loss.defined()) c_.out_row_loss.data_as<float>()[t] = rows_.loss[t];
       if (c_.out_pred.defined())
         c_.out_pred.data_as<std::int32_t>()[t] = valid ? rows_.argmax[t] : -1;
+    }
+    if (c_.data_group) {
+      double sums[4] = {tot.loss, tot.z_loss, tot.correct, tot.entropy};
+      c_.data_group->all_reduce_sum(ctx_, sums, 4);
+      tot.loss = sums[0];
+      tot.z_loss = sums[1];
+      tot.correct = sums[2];
+      tot.entropy = sums[3];
     }
     if (c_.scale == RowScale::kMean) {
       tot.loss = denom_ > 0 ? tot.loss / denom_ : 0.0;

@@ -67,6 +67,10 @@ class CudaTokenBackend final : public TokenBackend {
 
   void begin() override {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_token_begin(p_, stream_));
+    if (c_.data_group) {  // the valid rows and the divisor over the group's rows
+      c_.data_group->all_reduce_sum(ctx_, scalars_ + kern::kValidRows, 2);
+      CHUNKLOSS_LAUNCH_CHECK(kern::launch_set_divisor(p_, stream_));
+    }
     if (check_finite_) {
       for (const TensorView* t : {&c_.x, &c_.w, &c_.bias})
         if (t->defined())
@@ -248,7 +252,12 @@ class CudaTokenBackend final : public TokenBackend {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_token_finish(
         p_, c_.out_row_loss.defined() ? c_.out_row_loss.data_as<float>() : nullptr,
         c_.out_lse.defined() ? c_.out_lse.data_as<float>() : nullptr,
-        c_.out_pred.defined() ? c_.out_pred.data_as<std::int32_t>() : nullptr, stream_));
+        c_.out_pred.defined() ? c_.out_pred.data_as<std::int32_t>() : nullptr,
+        c_.data_group != nullptr, stream_));
+    if (c_.data_group) {
+      c_.data_group->all_reduce_sum(ctx_, scalars_ + kern::kLoss, 4);
+      CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_totals(p_, stream_));
+    }
     if (c_.out_scalars.defined())
       CHUNKLOSS_LAUNCH_CHECK(
           kern::launch_export_scalars(scalars_, c_.out_scalars.data_as<float>(), stream_));

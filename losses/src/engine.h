@@ -25,6 +25,9 @@ struct TokenCall {
   /// vocabulary of vocab_total (0: vocab) split over vocab_group's ranks (null: not split).
   dist::Communicator* vocab_group = nullptr;
   std::int64_t vocab_offset = 0, vocab_total = 0;
+  /// Data parallelism: the mean's divisor and the scalar totals are summed over this group's
+  /// ranks, each holding other rows (null: this call's rows alone).
+  dist::Communicator* data_group = nullptr;
   TensorView x, w, bias, targets, class_weights, token_weights, upstream;
   TensorView grad_x, grad_w, grad_bias;
   bool accumulate = false;

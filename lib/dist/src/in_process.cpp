@@ -46,19 +46,10 @@ struct InProcessGroup::State {
     int size() const override { return static_cast<int>(s_.ranks.size()); }
 
     void all_reduce_sum(const Context& ctx, float* data, std::int64_t n) override {
-      CHUNKLOSS_CHECK(n >= 0, "InProcessGroup::all_reduce_sum: n=", n, " < 0");
-      const auto count = static_cast<std::size_t>(n);
-      host_.resize(count);
-      copy(ctx, host_.data(), data, count * sizeof(float), true);
-      s_.publish(rank_, host_.data(), count * sizeof(float), "all_reduce_sum");
-      sum_.assign(count, 0.0);
-      for (const void* p : s_.slots) {
-        const auto* v = static_cast<const float*>(p);
-        for (std::size_t i = 0; i < count; ++i) sum_[i] += v[i];
-      }
-      s_.wait();  // every rank has read every buffer
-      for (std::size_t i = 0; i < count; ++i) host_[i] = static_cast<float>(sum_[i]);
-      copy(ctx, data, host_.data(), count * sizeof(float), false);
+      reduce(ctx, data, n);
+    }
+    void all_reduce_sum(const Context& ctx, double* data, std::int64_t n) override {
+      reduce(ctx, data, n);
     }
 
     void all_gather(const Context& ctx, const void* send, void* recv, std::size_t bytes) override {
@@ -73,9 +64,26 @@ struct InProcessGroup::State {
     }
 
    private:
+    template <typename T>
+    void reduce(const Context& ctx, T* data, std::int64_t n) {
+      CHUNKLOSS_CHECK(n >= 0, "InProcessGroup::all_reduce_sum: n=", n, " < 0");
+      const auto count = static_cast<std::size_t>(n);
+      host_bytes_.resize(count * sizeof(T));
+      copy(ctx, host_bytes_.data(), data, host_bytes_.size(), true);
+      s_.publish(rank_, host_bytes_.data(), host_bytes_.size(), "all_reduce_sum");
+      sum_.assign(count, 0.0);
+      for (const void* p : s_.slots) {
+        const auto* v = static_cast<const T*>(p);
+        for (std::size_t i = 0; i < count; ++i) sum_[i] += v[i];
+      }
+      s_.wait();  // every rank has read every buffer
+      T* out = reinterpret_cast<T*>(host_bytes_.data());
+      for (std::size_t i = 0; i < count; ++i) out[i] = static_cast<T>(sum_[i]);
+      copy(ctx, data, out, host_bytes_.size(), false);
+    }
+
     State& s_;
     int rank_;
-    std::vector<float> host_;
     std::vector<double> sum_;
     std::vector<unsigned char> host_bytes_, gathered_;
   };

@@ -68,6 +68,12 @@ void NcclCommunicator::all_reduce_sum(const Context& ctx, float* data, std::int6
                                     as_comm(comm_), s));
 }
 
+void NcclCommunicator::all_reduce_sum(const Context& ctx, double* data, std::int64_t n) {
+  const cudaStream_t s = stream_of(ctx, device_, "all_reduce_sum");
+  CHUNKLOSS_GPU_CHECK(ncclAllReduce(data, data, static_cast<std::size_t>(n), ncclDouble, ncclSum,
+                                    as_comm(comm_), s));
+}
+
 void NcclCommunicator::all_gather(const Context& ctx, const void* send, void* recv,
                                   std::size_t bytes) {
   const cudaStream_t s = stream_of(ctx, device_, "all_gather");

@@ -108,9 +108,19 @@ int launch_bias_grad(const TokenParams& p, const void* tile, Elem logits_elem, s
                      float* db, void* stream);
 
 /// Reduces the per-row arrays into the scalar block and writes the optional per-row outputs
-/// (row_loss, lse: float; predictions: int32, -1 for ignored rows).
+/// (row_loss, lse: float; predictions: int32, -1 for ignored rows). With `defer_scaling` the
+/// block's kLoss, kZLoss, kAccuracy and kEntropy are left as sums over the rows (loss, z-loss,
+/// correct rows, entropy) for a data-parallel group to add up, and launch_scale_totals follows.
 int launch_token_finish(const TokenParams& p, float* out_row_loss, float* out_lse,
-                        std::int32_t* out_pred, void* stream);
+                        std::int32_t* out_pred, bool defer_scaling, void* stream);
+
+/// The sums launch_token_finish left (defer_scaling) into the reported values: the mean's or
+/// none's scaling of the loss and z-loss, accuracy and entropy per valid row.
+int launch_scale_totals(const TokenParams& p, void* stream);
+
+/// Recomputes the mean's 1/D and the GEMMs' alpha from the divisor in kWeightSum (after a
+/// data-parallel group has summed kValidRows and kWeightSum over its ranks).
+int launch_set_divisor(const TokenParams& p, void* stream);
 
 /// out[0..7) = loss, z_loss, accuracy, entropy, valid rows, weight sum, invalid inputs (bad
 /// targets + non-finite values) as floats, from the scalar block, on the device.

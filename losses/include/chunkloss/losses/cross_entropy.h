@@ -74,6 +74,14 @@ struct CrossEntropyInputs {
   TensorView token_weights;
   TensorView grad_output;
   VocabShard vocab_shard;  ///< unset: not split
+  /// Data parallelism: the ranks of this group each call with their own rows (same weight);
+  /// the mean's divisor (valid rows, or their class weights) is summed over the group, so each
+  /// rank's gradients are its rows' share of the gradient of the group's mean, and the results
+  /// (loss, z-loss, accuracy, entropy, valid rows, weight sum, outputs.scalars) are the group's.
+  /// Sum (do not average) dW and db over the group afterwards, as data parallelism does for the
+  /// other parameters. Every rank must make the call. With vocab_shard too, the data group holds
+  /// one rank of each vocabulary group position. null: this call's rows alone.
+  dist::Communicator* data_group = nullptr;
 };
 
 /// Gradient buffers owned by the caller; absent views are not computed. grad_hidden [N, H]

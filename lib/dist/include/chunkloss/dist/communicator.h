@@ -23,6 +23,7 @@ class Communicator {
   virtual int size() const = 0;
   /// data[0, n) = the sum over the ranks of each rank's data[0, n), equal on every rank.
   virtual void all_reduce_sum(const Context& ctx, float* data, std::int64_t n) = 0;
+  virtual void all_reduce_sum(const Context& ctx, double* data, std::int64_t n) = 0;
   /// recv[r * bytes, (r + 1) * bytes) = rank r's send[0, bytes), on every rank.
   virtual void all_gather(const Context& ctx, const void* send, void* recv, std::size_t bytes) = 0;
 };

@@ -29,6 +29,7 @@ class NcclCommunicator final : public Communicator {
   void* handle() const { return comm_; }
 
   void all_reduce_sum(const Context& ctx, float* data, std::int64_t n) override;
+  void all_reduce_sum(const Context& ctx, double* data, std::int64_t n) override;
   void all_gather(const Context& ctx, const void* send, void* recv, std::size_t bytes) override;
 
  private:

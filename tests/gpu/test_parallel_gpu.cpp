@@ -1,8 +1,10 @@
-// Vocabulary parallelism on CUDA: LinearCrossEntropy with the weight split by rows over a group,
-// against the unsplit call on the CPU and on CUDA with the same data. Two ranks on one device
-// through the in-process group (the CUDA backend's exchange path: statistics kernel, merge
-// kernel, fp32 dH rows), and with two or more devices through NCCL, including bitwise run-to-run
-// equality. Skips itself, with a message, without a device (or, for NCCL, a second one).
+// Vocabulary and data parallelism on CUDA: LinearCrossEntropy with the weight split by rows over a
+// vocabulary group or the rows over a data group, against the unsplit call on the CPU and on CUDA
+// with the same data. Ranks on one device through the in-process group (the CUDA backend's
+// exchange path: statistics kernel, merge kernel, fp32 dH rows; the data group's divisor and
+// totals), a single-rank NCCL communicator's collectives, and with two or more devices the
+// vocabulary split through NCCL, including bitwise run-to-run equality. Skips itself, with a
+// message, without a device (or, for the NCCL split, a second one).
 #include <doctest/doctest.h>
 
 #include <chunkloss/core/error.h>
@@ -20,6 +22,7 @@
 #include <optional>
 #include <random>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "support/compare.h"
@@ -124,21 +127,30 @@ class Buffer {
   gpu::DeviceBuffer mem_;
 };
 
-// One call with weight rows [off, end) (the whole weight when `group` is null) on the CPU
-// (device < 0) or CUDA device `device`; gradient buffers hold 0.25 before it with accumulate.
-Result call(const Case& c, const Data& d, std::int64_t off, std::int64_t end,
-            dist::Communicator* group, int device) {
-  const Device dev = device < 0 ? Device::kCpu : Device::kCuda;
+// Which part of the problem one rank computes: rows [r0, r1) and weight rows [v0, v1), in its
+// vocabulary and data groups (null: not split that way), on the CPU (device < 0) or CUDA device
+// `device`.
+struct Part {
+  std::int64_t r0, r1, v0, v1;
+  dist::Communicator* vocab = nullptr;
+  dist::Communicator* data = nullptr;
+  int device = 0;
+};
+
+// One call; gradient buffers hold 0.25 before it with accumulate.
+Result call(const Case& c, const Data& d, const Part& pt) {
+  const Device dev = pt.device < 0 ? Device::kCpu : Device::kCuda;
   std::optional<gpu::Context> gctx;
-  if (dev == Device::kCuda) gctx.emplace(device);  // first: buffers go to its device
-  const std::int64_t n = c.n, h = c.h, vl = end - off;
+  if (dev == Device::kCuda) gctx.emplace(pt.device);  // first: buffers go to its device
+  const std::int64_t n = pt.r1 - pt.r0, h = c.h, vl = pt.v1 - pt.v0, off = pt.v0;
   const auto sz = [](std::int64_t k) { return static_cast<std::size_t>(k); };
   const DType t = c.dtype;
-  Buffer x = Buffer::floats(dev, d.x.data(), sz(n * h), t);
+  Buffer x = Buffer::floats(dev, d.x.data() + pt.r0 * h, sz(n * h), t);
   Buffer w = Buffer::floats(dev, d.w.data() + off * h, sz(vl * h), t);
   Buffer b = Buffer::floats(dev, d.b.empty() ? nullptr : d.b.data() + off, d.b.empty() ? 0 : sz(vl), t);
-  Buffer y(dev, d.y.size() * 8, d.y.data()), cw(dev, d.cw.size() * 4, d.cw.data()),
-      tw(dev, d.tw.size() * 4, d.tw.data()), up(dev, d.up.size() * 4, d.up.data());
+  Buffer y(dev, sz(n) * 8, d.y.data() + pt.r0), cw(dev, d.cw.size() * 4, d.cw.data()),
+      tw(dev, d.tw.empty() ? 0 : sz(n) * 4, d.tw.empty() ? nullptr : d.tw.data() + pt.r0),
+      up(dev, sz(n) * 4, d.up.data() + pt.r0);
   const std::vector<float> fill_h(sz(n * h), 0.25f), fill_w(sz(vl * h), 0.25f), fill_b(sz(vl), 0.25f);
   Buffer gx = Buffer::floats(dev, fill_h.data(), fill_h.size(), t);
   Buffer gw = Buffer::floats(dev, fill_w.data(), fill_w.size(), t);
@@ -146,7 +158,7 @@ Result call(const Case& c, const Data& d, std::int64_t off, std::int64_t end,
   Buffer lse(dev, sz(n) * 4, nullptr), loss(dev, sz(n) * 4, nullptr), pred(dev, sz(n) * 4, nullptr);
 
   const CrossEntropyOptions o = options_of(c);
-  const int index = std::max(device, 0);
+  const int index = std::max(pt.device, 0);
   CrossEntropyInputs in;
   in.hidden = TensorView(x.ptr(), t, {n, h}, dev, index);
   in.weight = TensorView(w.ptr(), t, {vl, h}, dev, index);
@@ -157,7 +169,8 @@ Result call(const Case& c, const Data& d, std::int64_t off, std::int64_t end,
   }
   in.targets = TensorView(y.ptr(), DType::kI64, {n}, dev, index);
   if (c.reduction == Reduction::kNone) in.grad_output = TensorView(up.ptr(), DType::kF32, {n}, dev, index);
-  if (group) in.vocab_shard = {group, off, c.v};
+  if (pt.vocab) in.vocab_shard = {pt.vocab, off, c.v};
+  in.data_group = pt.data;
   CrossEntropyGrads gr;
   gr.hidden = TensorView(gx.ptr(), t, {n, h}, dev, index);
   gr.weight = TensorView(gw.ptr(), t, {vl, h}, dev, index);
@@ -173,7 +186,7 @@ Result call(const Case& c, const Data& d, std::int64_t off, std::int64_t end,
   Result res;
   if (gctx) {
     gpu::DeviceBuffer ws(wsb);
-    res.r = ce.forward_backward(*gctx, in, gr, out, Workspace(ws.data(), wsb, Device::kCuda));
+    res.r = ce.forward_backward(*gctx, in, gr, out, Workspace(ws.data(), wsb, Device::kCuda, index));
     gctx->synchronize();
   } else {
     CpuContext ctx(2);
@@ -191,19 +204,17 @@ Result call(const Case& c, const Data& d, std::int64_t off, std::int64_t end,
   return res;
 }
 
-// Rank r of `comms` on device devices[r], each on its own thread, with shards cut at `offsets`.
-std::vector<Result> call_split(const Case& c, const Data& d, const std::vector<std::int64_t>& offsets,
-                               const std::function<dist::Communicator&(int)>& comm,
-                               const std::vector<int>& devices) {
-  const std::size_t ranks = offsets.size();
-  std::vector<std::optional<Result>> out(ranks);
-  std::vector<std::exception_ptr> errors(ranks);
+Part whole(const Case& c, int device) { return {0, c.n, 0, c.v, nullptr, nullptr, device}; }
+
+// Every part on its own thread; rethrows the first error.
+std::vector<Result> call_parts(const Case& c, const Data& d, const std::vector<Part>& parts) {
+  std::vector<std::optional<Result>> out(parts.size());
+  std::vector<std::exception_ptr> errors(parts.size());
   std::vector<std::thread> threads;
-  for (std::size_t r = 0; r < ranks; ++r)
+  for (std::size_t r = 0; r < parts.size(); ++r)
     threads.emplace_back([&, r] {
       try {
-        const std::int64_t end = r + 1 < ranks ? offsets[r + 1] : c.v;
-        out[r].emplace(call(c, d, offsets[r], end, &comm(static_cast<int>(r)), devices[r]));
+        out[r].emplace(call(c, d, parts[r]));
       } catch (...) {
         errors[r] = std::current_exception();
       }
@@ -214,6 +225,17 @@ std::vector<Result> call_split(const Case& c, const Data& d, const std::vector<s
   std::vector<Result> res;
   for (auto& r : out) res.push_back(std::move(*r));
   return res;
+}
+
+// The vocabulary split at `offsets` over `comm`'s ranks on `devices`.
+std::vector<Part> vocab_parts(const Case& c, const std::vector<std::int64_t>& offsets,
+                              const std::function<dist::Communicator&(int)>& comm,
+                              const std::vector<int>& devices) {
+  std::vector<Part> parts;
+  for (std::size_t r = 0; r < offsets.size(); ++r)
+    parts.push_back({0, c.n, offsets[r], r + 1 < offsets.size() ? offsets[r + 1] : c.v,
+                     &comm(static_cast<int>(r)), nullptr, devices[r]});
+  return parts;
 }
 
 // The split results against an unsplit reference (CPU or CUDA): every rank's loss, outputs and
@@ -279,10 +301,10 @@ TEST_CASE("vocab parallel on CUDA: two ranks on one device (in-process group) ma
          " accumulate=", c.accumulate);
     const Data d = make_data(c, 7);
     dist::InProcessGroup g(2);
-    const std::vector<Result> split =
-        call_split(c, d, offsets, [&](int r) -> dist::Communicator& { return g.comm(r); }, {0, 0});
-    check_split(c, split, call(c, d, 0, c.v, nullptr, 0), grad_tolerance(c));
-    check_split(c, split, call(c, d, 0, c.v, nullptr, -1), c.dtype == DType::kBF16 ? 4e-3 : 1e-4);
+    const std::vector<Result> split = call_parts(
+        c, d, vocab_parts(c, offsets, [&](int r) -> dist::Communicator& { return g.comm(r); }, {0, 0}));
+    check_split(c, split, call(c, d, whole(c, 0)), grad_tolerance(c));
+    check_split(c, split, call(c, d, whole(c, -1)), c.dtype == DType::kBF16 ? 4e-3 : 1e-4);
   }
 }
 
@@ -307,9 +329,10 @@ TEST_CASE("vocab parallel on CUDA over NCCL: every device a rank, against the un
     INFO("ranks=", devices, " dtype=", dtype_name(c.dtype), " options=", c.options,
          " budget=", c.budget, " accumulate=", c.accumulate);
     const Data d = make_data(c, 8);
-    const std::vector<Result> split = call_split(c, d, offsets, comm, ids);
-    check_split(c, split, call(c, d, 0, c.v, nullptr, 0), grad_tolerance(c));
-    const std::vector<Result> again = call_split(c, d, offsets, comm, ids);
+    const std::vector<Part> parts = vocab_parts(c, offsets, comm, ids);
+    const std::vector<Result> split = call_parts(c, d, parts);
+    check_split(c, split, call(c, d, whole(c, 0)), grad_tolerance(c));
+    const std::vector<Result> again = call_parts(c, d, parts);
     for (std::size_t r = 0; r < split.size(); ++r) {
       CHECK(again[r].r.loss == split[r].r.loss);
       CHECK(again[r].dx == split[r].dx);
@@ -317,6 +340,99 @@ TEST_CASE("vocab parallel on CUDA over NCCL: every device a rank, against the un
       CHECK(again[r].lse == split[r].lse);
     }
   }
+}
+
+// Data-parallel parts (rows split at `rows`) against the unsplit call: the group's scalars on
+// every rank, each rank's rows of the outputs and dH, and dW and db summed over the ranks.
+void check_data_split(const Case& c, const std::vector<std::int64_t>& rows,
+                      const std::vector<Result>& split, const Result& whole, double grad_tol) {
+  std::vector<float> dw(whole.dw.size(), 0.0f), db(whole.db.size(), 0.0f);
+  const float fill = c.accumulate ? 0.25f : 0.0f;
+  for (std::size_t r = 0; r < split.size(); ++r) {
+    const Result& p = split[r];
+    const std::int64_t r0 = rows[r], r1 = r + 1 < rows.size() ? rows[r + 1] : c.n;
+    const auto cut = [&](const auto& v, std::int64_t width) {
+      using T = typename std::decay_t<decltype(v)>::value_type;
+      return std::vector<T>(v.begin() + r0 * width, v.begin() + r1 * width);
+    };
+    check_scalar("loss", p.r.loss, whole.r.loss, 2e-5);
+    check_scalar("z_loss", p.r.z_loss, whole.r.z_loss, 2e-5);
+    check_scalar("accuracy", p.r.accuracy, whole.r.accuracy, 1e-12);
+    check_scalar("entropy", p.r.entropy, whole.r.entropy, 2e-5);
+    CHECK(p.r.valid_rows == whole.r.valid_rows);
+    check_scalar("weight_sum", p.r.weight_sum, whole.r.weight_sum, 1e-6);
+    CHECK(p.r.loss == split.front().r.loss);
+    check_close("lse", p.lse, cut(whole.lse, 1), 2e-6);
+    check_close("row_loss", p.row_loss, cut(whole.row_loss, 1), 2e-5);
+    CHECK(p.pred == cut(whole.pred, 1));
+    check_close("grad_hidden", p.dx, cut(whole.dx, c.h), grad_tol);
+    for (std::size_t i = 0; i < dw.size(); ++i) dw[i] += p.dw[i] - (r > 0 ? fill : 0.0f);
+    for (std::size_t i = 0; i < db.size(); ++i) db[i] += p.db[i] - (r > 0 ? fill : 0.0f);
+  }
+  check_close("grad_weight", dw, whole.dw, grad_tol);
+  if (c.options) check_close("grad_bias", db, whole.db, grad_tol);
+}
+
+TEST_CASE("data parallel on CUDA: two ranks on one device (in-process group) match the unsplit "
+          "mean over all rows") {
+  if (gpu::device_count() == 0) {
+    MESSAGE("no CUDA device: GPU test skipped");
+    return;
+  }
+  const std::vector<std::int64_t> rows{0, 131};
+  for (const Case& c : cases()) {
+    INFO("dtype=", dtype_name(c.dtype), " options=", c.options, " budget=", c.budget,
+         " accumulate=", c.accumulate);
+    const Data d = make_data(c, 9);
+    dist::InProcessGroup g(2);
+    const std::vector<Result> split =
+        call_parts(c, d, {{0, 131, 0, c.v, nullptr, &g.comm(0), 0},
+                          {131, c.n, 0, c.v, nullptr, &g.comm(1), 0}});
+    check_data_split(c, rows, split, call(c, d, whole(c, 0)), grad_tolerance(c));
+  }
+}
+
+TEST_CASE("NcclCommunicator on one device: its collectives, and the loss through a one-rank "
+          "data group equals the call without it") {
+  if (gpu::device_count() == 0) {
+    MESSAGE("no CUDA device: GPU test skipped");
+    return;
+  }
+  auto comms = dist::NcclCommunicator::create_all({0});
+  dist::Communicator& comm = *comms[0];
+  CHECK(comm.rank() == 0);
+  CHECK(comm.size() == 1);
+  gpu::Context ctx(0);
+  const std::vector<float> f{1.5f, -2.0f, 3.25f};
+  const std::vector<double> g{0.1, 1e300};
+  const std::vector<int> send{7, 9};
+  gpu::DeviceBuffer df(12), dd(16), ds(8), dr(8);
+  gpu::copy_to_device(df.data(), f.data(), 12);
+  gpu::copy_to_device(dd.data(), g.data(), 16);
+  gpu::copy_to_device(ds.data(), send.data(), 8);
+  comm.all_reduce_sum(ctx, df.as<float>(), 3);
+  comm.all_reduce_sum(ctx, dd.as<double>(), 2);
+  comm.all_gather(ctx, ds.data(), dr.data(), 8);
+  ctx.synchronize();
+  std::vector<float> f2(3);
+  std::vector<double> g2(2);
+  std::vector<int> recv(2);
+  gpu::copy_to_host(f2.data(), df.data(), 12);
+  gpu::copy_to_host(g2.data(), dd.data(), 16);
+  gpu::copy_to_host(recv.data(), dr.data(), 8);
+  CHECK(f2 == f);
+  CHECK(g2 == g);
+  CHECK(recv == send);
+  Case c;
+  c.options = true;
+  const Data d = make_data(c, 10);
+  Part p = whole(c, 0);
+  p.data = &comm;
+  const Result through = call(c, d, p), plain = call(c, d, whole(c, 0));
+  CHECK(through.r.loss == plain.r.loss);
+  CHECK(through.r.accuracy == plain.r.accuracy);
+  CHECK(through.dx == plain.dx);
+  CHECK(through.dw == plain.dw);
 }
 
 TEST_CASE("NcclCommunicator: bad device lists and a context on another device") {
