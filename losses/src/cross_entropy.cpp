@@ -200,6 +200,14 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
   const Plan plan = plan_token_objective(c.request);
   CHUNKLOSS_CHECK(ws.device() == ctx.device(), kWho, ": workspace is on ", device_name(ws.device()),
                   ", the context on ", device_name(ctx.device()));
+  detail::check_device_index(
+      kWho, ctx, ws,
+      {{"hidden", &in.hidden}, {"weight", &in.weight}, {"bias", &in.bias},
+       {"targets", &in.targets}, {"class_weights", &in.class_weights},
+       {"token_weights", &in.token_weights}, {"grad_output", &in.grad_output},
+       {"grad_hidden", &grads.hidden}, {"grad_weight", &grads.weight}, {"grad_bias", &grads.bias},
+       {"outputs.row_loss", &out.row_loss}, {"outputs.lse", &out.lse},
+       {"outputs.predictions", &out.predictions}, {"outputs.scalars", &out.scalars}});
   ws.require(plan.layout, kWho);
   const detail::TokenTotals t = detail::run_token_objective(ctx, c.call, plan, ws);
   CrossEntropyResult r;

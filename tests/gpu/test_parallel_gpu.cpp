@@ -435,6 +435,31 @@ TEST_CASE("NcclCommunicator on one device: its collectives, and the loss through
   CHECK(through.dw == plain.dw);
 }
 
+TEST_CASE("LinearCrossEntropy on CUDA: a view or the workspace on another device index is an "
+          "error") {
+  if (gpu::device_count() == 0) {
+    MESSAGE("no CUDA device: GPU test skipped");
+    return;
+  }
+  gpu::Context ctx(0);
+  const std::int64_t n = 8, h = 16, v = 32;
+  gpu::DeviceBuffer x(n * h * 4), w(v * h * 4), y(n * 8);
+  const std::vector<std::int64_t> targets(static_cast<std::size_t>(n), 1);
+  gpu::copy_to_device(y.data(), targets.data(), targets.size() * 8);
+  CrossEntropyInputs in;
+  in.hidden = TensorView(x.data(), DType::kF32, {n, h}, Device::kCuda, 1);
+  in.weight = TensorView(w.data(), DType::kF32, {v, h}, Device::kCuda, 0);
+  in.targets = TensorView(y.data(), DType::kI64, {n}, Device::kCuda, 0);
+  const LinearCrossEntropy ce;
+  gpu::DeviceBuffer ws(ce.workspace_bytes(in));
+  CHECK_THROWS_WITH_AS(ce.forward(ctx, in, {}, Workspace(ws.data(), ws.bytes(), Device::kCuda, 0)),
+                       doctest::Contains("hidden [8, 16] f32 cuda is on device index 1, the context on cuda:0"), Error);
+  in.hidden = TensorView(x.data(), DType::kF32, {n, h}, Device::kCuda, 0);
+  CHECK_THROWS_WITH_AS(ce.forward(ctx, in, {}, Workspace(ws.data(), ws.bytes(), Device::kCuda, 1)),
+                       doctest::Contains("workspace is on cuda:1, the context on cuda:0"), Error);
+  CHECK_NOTHROW(ce.forward(ctx, in, {}, Workspace(ws.data(), ws.bytes(), Device::kCuda, 0)));
+}
+
 TEST_CASE("NcclCommunicator: bad device lists and a context on another device") {
   if (gpu::device_count() == 0) {
     MESSAGE("no CUDA device: GPU test skipped");
