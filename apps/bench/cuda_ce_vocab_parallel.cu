@@ -121,7 +121,8 @@ CaseResult run_ce_cuda_vocab_parallel(const CaseConfig& c, BenchDevice&) {
     const RandomOperands ops = fill_operands(c, rk.x.data(), rk.w.data(), n * h, v * h, h, bf16, s);
     if (r == 0) res.inputs = ops.description;
     gpu::copy_to_device(rk.y.data(), hy.data(), hy.size() * 4);
-    const auto [in, gr] = views(rk, rk.dx, rk.dw, rk.off, rk.rows, comms[static_cast<std::size_t>(r)].get());
+    const auto [in, gr] =
+        views(rk, rk.dx, rk.dw, rk.off, rk.rows, comms[static_cast<std::size_t>(r)].get());
     const Plan plan = ce.plan(in, gr);
     if (r == 0) res.plan = plan;
     rk.workspace = plan.workspace_bytes();
@@ -221,8 +222,8 @@ CaseResult run_ce_cuda_vocab_parallel(const CaseConfig& c, BenchDevice&) {
   gpu::DeviceBuffer ws(ce.workspace_bytes(in, gr));
   const Workspace wsv(ws.data(), ws.bytes(), Device::kCuda, 0);
   double unsplit_loss = 0;
-  res.unsplit_ms = time_ms(s0, c.repeats,
-                           [&] { unsplit_loss = ce.forward_backward(*r0.ctx, in, gr, {}, wsv).loss; });
+  res.unsplit_ms = time_ms(
+      s0, c.repeats, [&] { unsplit_loss = ce.forward_backward(*r0.ctx, in, gr, {}, wsv).loss; });
   r0.ctx->synchronize();
   res.unsplit_err_loss = std::abs(res.loss_value - unsplit_loss) / std::abs(unsplit_loss);
   res.unsplit_err_grad_hidden =

@@ -171,9 +171,9 @@ Cli parse(int argc, char** argv) {
                            " is not in [1, 64]");
   if (base.vocab_ranks > 1 && (pref || vm["device"].as<std::string>() != "cuda"))
     throw apps::UsageError("--vocab-parallel is for --loss ce --device cuda");
-  if (base.vocab_ranks > 1 && (base.measured_gemms || vm["phases"].as<bool>() ||
-                               vm["chunked-floor"].as<bool>() || vm["exact"].as<bool>() ||
-                               vm["order"].as<std::string>() == "vocab_block"))
+  if (base.vocab_ranks > 1 &&
+      (base.measured_gemms || vm["phases"].as<bool>() || vm["chunked-floor"].as<bool>() ||
+       vm["exact"].as<bool>() || vm["order"].as<std::string>() == "vocab_block"))
     throw apps::UsageError(
         "--vocab-parallel takes none of --gemm-selection measured, --phases, --chunked-floor, "
         "--exact and --order vocab_block");

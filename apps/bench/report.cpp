@@ -99,8 +99,9 @@ std::string case_details(const CaseRecord& rec) {
        << fmt("%.3g", *r.f64_err_grad_weight) << "\n";
   }
   if (r.unsplit_ms)
-    os << "  vocabulary split over " << c.vocab_ranks << " devices; the unsplit call on device 0: "
-       << fmt("%.2f", *r.unsplit_ms) << " ms (" << fmt("%.2f", *r.unsplit_ms / r.time_ms)
+    os << "  vocabulary split over " << c.vocab_ranks
+       << " devices; the unsplit call on device 0: " << fmt("%.2f", *r.unsplit_ms) << " ms ("
+       << fmt("%.2f", *r.unsplit_ms / r.time_ms)
        << "x the split call's time); split vs unsplit (relative norm): loss "
        << fmt("%.3g", *r.unsplit_err_loss) << ", dX " << fmt("%.3g", *r.unsplit_err_grad_hidden)
        << ", dW " << fmt("%.3g", *r.unsplit_err_grad_weight) << "\n";

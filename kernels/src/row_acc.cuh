@@ -39,15 +39,7 @@ struct RowAcc : RowStats {
 struct MergeAcc {
   __device__ RowAcc operator()(const RowAcc& a, const RowAcc& b) const {
     RowAcc r;
-    r.m = fmaxf(a.m, b.m);
-    const float ea = a.m == -INFINITY ? 0.0f : __expf(a.m - r.m);
-    const float eb = b.m == -INFINITY ? 0.0f : __expf(b.m - r.m);
-    r.s = a.s * ea + b.s * eb;
-    r.sez = a.sez * ea + b.sez * eb;
-    r.sz = a.sz + b.sz;
-    r.swz = a.swz + b.swz;
-    r.zy = a.zy + b.zy;
-    r.arg = a.m > b.m ? a.arg : b.m > a.m ? b.arg : min(a.arg, b.arg);
+    static_cast<RowStats&>(r) = merge_stats(a, b, [](float x) { return __expf(x); });
     return r;
   }
 };

@@ -79,8 +79,9 @@ __global__ void bias_grad_kernel(TokenParams p, const TL* tile, std::int64_t ld,
     const std::int64_t t = r0 + i;
     const float a = p.row.a[t], b = p.row.b[t], g = p.row.g[t];
     if (a == 0.0f && b == 0.0f && g == 0.0f) continue;
-    const float e = grad_element(to_float(tile[i * ld + j]) + bj, valid_target(p, t) - p.vocab_offset - v0 == j,
-                                 p.row.lse[t], a, b, g, u, cap, inv_cap);
+    const float e =
+        grad_element(to_float(tile[i * ld + j]) + bj, valid_target(p, t) - p.vocab_offset - v0 == j,
+                     p.row.lse[t], a, b, g, u, cap, inv_cap);
     s += p.row_scales ? e * p.row.scale[t] : e;
   }
   db[j] += s * reinterpret_cast<const float*>(p.scalars + kGemmScalarsOffset)[kAlpha];

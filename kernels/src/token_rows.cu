@@ -249,7 +249,7 @@ int launch_merge_row_stats(const TokenParams& p, const RowStats* stats, int rank
   constexpr int kThreads = 128;
   const auto grid = static_cast<unsigned>((rows + kThreads - 1) / kThreads);
   merge_row_stats_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, stats, ranks,
-                                                                                  r0, rows);
+                                                                                   r0, rows);
   return static_cast<int>(cudaGetLastError());
 }
 

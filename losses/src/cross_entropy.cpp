@@ -50,9 +50,8 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   const std::int64_t v_total = shard.group ? shard.size : v;
   if (shard.group) {
     CHUNKLOSS_CHECK(shard.offset >= 0 && shard.offset + v <= shard.size, kWho,
-                    ": vocab_shard rows [", shard.offset, ", ", shard.offset + v,
-                    ") of weight ", in.weight.str(), " are not inside the vocabulary of size ",
-                    shard.size);
+                    ": vocab_shard rows [", shard.offset, ", ", shard.offset + v, ") of weight ",
+                    in.weight.str(), " are not inside the vocabulary of size ", shard.size);
     CHUNKLOSS_CHECK(shard.group->size() > 1 || shard.size == v, kWho, ": vocab_shard of size ",
                     shard.size, " on a group of one rank, whose weight ", in.weight.str(),
                     " must then be the whole vocabulary");
@@ -200,14 +199,21 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
   const Plan plan = plan_token_objective(c.request);
   CHUNKLOSS_CHECK(ws.device() == ctx.device(), kWho, ": workspace is on ", device_name(ws.device()),
                   ", the context on ", device_name(ctx.device()));
-  detail::check_device_index(
-      kWho, ctx, ws,
-      {{"hidden", &in.hidden}, {"weight", &in.weight}, {"bias", &in.bias},
-       {"targets", &in.targets}, {"class_weights", &in.class_weights},
-       {"token_weights", &in.token_weights}, {"grad_output", &in.grad_output},
-       {"grad_hidden", &grads.hidden}, {"grad_weight", &grads.weight}, {"grad_bias", &grads.bias},
-       {"outputs.row_loss", &out.row_loss}, {"outputs.lse", &out.lse},
-       {"outputs.predictions", &out.predictions}, {"outputs.scalars", &out.scalars}});
+  detail::check_device_index(kWho, ctx, ws,
+                             {{"hidden", &in.hidden},
+                              {"weight", &in.weight},
+                              {"bias", &in.bias},
+                              {"targets", &in.targets},
+                              {"class_weights", &in.class_weights},
+                              {"token_weights", &in.token_weights},
+                              {"grad_output", &in.grad_output},
+                              {"grad_hidden", &grads.hidden},
+                              {"grad_weight", &grads.weight},
+                              {"grad_bias", &grads.bias},
+                              {"outputs.row_loss", &out.row_loss},
+                              {"outputs.lse", &out.lse},
+                              {"outputs.predictions", &out.predictions},
+                              {"outputs.scalars", &out.scalars}});
   ws.require(plan.layout, kWho);
   const detail::TokenTotals t = detail::run_token_objective(ctx, c.call, plan, ws);
   CrossEntropyResult r;

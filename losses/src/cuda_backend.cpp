@@ -90,14 +90,14 @@ class CudaTokenBackend final : public TokenBackend {
   void row_stats(std::int64_t r0, std::int64_t r1) override {
     kern::TokenParams p = p_;
     p.partials = vp_.own;
-    CHUNKLOSS_LAUNCH_CHECK(kern::launch_row_stats(p, tile_, elem(plan_.logits_dtype), c_.vocab, r0,
-                                                  r1 - r0, stream_));
+    CHUNKLOSS_LAUNCH_CHECK(
+        kern::launch_row_stats(p, tile_, elem(plan_.logits_dtype), c_.vocab, r0, r1 - r0, stream_));
     if (!vp_.own) return;
     const std::int64_t rows = r1 - r0;
     c_.vocab_group->all_gather(ctx_, vp_.own, vp_.all,
                                static_cast<std::size_t>(rows) * sizeof(kern::RowStats));
-    CHUNKLOSS_LAUNCH_CHECK(kern::launch_merge_row_stats(p_, vp_.all, c_.vocab_group->size(), r0,
-                                                        rows, stream_));
+    CHUNKLOSS_LAUNCH_CHECK(
+        kern::launch_merge_row_stats(p_, vp_.all, c_.vocab_group->size(), r0, rows, stream_));
   }
 
   // The bias gradient is summed from the fp32 logits first, then the tile becomes the gradient.

@@ -258,7 +258,8 @@ Plan plan_token_objective(const PlanRequest& q) {
   CHUNKLOSS_CHECK(q.vocab_ranks >= 1, "plan: vocab_ranks must be >= 1, got ", q.vocab_ranks);
   CHUNKLOSS_CHECK(q.vocab_ranks == 1 || q.order != LoopOrder::kVocabBlock,
                   "plan: loop_order vocab_block is not available with the vocabulary split over ",
-                  q.vocab_ranks, " ranks (each chunk's statistics are exchanged in token-chunk "
+                  q.vocab_ranks,
+                  " ranks (each chunk's statistics are exchanged in token-chunk "
                   "order)");
 
   Plan p;

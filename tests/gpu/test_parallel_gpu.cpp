@@ -16,16 +16,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <random>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
 #include "support/compare.h"
+#include "support/threads.h"
 #include "support/workspace.h"
 
 namespace chunkloss::test {
@@ -116,8 +115,9 @@ class Buffer {
       gpu::copy_to_host(host_.data(), mem_.data(), host_.size());
     std::vector<float> f(host_.size() / dtype_size(t));
     for (std::size_t i = 0; i < f.size(); ++i)
-      f[i] = t == DType::kF32 ? reinterpret_cast<const float*>(host_.data())[i]
-                              : static_cast<float>(reinterpret_cast<const BFloat16*>(host_.data())[i]);
+      f[i] = t == DType::kF32
+                 ? reinterpret_cast<const float*>(host_.data())[i]
+                 : static_cast<float>(reinterpret_cast<const BFloat16*>(host_.data())[i]);
     return f;
   }
 
@@ -147,11 +147,13 @@ Result call(const Case& c, const Data& d, const Part& pt) {
   const DType t = c.dtype;
   Buffer x = Buffer::floats(dev, d.x.data() + pt.r0 * h, sz(n * h), t);
   Buffer w = Buffer::floats(dev, d.w.data() + off * h, sz(vl * h), t);
-  Buffer b = Buffer::floats(dev, d.b.empty() ? nullptr : d.b.data() + off, d.b.empty() ? 0 : sz(vl), t);
+  Buffer b =
+      Buffer::floats(dev, d.b.empty() ? nullptr : d.b.data() + off, d.b.empty() ? 0 : sz(vl), t);
   Buffer y(dev, sz(n) * 8, d.y.data() + pt.r0), cw(dev, d.cw.size() * 4, d.cw.data()),
       tw(dev, d.tw.empty() ? 0 : sz(n) * 4, d.tw.empty() ? nullptr : d.tw.data() + pt.r0),
       up(dev, sz(n) * 4, d.up.data() + pt.r0);
-  const std::vector<float> fill_h(sz(n * h), 0.25f), fill_w(sz(vl * h), 0.25f), fill_b(sz(vl), 0.25f);
+  const std::vector<float> fill_h(sz(n * h), 0.25f), fill_w(sz(vl * h), 0.25f),
+      fill_b(sz(vl), 0.25f);
   Buffer gx = Buffer::floats(dev, fill_h.data(), fill_h.size(), t);
   Buffer gw = Buffer::floats(dev, fill_w.data(), fill_w.size(), t);
   Buffer gb = Buffer::floats(dev, fill_b.data(), d.b.empty() ? 0 : fill_b.size(), t);
@@ -168,7 +170,8 @@ Result call(const Case& c, const Data& d, const Part& pt) {
     in.token_weights = TensorView(tw.ptr(), DType::kF32, {n}, dev, index);
   }
   in.targets = TensorView(y.ptr(), DType::kI64, {n}, dev, index);
-  if (c.reduction == Reduction::kNone) in.grad_output = TensorView(up.ptr(), DType::kF32, {n}, dev, index);
+  if (c.reduction == Reduction::kNone)
+    in.grad_output = TensorView(up.ptr(), DType::kF32, {n}, dev, index);
   if (pt.vocab) in.vocab_shard = {pt.vocab, off, c.v};
   in.data_group = pt.data;
   CrossEntropyGrads gr;
@@ -186,7 +189,8 @@ Result call(const Case& c, const Data& d, const Part& pt) {
   Result res;
   if (gctx) {
     gpu::DeviceBuffer ws(wsb);
-    res.r = ce.forward_backward(*gctx, in, gr, out, Workspace(ws.data(), wsb, Device::kCuda, index));
+    res.r =
+        ce.forward_backward(*gctx, in, gr, out, Workspace(ws.data(), wsb, Device::kCuda, index));
     gctx->synchronize();
   } else {
     CpuContext ctx(2);
@@ -206,25 +210,9 @@ Result call(const Case& c, const Data& d, const Part& pt) {
 
 Part whole(const Case& c, int device) { return {0, c.n, 0, c.v, nullptr, nullptr, device}; }
 
-// Every part on its own thread; rethrows the first error.
+// Every part on its own thread.
 std::vector<Result> call_parts(const Case& c, const Data& d, const std::vector<Part>& parts) {
-  std::vector<std::optional<Result>> out(parts.size());
-  std::vector<std::exception_ptr> errors(parts.size());
-  std::vector<std::thread> threads;
-  for (std::size_t r = 0; r < parts.size(); ++r)
-    threads.emplace_back([&, r] {
-      try {
-        out[r].emplace(call(c, d, parts[r]));
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (const auto& e : errors)
-    if (e) std::rethrow_exception(e);
-  std::vector<Result> res;
-  for (auto& r : out) res.push_back(std::move(*r));
-  return res;
+  return on_threads(parts.size(), [&](std::size_t r) { return call(c, d, parts[r]); });
 }
 
 // The vocabulary split at `offsets` over `comm`'s ranks on `devices`.
@@ -243,11 +231,7 @@ std::vector<Part> vocab_parts(const Case& c, const std::vector<std::int64_t>& of
 void check_split(const Case& c, const std::vector<Result>& split, const Result& whole,
                  double grad_tol) {
   const Result& r0 = split.front();
-  check_scalar("loss", r0.r.loss, whole.r.loss, 2e-5);
-  check_scalar("z_loss", r0.r.z_loss, whole.r.z_loss, 2e-5);
-  check_scalar("accuracy", r0.r.accuracy, whole.r.accuracy, 0);
-  check_scalar("entropy", r0.r.entropy, whole.r.entropy, 2e-5);
-  CHECK(r0.r.valid_rows == whole.r.valid_rows);
+  check_results(r0.r, whole.r, 2e-5);
   check_close("lse", r0.lse, whole.lse, 2e-6);
   check_close("row_loss", r0.row_loss, whole.row_loss, 2e-5);
   CHECK(r0.pred == whole.pred);
@@ -285,16 +269,20 @@ std::vector<Case> cases() {
   return out;
 }
 
+bool have_gpu() {
+  if (gpu::device_count() > 0) return true;
+  MESSAGE("no CUDA device: GPU test skipped");
+  return false;
+}
+
 double grad_tolerance(const Case& c) { return c.dtype == DType::kBF16 ? 4e-3 : 2e-5; }
 
 }  // namespace
 
-TEST_CASE("vocab parallel on CUDA: two ranks on one device (in-process group) match the unsplit "
-          "CPU and CUDA calls") {
-  if (gpu::device_count() == 0) {
-    MESSAGE("no CUDA device: GPU test skipped");
-    return;
-  }
+TEST_CASE(
+    "vocab parallel on CUDA: two ranks on one device (in-process group) match the unsplit "
+    "CPU and CUDA calls") {
+  if (!have_gpu()) return;
   const std::vector<std::int64_t> offsets{0, 517};
   for (const Case& c : cases()) {
     INFO("dtype=", dtype_name(c.dtype), " options=", c.options, " budget=", c.budget,
@@ -302,14 +290,16 @@ TEST_CASE("vocab parallel on CUDA: two ranks on one device (in-process group) ma
     const Data d = make_data(c, 7);
     dist::InProcessGroup g(2);
     const std::vector<Result> split = call_parts(
-        c, d, vocab_parts(c, offsets, [&](int r) -> dist::Communicator& { return g.comm(r); }, {0, 0}));
+        c, d,
+        vocab_parts(c, offsets, [&](int r) -> dist::Communicator& { return g.comm(r); }, {0, 0}));
     check_split(c, split, call(c, d, whole(c, 0)), grad_tolerance(c));
     check_split(c, split, call(c, d, whole(c, -1)), c.dtype == DType::kBF16 ? 4e-3 : 1e-4);
   }
 }
 
-TEST_CASE("vocab parallel on CUDA over NCCL: every device a rank, against the unsplit call, "
-          "bitwise run to run") {
+TEST_CASE(
+    "vocab parallel on CUDA over NCCL: every device a rank, against the unsplit call, "
+    "bitwise run to run") {
   const int devices = gpu::device_count();
   if (devices < 2) {
     MESSAGE("fewer than 2 CUDA devices (", devices, "): NCCL test skipped");
@@ -355,12 +345,7 @@ void check_data_split(const Case& c, const std::vector<std::int64_t>& rows,
       using T = typename std::decay_t<decltype(v)>::value_type;
       return std::vector<T>(v.begin() + r0 * width, v.begin() + r1 * width);
     };
-    check_scalar("loss", p.r.loss, whole.r.loss, 2e-5);
-    check_scalar("z_loss", p.r.z_loss, whole.r.z_loss, 2e-5);
-    check_scalar("accuracy", p.r.accuracy, whole.r.accuracy, 1e-12);
-    check_scalar("entropy", p.r.entropy, whole.r.entropy, 2e-5);
-    CHECK(p.r.valid_rows == whole.r.valid_rows);
-    check_scalar("weight_sum", p.r.weight_sum, whole.r.weight_sum, 1e-6);
+    check_results(p.r, whole.r, 2e-5);
     CHECK(p.r.loss == split.front().r.loss);
     check_close("lse", p.lse, cut(whole.lse, 1), 2e-6);
     check_close("row_loss", p.row_loss, cut(whole.row_loss, 1), 2e-5);
@@ -373,31 +358,27 @@ void check_data_split(const Case& c, const std::vector<std::int64_t>& rows,
   if (c.options) check_close("grad_bias", db, whole.db, grad_tol);
 }
 
-TEST_CASE("data parallel on CUDA: two ranks on one device (in-process group) match the unsplit "
-          "mean over all rows") {
-  if (gpu::device_count() == 0) {
-    MESSAGE("no CUDA device: GPU test skipped");
-    return;
-  }
+TEST_CASE(
+    "data parallel on CUDA: two ranks on one device (in-process group) match the unsplit "
+    "mean over all rows") {
+  if (!have_gpu()) return;
   const std::vector<std::int64_t> rows{0, 131};
   for (const Case& c : cases()) {
     INFO("dtype=", dtype_name(c.dtype), " options=", c.options, " budget=", c.budget,
          " accumulate=", c.accumulate);
     const Data d = make_data(c, 9);
     dist::InProcessGroup g(2);
-    const std::vector<Result> split =
-        call_parts(c, d, {{0, 131, 0, c.v, nullptr, &g.comm(0), 0},
-                          {131, c.n, 0, c.v, nullptr, &g.comm(1), 0}});
+    const std::vector<Result> split = call_parts(
+        c, d,
+        {{0, 131, 0, c.v, nullptr, &g.comm(0), 0}, {131, c.n, 0, c.v, nullptr, &g.comm(1), 0}});
     check_data_split(c, rows, split, call(c, d, whole(c, 0)), grad_tolerance(c));
   }
 }
 
-TEST_CASE("NcclCommunicator on one device: its collectives, and the loss through a one-rank "
-          "data group equals the call without it") {
-  if (gpu::device_count() == 0) {
-    MESSAGE("no CUDA device: GPU test skipped");
-    return;
-  }
+TEST_CASE(
+    "NcclCommunicator on one device: its collectives, and the loss through a one-rank "
+    "data group equals the call without it") {
+  if (!have_gpu()) return;
   auto comms = dist::NcclCommunicator::create_all({0});
   dist::Communicator& comm = *comms[0];
   CHECK(comm.rank() == 0);
@@ -435,12 +416,10 @@ TEST_CASE("NcclCommunicator on one device: its collectives, and the loss through
   CHECK(through.dw == plain.dw);
 }
 
-TEST_CASE("LinearCrossEntropy on CUDA: a view or the workspace on another device index is an "
-          "error") {
-  if (gpu::device_count() == 0) {
-    MESSAGE("no CUDA device: GPU test skipped");
-    return;
-  }
+TEST_CASE(
+    "LinearCrossEntropy on CUDA: a view or the workspace on another device index is an "
+    "error") {
+  if (!have_gpu()) return;
   gpu::Context ctx(0);
   const std::int64_t n = 8, h = 16, v = 32;
   gpu::DeviceBuffer x(n * h * 4), w(v * h * 4), y(n * 8);
@@ -452,8 +431,10 @@ TEST_CASE("LinearCrossEntropy on CUDA: a view or the workspace on another device
   in.targets = TensorView(y.data(), DType::kI64, {n}, Device::kCuda, 0);
   const LinearCrossEntropy ce;
   gpu::DeviceBuffer ws(ce.workspace_bytes(in));
-  CHECK_THROWS_WITH_AS(ce.forward(ctx, in, {}, Workspace(ws.data(), ws.bytes(), Device::kCuda, 0)),
-                       doctest::Contains("hidden [8, 16] f32 cuda is on device index 1, the context on cuda:0"), Error);
+  CHECK_THROWS_WITH_AS(
+      ce.forward(ctx, in, {}, Workspace(ws.data(), ws.bytes(), Device::kCuda, 0)),
+      doctest::Contains("hidden [8, 16] f32 cuda is on device index 1, the context on cuda:0"),
+      Error);
   in.hidden = TensorView(x.data(), DType::kF32, {n, h}, Device::kCuda, 0);
   CHECK_THROWS_WITH_AS(ce.forward(ctx, in, {}, Workspace(ws.data(), ws.bytes(), Device::kCuda, 1)),
                        doctest::Contains("workspace is on cuda:1, the context on cuda:0"), Error);
@@ -461,10 +442,7 @@ TEST_CASE("LinearCrossEntropy on CUDA: a view or the workspace on another device
 }
 
 TEST_CASE("NcclCommunicator: bad device lists and a context on another device") {
-  if (gpu::device_count() == 0) {
-    MESSAGE("no CUDA device: GPU test skipped");
-    return;
-  }
+  if (!have_gpu()) return;
   CHECK_THROWS_WITH_AS(dist::NcclCommunicator::create_all({}), doctest::Contains("no devices"),
                        Error);
   CHECK_THROWS_WITH_AS(dist::NcclCommunicator::create_all({0, 0}),

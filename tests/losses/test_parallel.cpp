@@ -8,15 +8,14 @@
 #include <chunkloss/core/error.h>
 #include <chunkloss/dist/communicator.h>
 
-#include <exception>
 #include <memory>
-#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "ce_fixture.h"
 #include "support/compare.h"
+#include "support/threads.h"
 #include "support/workspace.h"
 
 namespace chunkloss::test {
@@ -40,8 +39,8 @@ struct Split {
 };
 
 // [begin, end) of part i of `offsets` over [0, total).
-std::pair<std::int64_t, std::int64_t> part(const std::vector<std::int64_t>& offsets,
-                                           std::size_t i, std::int64_t total) {
+std::pair<std::int64_t, std::int64_t> part(const std::vector<std::int64_t>& offsets, std::size_t i,
+                                           std::int64_t total) {
   return {offsets[i], i + 1 < offsets.size() ? offsets[i + 1] : total};
 }
 
@@ -84,9 +83,8 @@ RankRun call_rank(const CeData& d, const CrossEntropyOptions& o, const Split& s,
   return run;
 }
 
-// Every rank on its own thread, rank (ri, vi) at runs[ri * vocab parts + vi], in a vocabulary
-// group per row part and a data group per vocabulary part (when split that way); rethrows the
-// first rank's error.
+// Every rank on its own thread, rank (ri, vi) at [ri * vocab parts + vi], in a vocabulary group
+// per row part and a data group per vocabulary part (when split that way).
 std::vector<RankRun> call_split(const CeData& d, const CrossEntropyOptions& o, const Split& s) {
   const std::size_t nv = s.vocab.size(), nr = s.rows.size();
   std::vector<std::unique_ptr<dist::InProcessGroup>> vocab_groups, data_groups;
@@ -94,27 +92,12 @@ std::vector<RankRun> call_split(const CeData& d, const CrossEntropyOptions& o, c
     vocab_groups.push_back(std::make_unique<dist::InProcessGroup>(static_cast<int>(nv)));
   for (std::size_t i = 0; nr > 1 && i < nv; ++i)
     data_groups.push_back(std::make_unique<dist::InProcessGroup>(static_cast<int>(nr)));
-  std::vector<std::optional<RankRun>> runs(nv * nr);
-  std::vector<std::exception_ptr> errors(runs.size());
-  std::vector<std::thread> threads;
-  for (std::size_t ri = 0; ri < nr; ++ri)
-    for (std::size_t vi = 0; vi < nv; ++vi)
-      threads.emplace_back([&, ri, vi] {
-        try {
-          dist::Communicator* vg =
-              nv > 1 ? &vocab_groups[ri]->comm(static_cast<int>(vi)) : nullptr;
-          dist::Communicator* dg = nr > 1 ? &data_groups[vi]->comm(static_cast<int>(ri)) : nullptr;
-          runs[ri * nv + vi].emplace(call_rank(d, o, s, ri, vi, vg, dg));
-        } catch (...) {
-          errors[ri * nv + vi] = std::current_exception();
-        }
-      });
-  for (auto& t : threads) t.join();
-  for (const auto& e : errors)
-    if (e) std::rethrow_exception(e);
-  std::vector<RankRun> out;
-  for (auto& r : runs) out.push_back(std::move(*r));
-  return out;
+  return on_threads(nv * nr, [&](std::size_t k) {
+    const std::size_t ri = k / nv, vi = k % nv;
+    dist::Communicator* vg = nv > 1 ? &vocab_groups[ri]->comm(static_cast<int>(vi)) : nullptr;
+    dist::Communicator* dg = nr > 1 ? &data_groups[vi]->comm(static_cast<int>(ri)) : nullptr;
+    return call_rank(d, o, s, ri, vi, vg, dg);
+  });
 }
 
 // Elements [b * width, e * width) of `v`.
@@ -143,15 +126,11 @@ void check_split(const CeSpec& spec, const CrossEntropyOptions& o, const Split& 
       const RankRun& r = split[ri * nv + vi];
       const RankRun& first = split[ri * nv];
       const RankRun& r0 = split.front();
-      check_scalar("loss", r.result.loss, whole.result.loss, 1e-5);
-      check_scalar("z_loss", r.result.z_loss, whole.result.z_loss, 1e-5);
-      check_scalar("accuracy", r.result.accuracy, whole.result.accuracy, 1e-12);
-      check_scalar("entropy", r.result.entropy, whole.result.entropy, 1e-5);
-      CHECK(r.result.valid_rows == whole.result.valid_rows);
-      check_scalar("weight_sum", r.result.weight_sum, whole.result.weight_sum, 1e-6);
+      check_results(r.result, whole.result, 1e-5);
       CHECK(r.result.loss == r0.result.loss);
       CHECK(r.result.accuracy == r0.result.accuracy);
-      const auto [r0b, r1b] = nr > 1 ? part(s.rows, ri, spec.n) : std::pair{std::int64_t{0}, spec.n};
+      const auto [r0b, r1b] =
+          nr > 1 ? part(s.rows, ri, spec.n) : std::pair{std::int64_t{0}, spec.n};
       check_close("lse", r.out.lse, slice(whole.out.lse, r0b, r1b, 1), 1e-6);
       check_close("row_loss", r.out.row_loss, slice(whole.out.row_loss, r0b, r1b, 1), 1e-5);
       CHECK(r.out.predictions == slice(whole.out.predictions, r0b, r1b, 1));
@@ -184,27 +163,33 @@ CeSpec spec_of(DType t, std::uint64_t seed) {
   return s;
 }
 
+// Variant 0: plain, with entropy; 1: bias, class and token weights (the mean's divisor is the
+// valid rows' class weights), label smoothing, z-loss; 2: also softcap, sum; 3: softcap, none.
+constexpr int kVariants = 4;
+std::pair<CeSpec, CrossEntropyOptions> variant_of(int variant, std::uint64_t seed) {
+  CeSpec spec = spec_of(DType::kF32, seed + static_cast<std::uint64_t>(variant));
+  CrossEntropyOptions o;
+  o.compute_entropy = true;
+  if (variant >= 1) {
+    spec.bias = spec.class_weights = spec.token_weights = true;
+    o.label_smoothing = 0.1f;
+    o.z_loss = 1e-3f;
+  }
+  if (variant >= 2) o.softcap = 4.0f;
+  if (variant == 2) o.reduction = Reduction::kSum;
+  if (variant == 3) o.reduction = Reduction::kNone;
+  return {spec, o};
+}
+
 }  // namespace
 
 TEST_CASE("vocab parallel: 2 and 3 uneven shards match the unsplit call, plain and every option") {
   for (const std::vector<std::int64_t>& offsets :
-       {std::vector<std::int64_t>{0, 300}, std::vector<std::int64_t>{0, 170, 171}}) {
-    for (int variant = 0; variant < 3; ++variant) {
-      CeSpec spec = spec_of(DType::kF32, 11 + static_cast<std::uint64_t>(variant));
-      CrossEntropyOptions o;
-      o.compute_entropy = true;
-      if (variant >= 1) {
-        spec.bias = spec.class_weights = spec.token_weights = true;
-        o.label_smoothing = 0.1f;
-        o.z_loss = 1e-3f;
-      }
-      if (variant == 2) {
-        o.softcap = 4.0f;
-        o.reduction = Reduction::kNone;
-      }
+       {std::vector<std::int64_t>{0, 300}, std::vector<std::int64_t>{0, 170, 171}})
+    for (int variant = 0; variant < kVariants; ++variant) {
+      const auto [spec, o] = variant_of(variant, 11);
       check_split(spec, o, {offsets});
     }
-  }
 }
 
 TEST_CASE("vocab parallel: several chunks, sum reduction, accumulation") {
@@ -245,24 +230,13 @@ TEST_CASE("vocab parallel: forward only") {
 
 TEST_CASE("data parallel: 2 and 3 uneven row parts match the unsplit mean over all rows") {
   for (const std::vector<std::int64_t>& rows :
-       {std::vector<std::int64_t>{0, 40}, std::vector<std::int64_t>{0, 64, 65}}) {
-    for (int variant = 0; variant < 4; ++variant) {
-      CeSpec spec = spec_of(DType::kF32, 61 + static_cast<std::uint64_t>(variant));
-      CrossEntropyOptions o;
-      o.compute_entropy = true;
-      if (variant >= 1) {  // the mean's divisor is the valid rows' class weights
-        spec.bias = spec.class_weights = spec.token_weights = true;
-        o.label_smoothing = 0.1f;
-        o.z_loss = 1e-3f;
-        o.softcap = 4.0f;
-      }
-      if (variant == 2) o.reduction = Reduction::kSum;
-      if (variant == 3) o.reduction = Reduction::kNone;
+       {std::vector<std::int64_t>{0, 40}, std::vector<std::int64_t>{0, 64, 65}})
+    for (int variant = 0; variant < kVariants; ++variant) {
+      const auto [spec, o] = variant_of(variant, 61);
       Split s;
       s.rows = rows;
       check_split(spec, o, s);
     }
-  }
 }
 
 TEST_CASE("data parallel: bf16, several chunks and accumulation") {

@@ -27,8 +27,8 @@ void copy(const Context& ctx, void* dst, const void* src, std::size_t bytes, boo
   const auto& g = static_cast<const gpu::Context&>(ctx);
   g.activate();
   const auto s = static_cast<cudaStream_t>(g.stream());
-  CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(dst, src, bytes,
-                                      to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, s));
+  CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(
+      dst, src, bytes, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, s));
   CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(s));
 #else
   (void)dst, (void)src, (void)bytes, (void)to_host;
@@ -134,8 +134,8 @@ InProcessGroup::~InProcessGroup() = default;
 int InProcessGroup::size() const { return static_cast<int>(state_->ranks.size()); }
 
 Communicator& InProcessGroup::comm(int rank) {
-  CHUNKLOSS_CHECK(rank >= 0 && rank < size(), "InProcessGroup::comm: rank ", rank,
-                  " outside [0, ", size(), ")");
+  CHUNKLOSS_CHECK(rank >= 0 && rank < size(), "InProcessGroup::comm: rank ", rank, " outside [0, ",
+                  size(), ")");
   return *state_->ranks[static_cast<std::size_t>(rank)];
 }
 

@@ -38,14 +38,15 @@ std::vector<std::unique_ptr<NcclCommunicator>> NcclCommunicator::create_all(
     CHUNKLOSS_CHECK(devices[i] >= 0 && devices[i] < n, "NcclCommunicator::create_all: device ",
                     devices[i], " does not exist (", n, " CUDA devices visible)");
     for (std::size_t j = 0; j < i; ++j)
-      CHUNKLOSS_CHECK(devices[i] != devices[j], "NcclCommunicator::create_all: device ",
-                      devices[i], " is listed twice");
+      CHUNKLOSS_CHECK(devices[i] != devices[j], "NcclCommunicator::create_all: device ", devices[i],
+                      " is listed twice");
   }
   std::vector<ncclComm_t> comms(devices.size());
-  CHUNKLOSS_GPU_CHECK(ncclCommInitAll(comms.data(), static_cast<int>(devices.size()),
-                                      devices.data()));
+  CHUNKLOSS_GPU_CHECK(
+      ncclCommInitAll(comms.data(), static_cast<int>(devices.size()), devices.data()));
   std::vector<std::unique_ptr<NcclCommunicator>> out;
-  for (ncclComm_t c : comms) out.push_back(std::unique_ptr<NcclCommunicator>(new NcclCommunicator(c, true)));
+  for (ncclComm_t c : comms)
+    out.push_back(std::unique_ptr<NcclCommunicator>(new NcclCommunicator(c, true)));
   return out;
 }
 

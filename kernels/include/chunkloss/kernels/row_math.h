@@ -55,20 +55,27 @@ struct alignas(16) RowStats {
   std::int32_t arg;  ///< first (global) column of the max
 };
 
-/// Statistics of the union of two disjoint column sets; `a` holds the lower columns, so ties of
-/// the max keep its (first) column.
-CHUNKLOSS_HD RowStats merge_stats(const RowStats& a, const RowStats& b) {
+/// Statistics of the union of two disjoint column sets; ties of the max keep the first column.
+/// `exp` is the exponential to rescale with (the device's block reductions pass __expf).
+template <typename Exp>
+CHUNKLOSS_HD RowStats merge_stats(const RowStats& a, const RowStats& b, Exp exp) {
   RowStats r;
   r.m = fmaxf(a.m, b.m);
-  const float ea = a.m == -INFINITY ? 0.0f : expf(a.m - r.m);
-  const float eb = b.m == -INFINITY ? 0.0f : expf(b.m - r.m);
+  const float ea = a.m == -INFINITY ? 0.0f : exp(a.m - r.m);
+  const float eb = b.m == -INFINITY ? 0.0f : exp(b.m - r.m);
   r.s = a.s * ea + b.s * eb;
   r.sez = a.sez * ea + b.sez * eb;
   r.sz = a.sz + b.sz;
   r.swz = a.swz + b.swz;
   r.zy = a.zy + b.zy;
-  r.arg = b.m > a.m ? b.arg : a.arg;
+  r.arg = a.m > b.m ? a.arg : b.m > a.m ? b.arg : a.arg < b.arg ? a.arg : b.arg;
   return r;
+}
+
+/// merge_stats with expf: the merge of a vocabulary-parallel group's statistics, the same on the
+/// CPU and the GPU.
+CHUNKLOSS_HD RowStats merge_stats(const RowStats& a, const RowStats& b) {
+  return merge_stats(a, b, [](float x) { return expf(x); });
 }
 
 /// Softcap: z = cap tanh(raw / cap); inv_cap == 0 means no softcap.
