@@ -449,6 +449,15 @@ TEST_CASE("NcclCommunicator: bad device lists and a context on another device") 
                        doctest::Contains("device 0 is listed twice"), Error);
   CHECK_THROWS_WITH_AS(dist::NcclCommunicator::create_all({gpu::device_count()}),
                        doctest::Contains("does not exist"), Error);
+  const dist::NcclCommunicator::UniqueId id = dist::NcclCommunicator::unique_id();
+  CHECK_THROWS_WITH_AS(dist::NcclCommunicator(id, 1, 1, 0),
+                       doctest::Contains("rank 1 is not in [0, size=1)"), Error);
+  CHECK_THROWS_WITH_AS(dist::NcclCommunicator(id, 0, 1, gpu::device_count()),
+                       doctest::Contains("does not exist"), Error);
+  const dist::NcclCommunicator by_id(id, 0, 1, 0);  // one process per GPU, here one rank
+  CHECK(by_id.rank() == 0);
+  CHECK(by_id.size() == 1);
+  CHECK(by_id.device() == 0);
   auto one = dist::NcclCommunicator::create_all({0});
   CpuContext cpu;
   float x = 1.0f;

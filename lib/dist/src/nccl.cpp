@@ -4,6 +4,8 @@
 
 #include <nccl.h>
 
+#include <cstring>
+
 #include "chunkloss/gpu/check.h"
 #include "chunkloss/gpu/context.h"
 
@@ -17,6 +19,23 @@ namespace chunkloss::dist {
 namespace {
 
 ncclComm_t as_comm(void* c) { return static_cast<ncclComm_t>(c); }
+
+static_assert(sizeof(ncclUniqueId) == sizeof(NcclCommunicator::UniqueId));
+
+// ncclCommInitRank on `device`, after checking the arguments.
+void* init_rank(const NcclCommunicator::UniqueId& id, int rank, int size, int device) {
+  CHUNKLOSS_CHECK(size >= 1 && rank >= 0 && rank < size, "NcclCommunicator: rank ", rank,
+                  " is not in [0, size=", size, ")");
+  const int n = gpu::device_count();
+  CHUNKLOSS_CHECK(device >= 0 && device < n, "NcclCommunicator: device ", device,
+                  " does not exist (", n, " CUDA devices visible)");
+  CHUNKLOSS_GPU_CHECK(cudaSetDevice(device));
+  ncclUniqueId uid;
+  std::memcpy(&uid, id.data(), sizeof uid);
+  ncclComm_t comm = nullptr;
+  CHUNKLOSS_GPU_CHECK(ncclCommInitRank(&comm, size, uid, rank));
+  return comm;
+}
 
 // The context's stream, after checking that the context is on the communicator's device.
 cudaStream_t stream_of(const Context& ctx, int device, const char* what) {
@@ -49,6 +68,17 @@ std::vector<std::unique_ptr<NcclCommunicator>> NcclCommunicator::create_all(
     out.push_back(std::unique_ptr<NcclCommunicator>(new NcclCommunicator(c, true)));
   return out;
 }
+
+NcclCommunicator::UniqueId NcclCommunicator::unique_id() {
+  ncclUniqueId uid;
+  CHUNKLOSS_GPU_CHECK(ncclGetUniqueId(&uid));
+  UniqueId id;
+  std::memcpy(id.data(), &uid, sizeof uid);
+  return id;
+}
+
+NcclCommunicator::NcclCommunicator(const UniqueId& id, int rank, int size, int device)
+    : NcclCommunicator(init_rank(id, rank, size, device), true) {}
 
 NcclCommunicator::NcclCommunicator(void* nccl_comm) : NcclCommunicator(nccl_comm, false) {}
 

@@ -2,6 +2,7 @@
 // no host synchronisation. No NCCL or CUDA header is included here.
 #pragma once
 
+#include <array>
 #include <memory>
 #include <vector>
 
@@ -14,8 +15,14 @@ class NcclCommunicator final : public Communicator {
   /// One communicator per device of `devices` (distinct CUDA device indices), for one process
   /// that drives them all, each from its own thread (ncclCommInitAll). Rank i is devices[i].
   static std::vector<std::unique_ptr<NcclCommunicator>> create_all(const std::vector<int>& devices);
-  /// Wraps a trainer's ncclComm_t (passed as void*), which it keeps owning; for multi-process
-  /// groups set up by the trainer (ncclCommInitRank).
+  /// The bytes of an ncclUniqueId. For one process per GPU: one process makes it, sends it to
+  /// every rank (over MPI, a file, a socket: your launcher's way) and each rank then constructs
+  /// NcclCommunicator(id, rank, size, device).
+  using UniqueId = std::array<char, 128>;
+  static UniqueId unique_id();
+  /// Rank `rank` of `size` on CUDA device `device` (ncclCommInitRank; it waits for every rank).
+  NcclCommunicator(const UniqueId& id, int rank, int size, int device);
+  /// Wraps a trainer's ncclComm_t (passed as void*), which it keeps owning.
   explicit NcclCommunicator(void* nccl_comm);
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
