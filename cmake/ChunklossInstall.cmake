@@ -2,8 +2,8 @@
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
-set(chunkloss_installed chunkloss_core chunkloss_kernels chunkloss_losses)
-set(chunkloss_include_dirs lib/core kernels losses)
+set(chunkloss_installed chunkloss_core chunkloss_dist chunkloss_kernels chunkloss_losses)
+set(chunkloss_include_dirs lib/core lib/dist kernels losses)
 if(CHUNKLOSS_HAVE_CUDA)
   list(APPEND chunkloss_installed chunkloss_gpu chunkloss_cuda_kernels chunkloss_gpu_internal)
   list(APPEND chunkloss_include_dirs lib/gpu)

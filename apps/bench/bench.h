@@ -49,6 +49,9 @@ struct CaseConfig {
   /// cuda ce: the context's gpu::GemmSelection::kMeasured (floor and loss alike) instead of
   /// cuBLAS's own choice
   bool measured_gemms = false;
+  /// cuda ce: the weight split by rows over the first vocab_ranks CUDA devices (NCCL, a thread
+  /// per device); 1: one device
+  int vocab_ranks = 1;
 
   // Preference losses: S = 2P sequences of T rows (chosen [0, P), rejected [P, 2P); KTO: the
   // same S sequences, labels alternating desirable/undesirable).
@@ -105,6 +108,11 @@ struct CaseResult {
   /// Preference losses: the loss's metrics (TRL names) from the first call.
   std::vector<std::pair<std::string, double>> metrics;
 
+  /// cuda ce with vocab_ranks > 1: the unsplit call on device 0 on the same inputs, its median
+  /// time, and the split call's relative errors against it (loss, dX, the dW shards together)
+  std::optional<double> unsplit_ms;
+  std::optional<double> unsplit_err_loss, unsplit_err_grad_hidden, unsplit_err_grad_weight;
+
   double loss_value = 0;
   std::optional<double> naive_loss_value;
   bool loss_repeatable = true;  ///< every call returned the bitwise same loss
@@ -130,6 +138,10 @@ CaseResult run_ce_cpu(const CaseConfig& config, BenchDevice& dev);
 /// Cross-entropy on CUDA device 0 (cuda_ce.cu; builds with CUDA only). Times with CUDA events,
 /// measures memory with cudaMemGetInfo; the BenchDevice argument is not used.
 CaseResult run_ce_cuda(const CaseConfig& config, BenchDevice& dev);
+/// Cross-entropy with the weight split over config.vocab_ranks CUDA devices
+/// (cuda_ce_vocab_parallel.cu): each round every device runs its shard's three floor GEMMs,
+/// then the loss through NCCL; a round's time is the slowest device's.
+CaseResult run_ce_cuda_vocab_parallel(const CaseConfig& config, BenchDevice& dev);
 /// The preference losses (config.loss) on the CPU (preference_cpu.cpp): the loss against 4 bare
 /// Eigen GEMMs with a reference head (policy logits, reference logits, dX, dW), 3 otherwise, and
 /// a naive materialised fp32 computation (float64 too with config.exact).

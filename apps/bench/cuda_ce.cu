@@ -17,12 +17,31 @@
 namespace chunkloss::bench {
 namespace {
 
-constexpr int kIgnoreEvery = 7;       // one row in 7 ignored
 constexpr int kMaxSettleRounds = 64;  // warm-up rounds at most under measured GEMM selection
 
 }  // namespace
 
-CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
+std::vector<int> ce_targets(const CaseConfig& c, std::int64_t* valid, CaseResult* res) {
+  constexpr int kIgnoreEvery = 7;  // one row in 7 ignored
+  std::vector<int> y(static_cast<std::size_t>(c.rows));
+  std::uint64_t state = c.seed;
+  *valid = 0;
+  for (std::int64_t i = 0; i < c.rows; ++i) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    y[static_cast<std::size_t>(i)] =
+        i % kIgnoreEvery == 3
+            ? -100
+            : static_cast<int>((state >> 33) % static_cast<std::uint64_t>(c.vocab));
+    *valid += y[static_cast<std::size_t>(i)] >= 0;
+  }
+  res->ignored_rows = "1 in 7 (rows t with t % 7 == 3)";
+  res->reduction = "mean";
+  res->valid_rows = *valid;
+  return y;
+}
+
+CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
+  if (c.vocab_ranks > 1) return run_ce_cuda_vocab_parallel(c, dev);
   CHUNKLOSS_CHECK(gpu::device_count() > 0, "bench: --device cuda but no CUDA device is visible");
   CaseResult res;
   cudaDeviceProp prop{};
@@ -43,21 +62,10 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice&) {
   // Inputs, gradients and targets (not counted as extra memory).
   gpu::DeviceBuffer x(n * h * es), w(v * h * es), dx(n * h * es), dw(v * h * es), y(n * 4);
   const RandomOperands ops = fill_operands(c, x.data(), w.data(), n * h, v * h, h, bf16, s);
-  std::vector<int> hy(static_cast<std::size_t>(n));
-  std::uint64_t state = c.seed;
   std::int64_t valid = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    hy[static_cast<std::size_t>(i)] =
-        i % kIgnoreEvery == 3 ? -100
-                              : static_cast<int>((state >> 33) % static_cast<std::uint64_t>(v));
-    valid += hy[static_cast<std::size_t>(i)] >= 0;
-  }
+  const std::vector<int> hy = ce_targets(c, &valid, &res);
   gpu::copy_to_device(y.data(), hy.data(), hy.size() * 4);
   res.inputs = ops.description;
-  res.ignored_rows = "1 in 7 (rows t with t % 7 == 3)";
-  res.reduction = "mean";
-  res.valid_rows = valid;
 
   // The floor: the three GEMMs at full size, gradient operand of the input dtype, through the
   // context's GEMM selection as the library's. Its logits buffer lives through the timed rounds,

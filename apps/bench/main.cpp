@@ -80,6 +80,7 @@ std::string case_command(const std::string& prog, const CaseConfig& c) {
   if (c.fp32_weight_grad_accumulator) w.emplace_back("--fp32-dw-accum");
   if (c.exact) w.emplace_back("--exact");
   if (c.measured_gemms) w.insert(w.end(), {"--gemm-selection", "measured"});
+  if (c.vocab_ranks > 1) w.insert(w.end(), {"--vocab-parallel", std::to_string(c.vocab_ranks)});
   if (c.device == "cuda") w.insert(w.end(), {"--logit-std", fmt("%g", c.logit_std)});
   return apps::shell_join(w);
 }
@@ -120,6 +121,7 @@ Cli parse(int argc, char** argv) {
     ("logit-std", po::value<double>()->default_value(2.0), "cuda: the logits' standard deviation s (weight ~ N(0, s^2/H), hidden ~ N(0, 1)); trained models' confident rows have larger logits")
     ("fp32-dw-accum", po::bool_switch()->default_value(false, "off"), "accumulate dW in an fp32 workspace buffer (V*H*4 bytes on top of the budget; matters for bf16)")
     ("gemm-selection", po::value<std::string>()->default_value("default"), "cuda ce: default (cuBLAS's own algorithm per GEMM shape) | measured (gpu::GemmSelection::kMeasured: cuBLAS's and cuBLASLt's candidates timed on the first calls of each shape, the fastest kept; the floor and the loss alike, warmed up until every shape has its algorithm)")
+    ("vocab-parallel", po::value<int>()->default_value(1), "cuda ce: split the weight by rows over the first K CUDA devices (NCCL, a thread per device); the floor is every device's three GEMMs on its shard at once, and the results are checked against the unsplit call on device 0, whose time is reported too")
     ("exact", po::bool_switch()->default_value(false, "off"), "also compare the loss and gradients with a float64 computation on the same input values (ce: cuda; preference losses: cpu and cuda)");
   // clang-format on
   po::variables_map vm;
@@ -163,6 +165,18 @@ Cli parse(int argc, char** argv) {
   base.measured_gemms = selection == "measured";
   if (base.measured_gemms && (pref || vm["device"].as<std::string>() != "cuda"))
     throw apps::UsageError("--gemm-selection measured is for --loss ce --device cuda");
+  base.vocab_ranks = vm["vocab-parallel"].as<int>();
+  if (base.vocab_ranks < 1 || base.vocab_ranks > 64)
+    throw apps::UsageError("--vocab-parallel: " + std::to_string(base.vocab_ranks) +
+                           " is not in [1, 64]");
+  if (base.vocab_ranks > 1 && (pref || vm["device"].as<std::string>() != "cuda"))
+    throw apps::UsageError("--vocab-parallel is for --loss ce --device cuda");
+  if (base.vocab_ranks > 1 &&
+      (base.measured_gemms || vm["phases"].as<bool>() || vm["chunked-floor"].as<bool>() ||
+       vm["exact"].as<bool>() || vm["order"].as<std::string>() == "vocab_block"))
+    throw apps::UsageError(
+        "--vocab-parallel takes none of --gemm-selection measured, --phases, --chunked-floor, "
+        "--exact and --order vocab_block");
   if (base.loss != "dpo" && given("dpo-loss"))
     throw apps::UsageError("--dpo-loss is for --loss dpo");
   base.prompt_frac = vm["prompt-frac"].as<double>();

@@ -98,6 +98,13 @@ std::string case_details(const CaseRecord& rec) {
     os << " dX " << fmt("%.3g", *r.f64_err_grad_hidden) << ", dW "
        << fmt("%.3g", *r.f64_err_grad_weight) << "\n";
   }
+  if (r.unsplit_ms)
+    os << "  vocabulary split over " << c.vocab_ranks
+       << " devices; the unsplit call on device 0: " << fmt("%.2f", *r.unsplit_ms) << " ms ("
+       << fmt("%.2f", *r.unsplit_ms / r.time_ms)
+       << "x the split call's time); split vs unsplit (relative norm): loss "
+       << fmt("%.3g", *r.unsplit_err_loss) << ", dX " << fmt("%.3g", *r.unsplit_err_grad_hidden)
+       << ", dW " << fmt("%.3g", *r.unsplit_err_grad_weight) << "\n";
   if (const auto& q = r.f64_row_err_grad_hidden)
     os << "  dX rows vs float64 (relative norm of each row): median " << fmt("%.3g", (*q)[0])
        << ", p99 " << fmt("%.3g", (*q)[1]) << ", max " << fmt("%.3g", (*q)[2]) << "\n";
@@ -162,6 +169,11 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   j["naive_ms"] = opt(r.naive_ms);
   j["naive_extra_bytes"] = r.naive_extra ? nlohmann::json(r.naive_extra->bytes) : nullptr;
   j["max_rel_err_vs_naive"] = opt(r.max_rel_err_vs_naive);
+  j["vocab_ranks"] = c.vocab_ranks;
+  j["unsplit_ms"] = opt(r.unsplit_ms);
+  j["unsplit_err_loss"] = opt(r.unsplit_err_loss);
+  j["unsplit_err_grad_hidden"] = opt(r.unsplit_err_grad_hidden);
+  j["unsplit_err_grad_weight"] = opt(r.unsplit_err_grad_weight);
 
   j["date"] = rec.date;
   j["command"] = rec.command;

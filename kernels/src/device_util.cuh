@@ -78,11 +78,16 @@ __device__ __forceinline__ std::int64_t target_at(const TokenParams& p, std::int
 /// Target of row t, or ignore_index for ignored or out-of-range targets.
 __device__ __forceinline__ std::int64_t valid_target(const TokenParams& p, std::int64_t t) {
   const std::int64_t y = target_at(p, t);
-  return (y >= 0 && y < p.vocab) ? y : p.ignore_index;
+  return (y >= 0 && y < p.vocab_total) ? y : p.ignore_index;
 }
 
 __device__ __forceinline__ bool is_valid(const TokenParams& p, std::int64_t y) {
-  return y != p.ignore_index && y >= 0 && y < p.vocab;
+  return y != p.ignore_index && y >= 0 && y < p.vocab_total;
+}
+
+/// Class weight of column j of the call's weight (1 without class weights).
+__device__ __forceinline__ float class_weight_at(const TokenParams& p, std::int64_t j) {
+  return p.class_weights ? p.class_weights[p.vocab_offset + j] : 1.0f;
 }
 
 __device__ __forceinline__ float bias_at(const TokenParams& p, std::int64_t j) {

@@ -11,16 +11,15 @@ namespace chunkloss::kern {
 
 /// Online softmax statistics of a set of logits; `merge` is associative up to rounding and the
 /// reduction tree is fixed, so results are run-to-run identical.
-struct RowAcc {
-  float m;    // running max
-  float s;    // sum exp(z - m)
-  float sez;  // sum exp(z - m) * z (entropy)
-  float sz;   // sum z
-  float swz;  // sum cw_j z_j
-  float zy;   // target logit (one contributor)
-  int arg;    // first index of the max
-
-  __device__ static RowAcc empty() { return {-INFINITY, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, INT_MAX}; }
+/// The fields are RowStats' (arg: the first column of the max within the call's columns).
+struct RowAcc : RowStats {
+  __device__ static RowAcc empty() {
+    RowAcc a;
+    a.m = -INFINITY;
+    a.s = a.sez = a.sz = a.swz = a.zy = 0.0f;
+    a.arg = INT_MAX;
+    return a;
+  }
 
   __device__ void push(float z, int j) {
     if (z > m) {
@@ -40,28 +39,22 @@ struct RowAcc {
 struct MergeAcc {
   __device__ RowAcc operator()(const RowAcc& a, const RowAcc& b) const {
     RowAcc r;
-    r.m = fmaxf(a.m, b.m);
-    const float ea = a.m == -INFINITY ? 0.0f : __expf(a.m - r.m);
-    const float eb = b.m == -INFINITY ? 0.0f : __expf(b.m - r.m);
-    r.s = a.s * ea + b.s * eb;
-    r.sez = a.sez * ea + b.sez * eb;
-    r.sz = a.sz + b.sz;
-    r.swz = a.swz + b.swz;
-    r.zy = a.zy + b.zy;
-    r.arg = a.m > b.m ? a.arg : b.m > a.m ? b.arg : min(a.arg, b.arg);
+    static_cast<RowStats&>(r) = merge_stats(a, b, [](float x) { return __expf(x); });
     return r;
   }
 };
 
-/// Adds softcapped logit `zc` of column `col` to a row's statistics; `y` is the row's target.
+/// Adds softcapped logit `zc` of column `col` to a row's statistics; `y_col` is the column of
+/// the row's target.
 __device__ __forceinline__ void accumulate_logit(RowAcc& acc, const TokenParams& p, float zc,
-                                                 std::int64_t col, std::int64_t y, bool want_sum) {
+                                                 std::int64_t col, std::int64_t y_col,
+                                                 bool want_sum) {
   acc.push(zc, static_cast<int>(col));
   if (want_sum) {
     acc.sz += zc;
-    if (p.class_weights) acc.swz += p.class_weights[col] * zc;
+    if (p.class_weights) acc.swz += class_weight_at(p, col) * zc;
   }
-  if (col == y) acc.zy = zc;
+  if (col == y_col) acc.zy = zc;
 }
 
 /// What the gradient pass needs of a row.
@@ -72,7 +65,7 @@ struct RowOut {
 /// Writes row t's lse, entropy, argmax, scaled coefficients (divided by the GEMMs' alpha, see
 /// kGemmScalarsOffset), loss and z-loss from its merged statistics; `y` is valid_target(p, t).
 __device__ inline RowOut apply_row_rule(const TokenParams& p, std::int64_t t, std::int64_t y,
-                                        const RowAcc& r) {
+                                        const RowStats& r) {
   const float lse = r.m + logf(r.s);
   p.row.lse[t] = lse;
   p.row.entropy[t] = p.entropy ? lse - r.sez / r.s : 0.0f;

@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(kGradThreads)
   const bool vec = aligned16(tile) && (ld % V) == 0;
   const float lse = p.row.lse[t], a = p.row.a[t], b = p.row.b[t], g = p.row.g[t];
   const bool zero = a == 0.0f && b == 0.0f && g == 0.0f;
-  const std::int64_t y = valid_target(p, t) - v0;
+  const std::int64_t y = valid_target(p, t) - p.vocab_offset - v0;
   const float cap = p.softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   // kLoads vectors per thread are loaded before any is used (more bytes in flight at the clocks
   // of a power-capped GPU); with narrowing the whole span is read before any thread stores.
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kGradThreads)
           d[k] = a * __expf(z[u][k] - lse) - (k == hit ? b : 0.0f);
         } else {
           const std::int64_t col = j + k;
-          const float w = p.class_weights ? p.class_weights[v0 + col] : 1.0f;
+          const float w = class_weight_at(p, v0 + col);
           d[k] =
               grad_element(z[u][k] + bias_at(p, v0 + col), k == hit, lse, a, b, g, w, cap, inv_cap);
         }
@@ -73,14 +73,15 @@ __global__ void bias_grad_kernel(TokenParams p, const TL* tile, std::int64_t ld,
   if (j >= cols) return;
   const float cap = p.softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   const float bj = bias_at(p, v0 + j);
-  const float u = p.class_weights ? p.class_weights[v0 + j] : 1.0f;
+  const float u = class_weight_at(p, v0 + j);
   float s = 0.0f;
   for (std::int64_t i = 0; i < rows; ++i) {
     const std::int64_t t = r0 + i;
     const float a = p.row.a[t], b = p.row.b[t], g = p.row.g[t];
     if (a == 0.0f && b == 0.0f && g == 0.0f) continue;
-    const float e = grad_element(to_float(tile[i * ld + j]) + bj, valid_target(p, t) - v0 == j,
-                                 p.row.lse[t], a, b, g, u, cap, inv_cap);
+    const float e =
+        grad_element(to_float(tile[i * ld + j]) + bj, valid_target(p, t) - p.vocab_offset - v0 == j,
+                     p.row.lse[t], a, b, g, u, cap, inv_cap);
     s += p.row_scales ? e * p.row.scale[t] : e;
   }
   db[j] += s * reinterpret_cast<const float*>(p.scalars + kGemmScalarsOffset)[kAlpha];

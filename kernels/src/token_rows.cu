@@ -12,6 +12,20 @@ namespace {
 constexpr int kStatsThreads = 256;
 constexpr int kFinishThreads = 1024;
 
+// The mean's 1/D from the divisor D in scalars[kWeightSum]: 1/D = alpha * 2^e with alpha in
+// [0.5, 1); the tile carries 2^e exactly, the GEMMs alpha.
+__device__ void set_divisor(const TokenParams& p) {
+  const double d = p.scalars[kWeightSum];
+  const double inv = d > 0 ? 1.0 / d : 0.0;
+  p.scalars[kInvDenom] = inv;
+  int e = 0;
+  const double alpha = p.scale == Scale::kMean && inv > 0 ? frexp(inv, &e) : 1.0;
+  p.scalars[kRowScale] = p.scale == Scale::kMean ? ldexp(1.0, e) : 1.0;
+  reinterpret_cast<float*>(p.scalars + kGemmScalarsOffset)[kAlpha] = static_cast<float>(alpha);
+}
+
+__global__ void divisor_kernel(TokenParams p) { set_divisor(p); }
+
 __global__ void token_begin_kernel(TokenParams p) {
   using Reduce = cub::BlockReduce<double, kFinishThreads>;
   __shared__ typename Reduce::TempStorage tmp;
@@ -19,7 +33,7 @@ __global__ void token_begin_kernel(TokenParams p) {
   for (std::int64_t t = threadIdx.x; t < p.rows; t += kFinishThreads) {
     const std::int64_t y = target_at(p, t);
     if (y == p.ignore_index) continue;
-    if (y < 0 || y >= p.vocab) {
+    if (y < 0 || y >= p.vocab_total) {
       bad += 1;
       continue;
     }
@@ -34,24 +48,19 @@ __global__ void token_begin_kernel(TokenParams p) {
   __syncthreads();
   double cw = 0;
   if (p.class_weights)
-    for (std::int64_t j = threadIdx.x; j < p.vocab; j += kFinishThreads) cw += p.class_weights[j];
+    for (std::int64_t j = threadIdx.x; j < p.vocab_total; j += kFinishThreads)
+      cw += p.class_weights[j];
   const double cw_sum = Reduce(tmp).Sum(cw);
   if (threadIdx.x == 0) {
     for (int i = 0; i < kNumScalars; ++i) p.scalars[i] = 0;
     p.scalars[kValidRows] = v;
     p.scalars[kWeightSum] = d;
-    const double inv = d > 0 ? 1.0 / d : 0.0;
-    p.scalars[kInvDenom] = inv;
-    // 1/D = alpha * 2^e with alpha in [0.5, 1): the tile carries 2^e exactly, the GEMMs alpha.
-    int e = 0;
-    const double alpha = p.scale == Scale::kMean && inv > 0 ? frexp(inv, &e) : 1.0;
-    p.scalars[kRowScale] = p.scale == Scale::kMean ? ldexp(1.0, e) : 1.0;
+    set_divisor(p);
     float* gemm = reinterpret_cast<float*>(p.scalars + kGemmScalarsOffset);
-    gemm[kAlpha] = static_cast<float>(alpha);
     gemm[kZero] = 0.0f;
     gemm[kOne] = 1.0f;
     p.scalars[kBadTargets] = b;
-    p.scalars[kClassWeightSum] = p.class_weights ? cw_sum : static_cast<double>(p.vocab);
+    p.scalars[kClassWeightSum] = p.class_weights ? cw_sum : static_cast<double>(p.vocab_total);
   }
 }
 
@@ -66,7 +75,7 @@ __global__ void __launch_bounds__(kStatsThreads)
   const std::int64_t i = blockIdx.x, t = r0 + i, n = p.vocab;
   const TL* row = logits + i * ld;
   const bool vec = aligned16(logits) && (ld % V) == 0;
-  const std::int64_t y = valid_target(p, t);
+  const std::int64_t y = valid_target(p, t), y_col = y - p.vocab_offset;  // its column here
   const float cap = p.softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   const bool want_sum = p.rule.eps != 0.0f || p.logit_sums;
 
@@ -98,8 +107,9 @@ __global__ void __launch_bounds__(kStatsThreads)
         for (int k = 0; k < V; ++k)
           if (j + k < n) acc.sz += z[k];
       }
-      const std::int64_t dy = y - j;  // the target's place in this vector, if there
-      if (dy >= 0 && dy < V) {
+      // The target's place in this vector, if there (not a pad: another rank's column).
+      const std::int64_t dy = y_col - j;
+      if (dy >= 0 && dy < V && y_col < n) {
 #pragma unroll
         for (int k = 0; k < V; ++k)
           if (k == dy) acc.zy = z[k];
@@ -109,7 +119,7 @@ __global__ void __launch_bounds__(kStatsThreads)
       for (int k = 0; k < V; ++k) {
         const std::int64_t col = j + k;
         if (col >= n) break;
-        accumulate_logit(acc, p, softcap_value(z[k] + bias_at(p, col), cap, inv_cap), col, y,
+        accumulate_logit(acc, p, softcap_value(z[k] + bias_at(p, col), cap, inv_cap), col, y_col,
                          want_sum);
       }
     }
@@ -125,8 +135,23 @@ __global__ void __launch_bounds__(kStatsThreads)
     for (int u = 0; u < kLoads; ++u)
       if (j0 + u * kStep < n) add(z[u], j0 + u * kStep);
   }
-  const RowAcc r = Reduce(tmp).Reduce(acc, MergeAcc());
-  if (threadIdx.x == 0) apply_row_rule(p, t, y, r);
+  RowAcc r = Reduce(tmp).Reduce(acc, MergeAcc());
+  if (threadIdx.x != 0) return;
+  if (!p.partials) {
+    apply_row_rule(p, t, y, r);
+    return;
+  }
+  r.arg += static_cast<int>(p.vocab_offset);
+  p.partials[i] = r;
+}
+
+__global__ void merge_row_stats_kernel(TokenParams p, const RowStats* stats, int ranks,
+                                       std::int64_t r0, std::int64_t rows) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows) return;
+  RowStats r = stats[i];
+  for (int k = 1; k < ranks; ++k) r = merge_stats(r, stats[k * rows + i]);
+  apply_row_rule(p, r0 + i, valid_target(p, r0 + i), r);
 }
 
 struct Totals {
@@ -138,8 +163,18 @@ struct SumTotals {
   }
 };
 
+// The totals in scalars[kLoss, kEntropy] (sums over the rows) into the reported values.
+__device__ void scale_totals(const TokenParams& p) {
+  const double valid = p.scalars[kValidRows];
+  const double scale = p.scale == Scale::kMean ? p.scalars[kInvDenom] : 1.0;
+  p.scalars[kLoss] *= scale;
+  p.scalars[kZLoss] *= scale;
+  p.scalars[kAccuracy] = valid > 0 ? p.scalars[kAccuracy] / valid : 0.0;
+  p.scalars[kEntropy] = valid > 0 ? p.scalars[kEntropy] / valid : 0.0;
+}
+
 __global__ void token_finish_kernel(TokenParams p, float* out_row_loss, float* out_lse,
-                                    std::int32_t* out_pred) {
+                                    std::int32_t* out_pred, bool defer_scaling) {
   using Reduce = cub::BlockReduce<Totals, kFinishThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   Totals acc{0, 0, 0, 0};
@@ -158,13 +193,14 @@ __global__ void token_finish_kernel(TokenParams p, float* out_row_loss, float* o
   }
   const Totals r = Reduce(tmp).Reduce(acc, SumTotals());
   if (threadIdx.x != 0) return;
-  const double valid = p.scalars[kValidRows];
-  const double scale = p.scale == Scale::kMean ? p.scalars[kInvDenom] : 1.0;
-  p.scalars[kLoss] = r.loss * scale;
-  p.scalars[kZLoss] = r.zloss * scale;
-  p.scalars[kAccuracy] = valid > 0 ? r.correct / valid : 0.0;
-  p.scalars[kEntropy] = valid > 0 ? r.entropy / valid : 0.0;
+  p.scalars[kLoss] = r.loss;
+  p.scalars[kZLoss] = r.zloss;
+  p.scalars[kAccuracy] = r.correct;
+  p.scalars[kEntropy] = r.entropy;
+  if (!defer_scaling) scale_totals(p);
 }
+
+__global__ void scale_totals_kernel(TokenParams p) { scale_totals(p); }
 
 __global__ void export_scalars_kernel(const double* s, float* out) {
   unsigned long long nonfinite;
@@ -207,10 +243,30 @@ int launch_row_stats(const TokenParams& p, const void* logits, Elem logits_elem,
   return static_cast<int>(cudaGetLastError());
 }
 
+int launch_merge_row_stats(const TokenParams& p, const RowStats* stats, int ranks, std::int64_t r0,
+                           std::int64_t rows, void* stream) {
+  if (rows == 0) return 0;
+  constexpr int kThreads = 128;
+  const auto grid = static_cast<unsigned>((rows + kThreads - 1) / kThreads);
+  merge_row_stats_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, stats, ranks,
+                                                                                   r0, rows);
+  return static_cast<int>(cudaGetLastError());
+}
+
 int launch_token_finish(const TokenParams& p, float* out_row_loss, float* out_lse,
-                        std::int32_t* out_pred, void* stream) {
+                        std::int32_t* out_pred, bool defer_scaling, void* stream) {
   token_finish_kernel<<<1, kFinishThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      p, out_row_loss, out_lse, out_pred);
+      p, out_row_loss, out_lse, out_pred, defer_scaling);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_scale_totals(const TokenParams& p, void* stream) {
+  scale_totals_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_set_divisor(const TokenParams& p, void* stream) {
+  divisor_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -8,6 +8,7 @@
 #include "chunkloss/core/error.h"
 #include "engine.h"
 #include "row_arrays.h"
+#include "vocab_parallel.h"
 
 namespace chunkloss::detail {
 namespace {
@@ -46,7 +47,7 @@ class CpuTokenBackend final : public TokenBackend {
  public:
   CpuTokenBackend(const CpuContext& ctx, const TokenCall& call, const Plan& plan,
                   const Workspace& ws)
-      : c_(call), plan_(plan), threads_(ctx.threads()), h_(call.hidden), v_(call.vocab) {
+      : ctx_(ctx), c_(call), plan_(plan), threads_(ctx.threads()), h_(call.hidden), v_(call.vocab) {
     tile_ = tile_base_ = ws.at<float>(plan.logits);
     rows_ = RowArrays::carve(ws.at<float>(plan.row_stats), call.rows);
     // The plan may be shared with a forward-only call (a reference head): accumulators only
@@ -55,6 +56,12 @@ class CpuTokenBackend final : public TokenBackend {
     if (plan.dh_accum.bytes && call.grad_x.defined()) dh_acc_ = ws.at<float>(plan.dh_accum);
     if (plan.db_accum.bytes && call.grad_bias.defined()) db_acc_ = ws.at<float>(plan.db_accum);
     float* s = plan.staging.bytes ? ws.at<float>(plan.staging) : nullptr;
+    if (call.vocab_group) {
+      auto* b = reinterpret_cast<unsigned char*>(s);
+      vp_ = carve_vocab_parallel(b, plan.chunk_rows, h_, call.vocab_group->size(),
+                                 call.grad_x.defined());
+      s = reinterpret_cast<float*>(b);
+    }
     const bool bf16_in = call.x.dtype() == DType::kBF16;
     const bool vocab_order = plan.order == LoopOrder::kVocabBlock;
     const std::int64_t stage_rows = vocab_order ? call.rows : plan.chunk_rows;
@@ -83,6 +90,13 @@ class CpuTokenBackend final : public TokenBackend {
       ++valid_;
       denom_ += cw_ ? static_cast<double>(cw_[y]) : 1.0;
     }
+    if (c_.data_group) {  // the valid rows and the divisor over the group's rows
+      double sums[2] = {static_cast<double>(valid_), denom_};
+      c_.data_group->all_reduce_sum(ctx_, sums, 2);
+      valid_ = static_cast<std::int64_t>(sums[0]);
+      denom_ = sums[1];
+    }
+    inv_denom_ = denom_ > 0 ? static_cast<float>(1.0 / denom_) : 0.0f;
     if (db_acc_) std::fill_n(db_acc_, v_, 0.0f);
   }
 
@@ -106,54 +120,51 @@ class CpuTokenBackend final : public TokenBackend {
     capped_ = false;
   }
 
+  // Each row's statistics of this call's columns; with the vocabulary split, exchanged and
+  // merged in rank order; then the row rule.
   void row_stats(std::int64_t r0, std::int64_t r1) override {
     const float cap = c_.softcap, inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
-    const bool want_sum = c_.rule.eps != 0.0f;
-    const float inv_denom = denom_ > 0 ? static_cast<float>(1.0 / denom_) : 0.0f;
+    const bool want_sum = c_.rule.eps != 0.0f || c_.logit_sums;
+    const float* cw = cw_ ? cw_ + c_.vocab_offset : nullptr;
+    kern::RowStats* part = vp_.own ? vp_.own : nullptr;
 #pragma omp parallel for num_threads(threads_) schedule(static)
     for (std::int64_t t = r0; t < r1; ++t) {
       ArrMap z(tile_ + (t - r0) * v_, v_);
       if (inv_cap != 0.0f) z = cap * (z * inv_cap).tanh();
-      const float m = z.maxCoeff();
+      kern::RowStats st;
+      st.m = z.maxCoeff();
       std::int64_t arg = 0;
-      while (z[arg] != m && arg + 1 < v_) ++arg;
-      const float s = (z - m).exp().sum();
-      const float lse = m + std::log(s);
-      rows_.lse[t] = lse;
-      rows_.entropy[t] = c_.entropy ? lse - ((z - m).exp() * z).sum() / s : 0.0f;
-      rows_.zsum[t] = c_.logit_sums ? z.sum() : 0.0f;
-      const std::int64_t y = target(t);
-      float a = 0, b = 0, g = 0, loss = 0, zl = 0;
-      if (y != c_.ignore_index) {
-        const float cw_y = cw_ ? cw_[y] : 1.0f;
-        const float sum_wz = !want_sum ? 0.0f : cw_ ? (z * CArrMap(cw_, v_)).sum() : z.sum();
-        const kern::RowTerms rt = kern::row_terms(c_.rule, lse, z[y], cw_y, sum_wz);
-        const float tw =
-            c_.token_weights.defined() ? c_.token_weights.data_as<const float>()[t] : 1.0f;
-        float coef = tw;
-        if (c_.scale == RowScale::kMean) coef *= inv_denom;
-        if (c_.scale == RowScale::kUpstream && c_.upstream.defined())  // absent: forward only
-          coef *= c_.upstream.data_as<const float>()[t];
-        a = coef * rt.alpha;
-        b = coef * rt.beta;
-        g = coef * rt.gamma;
-        loss = tw * (rt.ce + rt.zloss);
-        zl = tw * rt.zloss;
-      }
-      rows_.a[t] = a;
-      rows_.b[t] = b;
-      rows_.g[t] = g;
-      rows_.loss[t] = loss;
-      rows_.zloss[t] = zl;
-      rows_.argmax[t] = static_cast<std::int32_t>(arg);
+      while (z[arg] != st.m && arg + 1 < v_) ++arg;
+      st.arg = static_cast<std::int32_t>(c_.vocab_offset + arg);
+      st.s = (z - st.m).exp().sum();
+      st.sez = c_.entropy ? ((z - st.m).exp() * z).sum() : 0.0f;
+      st.sz = want_sum ? z.sum() : 0.0f;
+      st.swz = want_sum && cw ? (z * CArrMap(cw, v_)).sum() : 0.0f;
+      const std::int64_t y = target(t) - c_.vocab_offset;
+      st.zy = y >= 0 && y < v_ ? z[y] : 0.0f;
+      if (part)
+        part[t - r0] = st;
+      else
+        row_rule(t, st);
     }
     capped_ = inv_cap != 0.0f;
+    if (!part) return;
+    const std::int64_t rows = r1 - r0;
+    const int ranks = c_.vocab_group->size();
+    c_.vocab_group->all_gather(ctx_, part, vp_.all,
+                               static_cast<std::size_t>(rows) * sizeof(kern::RowStats));
+    for (std::int64_t i = 0; i < rows; ++i) {
+      kern::RowStats st = vp_.all[i];
+      for (int k = 1; k < ranks; ++k) st = kern::merge_stats(st, vp_.all[k * rows + i]);
+      row_rule(r0 + i, st);
+    }
   }
 
   void grad_epilogue(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1) override {
     const std::int64_t cols = v1 - v0;
     const float cap = c_.softcap, inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
     const bool apply_cap = inv_cap != 0.0f && !capped_;
+    const float* cw = cw_ ? cw_ + c_.vocab_offset + v0 : nullptr;
 #pragma omp parallel for num_threads(threads_) schedule(static)
     for (std::int64_t t = r0; t < r1; ++t) {
       ArrMap z(tile_ + (t - r0) * cols, cols);
@@ -163,17 +174,17 @@ class CpuTokenBackend final : public TokenBackend {
         continue;
       }
       if (apply_cap) z = cap * (z * inv_cap).tanh();
-      const std::int64_t y = target(t) - v0;
+      const std::int64_t y = target(t) - c_.vocab_offset - v0;
       const bool has_y = y >= 0 && y < cols;
       const float chain_y =
           has_y && inv_cap != 0.0f ? 1.0f - (z[y] * inv_cap) * (z[y] * inv_cap) : 1.0f;
       if (inv_cap == 0.0f) {
-        if (cw_)
-          z = a * (z - lse).exp() - g * CArrMap(cw_ + v0, cols);
+        if (cw)
+          z = a * (z - lse).exp() - g * CArrMap(cw, cols);
         else
           z = a * (z - lse).exp() - g;
-      } else if (cw_) {
-        z = (a * (z - lse).exp() - g * CArrMap(cw_ + v0, cols)) * (1.0f - (z * inv_cap).square());
+      } else if (cw) {
+        z = (a * (z - lse).exp() - g * CArrMap(cw, cols)) * (1.0f - (z * inv_cap).square());
       } else {
         z = (a * (z - lse).exp() - g) * (1.0f - (z * inv_cap).square());
       }
@@ -186,11 +197,13 @@ class CpuTokenBackend final : public TokenBackend {
     if (!c_.grad_x.defined()) return;
     const std::int64_t rows = r1 - r0, cols = v1 - v0;
     CMatMap gm(tile_, rows, cols);
-    // Destination: the fp32 dH accumulator, the caller's fp32 dH, or fp32 staging for bf16.
-    float* dst = dh_acc_                            ? dh_acc_ + r0 * h_
+    // Destination: the fp32 dH accumulator, the caller's fp32 dH, or fp32 staging for bf16 or
+    // for the sum over a vocabulary-parallel group.
+    float* dst = vp_.dh                             ? vp_.dh
+                 : dh_acc_                          ? dh_acc_ + r0 * h_
                  : c_.grad_x.dtype() == DType::kF32 ? c_.grad_x.data_as<float>() + r0 * h_
                                                     : dh32_;
-    const bool into_caller = !dh_acc_ && c_.grad_x.dtype() == DType::kF32;
+    const bool into_caller = !vp_.dh && !dh_acc_ && c_.grad_x.dtype() == DType::kF32;
     bool assign = first && !(into_caller && c_.accumulate);
     MatMap d(dst, rows, h_);
     for_weight_tiles(v0, v1, [&](std::int64_t t0, std::int64_t t1, const float* w) {
@@ -200,7 +213,9 @@ class CpuTokenBackend final : public TokenBackend {
         d.noalias() += gm.middleCols(t0 - v0, t1 - t0) * CMatMap(w, t1 - t0, h_);
       assign = false;
     });
-    if (dst == dh32_) store_f32(c_.grad_x, r0 * h_, rows * h_, dh32_, c_.accumulate);
+    if (vp_.dh) c_.vocab_group->all_reduce_sum(ctx_, vp_.dh, rows * h_);
+    if (dst == dh32_ || dst == vp_.dh)
+      store_f32(c_.grad_x, r0 * h_, rows * h_, dst, !first || c_.accumulate);
   }
 
   void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
@@ -257,6 +272,14 @@ class CpuTokenBackend final : public TokenBackend {
       if (c_.out_pred.defined())
         c_.out_pred.data_as<std::int32_t>()[t] = valid ? rows_.argmax[t] : -1;
     }
+    if (c_.data_group) {
+      double sums[4] = {tot.loss, tot.z_loss, tot.correct, tot.entropy};
+      c_.data_group->all_reduce_sum(ctx_, sums, 4);
+      tot.loss = sums[0];
+      tot.z_loss = sums[1];
+      tot.correct = sums[2];
+      tot.entropy = sums[3];
+    }
     if (c_.scale == RowScale::kMean) {
       tot.loss = denom_ > 0 ? tot.loss / denom_ : 0.0;
       tot.z_loss = denom_ > 0 ? tot.z_loss / denom_ : 0.0;
@@ -273,6 +296,38 @@ class CpuTokenBackend final : public TokenBackend {
   }
 
  private:
+  // Row t's lse, entropy, argmax, logit sum, coefficients and loss from its statistics.
+  void row_rule(std::int64_t t, const kern::RowStats& st) {
+    const float lse = st.m + std::log(st.s);
+    rows_.lse[t] = lse;
+    rows_.entropy[t] = c_.entropy ? lse - st.sez / st.s : 0.0f;
+    rows_.zsum[t] = c_.logit_sums ? st.sz : 0.0f;
+    rows_.argmax[t] = st.arg;
+    const std::int64_t y = target(t);
+    float a = 0, b = 0, g = 0, loss = 0, zl = 0;
+    if (y != c_.ignore_index) {
+      const float cw_y = cw_ ? cw_[y] : 1.0f;
+      const float sum_wz = cw_ ? st.swz : st.sz;
+      const kern::RowTerms rt = kern::row_terms(c_.rule, lse, st.zy, cw_y, sum_wz);
+      const float tw =
+          c_.token_weights.defined() ? c_.token_weights.data_as<const float>()[t] : 1.0f;
+      float coef = tw;
+      if (c_.scale == RowScale::kMean) coef *= inv_denom_;
+      if (c_.scale == RowScale::kUpstream && c_.upstream.defined())  // absent: forward only
+        coef *= c_.upstream.data_as<const float>()[t];
+      a = coef * rt.alpha;
+      b = coef * rt.beta;
+      g = coef * rt.gamma;
+      loss = tw * (rt.ce + rt.zloss);
+      zl = tw * rt.zloss;
+    }
+    rows_.a[t] = a;
+    rows_.b[t] = b;
+    rows_.g[t] = g;
+    rows_.loss[t] = loss;
+    rows_.zloss[t] = zl;
+  }
+
   // dw[v0:v1] = factor ((first ? 0 : dw[v0:v1]) + tile^T x[r0:r1]); db[v0:v1] += colsum(tile).
   void weight_grad(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1, bool first,
                    float factor) {
@@ -330,6 +385,7 @@ class CpuTokenBackend final : public TokenBackend {
     }
   }
 
+  const CpuContext& ctx_;
   const TokenCall& c_;
   const Plan& plan_;
   int threads_;
@@ -342,7 +398,9 @@ class CpuTokenBackend final : public TokenBackend {
   const float* cw_ = nullptr;
   std::int64_t valid_ = 0;
   double denom_ = 0;
+  float inv_denom_ = 0;
   bool capped_ = false;
+  VocabParallelStaging vp_;
 };
 
 }  // namespace

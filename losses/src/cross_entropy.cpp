@@ -46,7 +46,22 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   const std::int64_t n = in.hidden.size(0), h = in.hidden.size(1), v = in.weight.size(0);
   CHUNKLOSS_CHECK(n > 0 && h > 0 && v > 0, kWho, ": empty problem: hidden ", in.hidden.str(),
                   ", weight ", in.weight.str());
-  CHUNKLOSS_CHECK(v <= INT32_MAX, kWho, ": vocab V=", v, " exceeds 2^31-1");
+  const VocabShard& shard = in.vocab_shard;
+  const std::int64_t v_total = shard.group ? shard.size : v;
+  if (shard.group) {
+    CHUNKLOSS_CHECK(shard.offset >= 0 && shard.offset + v <= shard.size, kWho,
+                    ": vocab_shard rows [", shard.offset, ", ", shard.offset + v, ") of weight ",
+                    in.weight.str(), " are not inside the vocabulary of size ", shard.size);
+    CHUNKLOSS_CHECK(shard.group->size() > 1 || shard.size == v, kWho, ": vocab_shard of size ",
+                    shard.size, " on a group of one rank, whose weight ", in.weight.str(),
+                    " must then be the whole vocabulary");
+    CHUNKLOSS_CHECK(o.loop_order != LoopOrder::kVocabBlock, kWho,
+                    ": loop_order vocab_block is not available with vocab_shard");
+  } else {
+    CHUNKLOSS_CHECK(shard.offset == 0 && shard.size == 0, kWho, ": vocab_shard offset ",
+                    shard.offset, " and size ", shard.size, " are set without a group");
+  }
+  CHUNKLOSS_CHECK(v_total <= INT32_MAX, kWho, ": vocab V=", v_total, " exceeds 2^31-1");
   check_view(kWho, "hidden", in.hidden, dev, {n, h}, kFloat);
   CHUNKLOSS_CHECK(in.weight.size(1) == h, kWho, ": weight ", in.weight.str(),
                   " does not match hidden ", in.hidden.str(), " (H differs)");
@@ -55,7 +70,7 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   CHUNKLOSS_CHECK(o.logits_dtype == DType::kF32 || in.hidden.dtype() == DType::kBF16, kWho,
                   ": logits_dtype bf16 needs bf16 hidden and weight, got hidden ", in.hidden.str());
   check_view(kWho, "targets", in.targets, dev, {n}, {DType::kI32, DType::kI64});
-  check_optional(kWho, "class_weights", in.class_weights, dev, {v}, {DType::kF32});
+  check_optional(kWho, "class_weights", in.class_weights, dev, {v_total}, {DType::kF32});
   check_optional(kWho, "token_weights", in.token_weights, dev, {n}, {DType::kF32});
   check_optional(kWho, "grad_hidden", gr.hidden, dev, {n, h}, kFloat);
   check_optional(kWho, "grad_weight", gr.weight, dev, {v, h}, kFloat);
@@ -81,7 +96,7 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   CHUNKLOSS_CHECK(!calling || o.copy_results_to_host || out.scalars.defined(), kWho,
                   ": copy_results_to_host = false needs outputs.scalars [7] f32");
   if (calling && dev == Device::kCpu) {
-    detail::check_targets(kWho, in.targets, v, o.ignore_index);
+    detail::check_targets(kWho, in.targets, v_total, o.ignore_index);
     if (o.check_finite) {
       detail::check_finite(kWho, "hidden", in.hidden);
       detail::check_finite(kWho, "weight", in.weight);
@@ -94,6 +109,10 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   k.rows = n;
   k.hidden = h;
   k.vocab = v;
+  k.vocab_group = shard.group && shard.group->size() > 1 ? shard.group : nullptr;
+  k.vocab_offset = shard.offset;
+  k.data_group = in.data_group;
+  k.vocab_total = v_total;
   k.x = in.hidden;
   k.w = in.weight;
   k.bias = in.bias;
@@ -113,12 +132,12 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   k.ignore_index = o.ignore_index;
   const float ls = o.label_smoothing;
   k.rule.one_minus_ls = 1.0f - ls;
-  k.rule.eps = ls / static_cast<float>(v);
+  k.rule.eps = ls / static_cast<float>(v_total);
   k.rule.z_loss = o.z_loss;
-  k.rule.cw_sum = static_cast<float>(v);
+  k.rule.cw_sum = static_cast<float>(v_total);
   if (calling && in.class_weights.defined() && dev == Device::kCpu) {
     double s = 0;
-    for (std::int64_t j = 0; j < v; ++j) s += in.class_weights.data_as<const float>()[j];
+    for (std::int64_t j = 0; j < v_total; ++j) s += in.class_weights.data_as<const float>()[j];
     k.rule.cw_sum = static_cast<float>(s);
   }
   k.softcap = o.softcap ? *o.softcap : 0.0f;
@@ -144,6 +163,7 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   q.fp32_weight_grad_accumulator = o.fp32_weight_grad_accumulator;
   q.budget_bytes = o.memory_budget_bytes;
   q.order = o.loop_order;
+  q.vocab_ranks = k.vocab_group ? k.vocab_group->size() : 1;
   return c;
 }
 
@@ -179,6 +199,21 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
   const Plan plan = plan_token_objective(c.request);
   CHUNKLOSS_CHECK(ws.device() == ctx.device(), kWho, ": workspace is on ", device_name(ws.device()),
                   ", the context on ", device_name(ctx.device()));
+  detail::check_device_index(kWho, ctx, ws,
+                             {{"hidden", &in.hidden},
+                              {"weight", &in.weight},
+                              {"bias", &in.bias},
+                              {"targets", &in.targets},
+                              {"class_weights", &in.class_weights},
+                              {"token_weights", &in.token_weights},
+                              {"grad_output", &in.grad_output},
+                              {"grad_hidden", &grads.hidden},
+                              {"grad_weight", &grads.weight},
+                              {"grad_bias", &grads.bias},
+                              {"outputs.row_loss", &out.row_loss},
+                              {"outputs.lse", &out.lse},
+                              {"outputs.predictions", &out.predictions},
+                              {"outputs.scalars", &out.scalars}});
   ws.require(plan.layout, kWho);
   const detail::TokenTotals t = detail::run_token_objective(ctx, c.call, plan, ws);
   CrossEntropyResult r;

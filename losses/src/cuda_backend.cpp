@@ -16,6 +16,7 @@
 #include "engine.h"
 #include "row_arrays.h"
 #include "tile_staging.h"
+#include "vocab_parallel.h"
 
 namespace chunkloss::detail {
 namespace {
@@ -39,6 +40,8 @@ class CudaTokenBackend final : public TokenBackend {
     const RowArrays r = RowArrays::carve(ws.at<float>(plan.row_stats), call.rows);
     p_.rows = call.rows;
     p_.vocab = call.vocab;
+    p_.vocab_offset = call.vocab_offset;
+    p_.vocab_total = call.total_vocab();
     p_.targets = call.targets.data();
     p_.targets_i64 = call.targets.dtype() == DType::kI64;
     p_.ignore_index = call.ignore_index;
@@ -64,6 +67,10 @@ class CudaTokenBackend final : public TokenBackend {
 
   void begin() override {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_token_begin(p_, stream_));
+    if (c_.data_group) {  // the valid rows and the divisor over the group's rows
+      c_.data_group->all_reduce_sum(ctx_, scalars_ + kern::kValidRows, 2);
+      CHUNKLOSS_LAUNCH_CHECK(kern::launch_set_divisor(p_, stream_));
+    }
     if (check_finite_) {
       for (const TensorView* t : {&c_.x, &c_.w, &c_.bias})
         if (t->defined())
@@ -78,9 +85,19 @@ class CudaTokenBackend final : public TokenBackend {
               0.0f);
   }
 
+  // With the vocabulary split: each row's statistics of this rank's columns, all-gathered and
+  // merged in rank order, then the row rule (equal on every rank).
   void row_stats(std::int64_t r0, std::int64_t r1) override {
-    CHUNKLOSS_LAUNCH_CHECK(kern::launch_row_stats(p_, tile_, elem(plan_.logits_dtype), c_.vocab, r0,
-                                                  r1 - r0, stream_));
+    kern::TokenParams p = p_;
+    p.partials = vp_.own;
+    CHUNKLOSS_LAUNCH_CHECK(
+        kern::launch_row_stats(p, tile_, elem(plan_.logits_dtype), c_.vocab, r0, r1 - r0, stream_));
+    if (!vp_.own) return;
+    const std::int64_t rows = r1 - r0;
+    c_.vocab_group->all_gather(ctx_, vp_.own, vp_.all,
+                               static_cast<std::size_t>(rows) * sizeof(kern::RowStats));
+    CHUNKLOSS_LAUNCH_CHECK(
+        kern::launch_merge_row_stats(p_, vp_.all, c_.vocab_group->size(), r0, rows, stream_));
   }
 
   // The bias gradient is summed from the fp32 logits first, then the tile becomes the gradient.
@@ -98,13 +115,22 @@ class CudaTokenBackend final : public TokenBackend {
               bool first) override {
     if (!c_.grad_x.defined()) return;
     const std::int64_t h = c_.hidden;
+    auto* dst =
+        static_cast<unsigned char*>(c_.grad_x.data()) + r0 * h * dtype_size(c_.grad_x.dtype());
+    if (vp_.dh) {  // fp32 rows summed over the group, then rounded once into dH
+      grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), vp_.dh, DType::kF32, h,
+                uniform_alpha(), 0.0f);
+      c_.vocab_group->all_reduce_sum(ctx_, vp_.dh, (r1 - r0) * h);
+      CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(
+          dst, elem(c_.grad_x.dtype()), h, vp_.dh, kern::Elem::kF32, h, gemm_scalar(kern::kOne),
+          r1 - r0, h, !first || c_.accumulate, stream_, 0));
+      return;
+    }
     if (dh_acc_) {
       grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), dh_acc_ + r0 * h, DType::kF32, h,
                 uniform_alpha(), first ? 0.0f : 1.0f);
       return;
     }
-    auto* dst =
-        static_cast<unsigned char*>(c_.grad_x.data()) + r0 * h * dtype_size(c_.grad_x.dtype());
     // fp32 rows, scaled, rounded once into dH: by each row's scale (row scales), or by the
     // mean's device alpha (host_dx_); in the tile's free halves (one fp32 row apart) or staging.
     if (host_dx_ || dh_stage_ || in_tile_) {
@@ -226,7 +252,12 @@ class CudaTokenBackend final : public TokenBackend {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_token_finish(
         p_, c_.out_row_loss.defined() ? c_.out_row_loss.data_as<float>() : nullptr,
         c_.out_lse.defined() ? c_.out_lse.data_as<float>() : nullptr,
-        c_.out_pred.defined() ? c_.out_pred.data_as<std::int32_t>() : nullptr, stream_));
+        c_.out_pred.defined() ? c_.out_pred.data_as<std::int32_t>() : nullptr,
+        c_.data_group != nullptr, stream_));
+    if (c_.data_group) {
+      c_.data_group->all_reduce_sum(ctx_, scalars_ + kern::kLoss, 4);
+      CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_totals(p_, stream_));
+    }
     if (c_.out_scalars.defined())
       CHUNKLOSS_LAUNCH_CHECK(
           kern::launch_export_scalars(scalars_, c_.out_scalars.data_as<float>(), stream_));
@@ -236,7 +267,7 @@ class CudaTokenBackend final : public TokenBackend {
                                         static_cast<cudaStream_t>(stream_)));
     CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
     CHUNKLOSS_CHECK(s[kern::kBadTargets] == 0, "LinearCrossEntropy: targets ", c_.targets.str(),
-                    " has ", s[kern::kBadTargets], " values outside [0, V=", c_.vocab,
+                    " has ", s[kern::kBadTargets], " values outside [0, V=", c_.total_vocab(),
                     ") that are not ignore_index (", c_.ignore_index,
                     "); checked on the device, so the gradient buffers hold unspecified values");
     std::uint64_t nonfinite;
@@ -395,13 +426,16 @@ class CudaTokenBackend final : public TokenBackend {
   // the rest, if any, holds a resident group's X rows side by side.
   void carve_staging(unsigned char* s, std::size_t bytes) {
     unsigned char* end = s + bytes;
+    if (c_.vocab_group)
+      vp_ = carve_vocab_parallel(s, plan_.chunk_rows, c_.hidden, c_.vocab_group->size(),
+                                 c_.grad_x.defined());
     const bool vocab_order = plan_.order == LoopOrder::kVocabBlock;
     in_tile_ = c_.row_scales && !vocab_order &&
                staging_fits_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype());
     free_offset_ = tile_free_offset(c_.vocab);
     // The mean's alpha lives on the device; the other reductions' is 1 (uniform_alpha).
     const bool token_plain = !c_.row_scales && !vocab_order && c_.scale == RowScale::kMean;
-    host_dx_ = token_plain && c_.grad_x.defined() && !dh_acc_ &&
+    host_dx_ = token_plain && c_.grad_x.defined() && !dh_acc_ && !vp_.dh &&
                staging_fits_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype());
     host_dw_ = token_plain && c_.chunks_in_order && c_.grad_w.defined() && !dw_acc_ &&
                !c_.accumulate && plan_.num_chunks > 1;
@@ -496,6 +530,7 @@ class CudaTokenBackend final : public TokenBackend {
   unsigned char *tile_ = nullptr, *tile_base_ = nullptr, *x_stage_ = nullptr;
   unsigned char* x_scaled_ = nullptr;
   float* dh_stage_ = nullptr;
+  VocabParallelStaging vp_;
   bool x_scaled_ready_ = false;
   bool in_tile_ = false;  // row scales staged in the tile's free halves (tile_staging.h)
   // The mean in token-chunk order without row scales: its gradient GEMMs get alpha = 1 as host

@@ -9,6 +9,7 @@
 #include "chunkloss/core/context.h"
 #include "chunkloss/core/tensor.h"
 #include "chunkloss/core/workspace.h"
+#include "chunkloss/dist/communicator.h"
 #include "chunkloss/kernels/row_math.h"
 #include "chunkloss/losses/plan.h"
 
@@ -20,6 +21,13 @@ enum class RowScale : std::uint8_t { kMean, kSum, kUpstream };
 /// A validated token-objective call: views checked for shapes, dtypes and devices.
 struct TokenCall {
   std::int64_t rows = 0, hidden = 0, vocab = 0;
+  /// Vocabulary parallelism: w holds columns [vocab_offset, vocab_offset + vocab) of a
+  /// vocabulary of vocab_total (0: vocab) split over vocab_group's ranks (null: not split).
+  dist::Communicator* vocab_group = nullptr;
+  std::int64_t vocab_offset = 0, vocab_total = 0;
+  /// Data parallelism: the mean's divisor and the scalar totals are summed over this group's
+  /// ranks, each holding other rows (null: this call's rows alone).
+  dist::Communicator* data_group = nullptr;
   TensorView x, w, bias, targets, class_weights, token_weights, upstream;
   TensorView grad_x, grad_w, grad_bias;
   bool accumulate = false;
@@ -38,6 +46,7 @@ struct TokenCall {
   bool chunks_in_order = false;
 
   bool any_grad() const { return grad_x.defined() || grad_w.defined() || grad_bias.defined(); }
+  std::int64_t total_vocab() const { return vocab_total ? vocab_total : vocab; }
 };
 
 /// Scalar totals of a call, reduced deterministically by the backend.

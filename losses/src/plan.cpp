@@ -8,6 +8,7 @@
 
 #include "chunkloss/core/error.h"
 #include "tile_staging.h"
+#include "vocab_parallel.h"
 
 namespace chunkloss {
 
@@ -90,22 +91,30 @@ std::size_t cpu_staging_fixed(const PlanRequest& q) {
   return b;
 }
 
+// Vocabulary parallelism's staging per chunk row (vocab_parallel_staging in engine.h).
+std::size_t vocab_parallel_per_row(const PlanRequest& q) {
+  if (q.vocab_ranks <= 1) return 0;
+  return detail::vocab_parallel_staging(1, q.hidden, q.vocab_ranks, q.grad_hidden);
+}
+
 // Backend scratch per row of the GEMMs' row range. CPU: the fp32 X rows and, in token-chunk
 // order, the fp32 dH rows (vocab-block order accumulates dH in the dh_accum slice instead).
 // CUDA with per-row scales: the fp32 dH rows before scaling (token-chunk order) and the scaled
-// X rows for the dW GEMM.
+// X rows for the dW GEMM. Both: a vocabulary-parallel chunk's exchange buffers, first.
 std::size_t staging_per_row(const PlanRequest& q, bool vocab_order) {
   const auto row = static_cast<std::size_t>(q.hidden) * 4;
+  const std::size_t vp = vocab_order ? 0 : vocab_parallel_per_row(q);
   if (q.device != Device::kCpu) {
+    if (!q.row_scales) return vp;
     if (!q.row_scales) return 0;
     // Token-chunk rows stage in the logits tile's free halves when they fit (tile_staging.h).
     if (!vocab_order && detail::staging_fits_tile(q.vocab, q.hidden, q.logits_dtype, q.input_dtype))
-      return 0;
-    std::size_t b = !vocab_order && q.grad_hidden ? row : 0;
+      return vp;
+    std::size_t b = vp + (!vocab_order && q.grad_hidden ? row : 0);
     if (q.grad_weight) b += static_cast<std::size_t>(q.hidden) * dtype_size(q.input_dtype);
     return b;
   }
-  std::size_t b = q.input_dtype == DType::kBF16 ? row : 0;
+  std::size_t b = vp + (q.input_dtype == DType::kBF16 ? row : 0);
   if (!vocab_order && q.grad_hidden && q.grad_hidden_dtype == DType::kBF16) b += row;
   return b;
 }
@@ -246,6 +255,12 @@ Plan plan_token_objective(const PlanRequest& q) {
   const std::int64_t n = q.rows, h = q.hidden, v = q.vocab;
   const std::size_t lb = dtype_size(q.logits_dtype);
   const bool any_grad = q.grad_hidden || q.grad_weight || q.grad_bias;
+  CHUNKLOSS_CHECK(q.vocab_ranks >= 1, "plan: vocab_ranks must be >= 1, got ", q.vocab_ranks);
+  CHUNKLOSS_CHECK(q.vocab_ranks == 1 || q.order != LoopOrder::kVocabBlock,
+                  "plan: loop_order vocab_block is not available with the vocabulary split over ",
+                  q.vocab_ranks,
+                  " ranks (each chunk's statistics are exchanged in token-chunk "
+                  "order)");
 
   Plan p;
   p.logits_dtype = q.logits_dtype;
@@ -299,6 +314,9 @@ Plan plan_token_objective(const PlanRequest& q) {
   if (!any_grad) {
     p.order = LoopOrder::kTokenChunk;
     why << "forward only: one pass of token chunks";
+  } else if (q.vocab_ranks > 1) {
+    p.order = LoopOrder::kTokenChunk;
+    why << "vocabulary split over " << q.vocab_ranks << " ranks: token_chunk";
   } else if (q.order == LoopOrder::kTokenChunk) {
     p.order = LoopOrder::kTokenChunk;
     why << "token_chunk requested";

@@ -50,6 +50,18 @@ void check_optional(const char* who, const char* name, const TensorView& t, Devi
   if (t.defined()) check_view(who, name, t, dev, shape, dtypes);
 }
 
+void check_device_index(const char* who, const Context& ctx, const Workspace& ws,
+                        std::initializer_list<std::pair<const char*, const TensorView*>> views) {
+  if (ctx.device() == Device::kCpu) return;
+  const int d = ctx.device_index();
+  CHUNKLOSS_CHECK(ws.device_index() == d, who, ": workspace is on ", device_name(ws.device()), ":",
+                  ws.device_index(), ", the context on ", device_name(ctx.device()), ":", d);
+  for (const auto& [name, t] : views)
+    CHUNKLOSS_CHECK(!t->defined() || t->device_index() == d, who, ": ", name, " ", t->str(),
+                    " is on device index ", t->device_index(), ", the context on ",
+                    device_name(ctx.device()), ":", d);
+}
+
 void check_finite(const char* who, const char* name, const TensorView& t) {
   if (!t.defined()) return;
   const std::int64_t n = t.numel();

@@ -5,9 +5,11 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "chunkloss/core/context.h"
 #include "chunkloss/core/tensor.h"
+#include "chunkloss/core/workspace.h"
 
 namespace chunkloss::detail {
 
@@ -17,6 +19,10 @@ void check_view(const char* who, const char* name, const TensorView& t, Device d
 /// As check_view when `t` is defined; absent is allowed.
 void check_optional(const char* who, const char* name, const TensorView& t, Device dev,
                     std::initializer_list<std::int64_t> shape, std::initializer_list<DType> dtypes);
+/// The workspace and every defined view of `views` (name, view) are on the context's device
+/// index (on CUDA, memory of another GPU is an error, not a peer access).
+void check_device_index(const char* who, const Context& ctx, const Workspace& ws,
+                        std::initializer_list<std::pair<const char*, const TensorView*>> views);
 /// Every element of a float view is finite (host memory only).
 void check_finite(const char* who, const char* name, const TensorView& t);
 /// Targets in [0, V) or equal to ignore_index (host memory only).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU machine's checks of a CUDA build, run from the source root: both GPU suites, the CUDA
+# The GPU machine's checks of a CUDA build, run from the source root: the GPU suites, the CUDA
 # smoke test of chunkloss-train (the loss on the GPU against the CPU run), compute-sanitizer
 # memcheck over the suites and a CUDA training run, racecheck of 18 of the suites' 20 cases
 # (see below) and synccheck of the project's kernels. Test binaries run directly, not through CTest:
@@ -12,6 +12,7 @@ out=${2:?usage: $0 BUILD_DIR OUT_DIR}
 mkdir -p "$out"
 ce=$build/tests/gpu/chunkloss_test_gpu
 pref=$build/tests/gpu/chunkloss_test_preference_gpu
+par=$build/tests/gpu/chunkloss_test_parallel_gpu
 train=$build/apps/train/chunkloss-train
 summary=$out/summary.txt
 : >"$summary"
@@ -32,6 +33,7 @@ date -u >>"$out/machine.txt"
 
 check ce_suite "$ce"
 check pref_suite "$pref"
+check parallel_suite "$par"
 check smoke_cuda python3 tests/apps/smoke.py "$train" "$build/apps/eval/chunkloss-eval" \
   /tmp/chunkloss-smoke cuda
 # The sanitizers on the smaller cases (each under `timeout`: they run kernels many times slower).
@@ -46,6 +48,7 @@ check memcheck_ce "${san[@]}" --tool memcheck "$ce" \
   -tc='gpu: shapes*,gpu: all rows*,gpu: out-of-range*,gpu: results left*'
 check memcheck_pref "${san[@]}" --tool memcheck "$pref" \
   -tc='gpu: P = 1*,gpu: accumulate*,gpu: bad targets*,gpu: SequenceLogProbs*'
+check memcheck_parallel "${san[@]}" --tool memcheck "$par" -tc='*in-process group*'
 check memcheck_deferred "${san[@]}" --tool memcheck "$pref" -tc='gpu: the deferred regime*'
 check memcheck_skipped "${san[@]}" --tool memcheck "$pref" -tc='gpu: skipped rows*'
 # racecheck, in two modes (2026-12-04). Instrumenting only the project's kernels (namespace
@@ -63,6 +66,7 @@ rc_own=(timeout 240 compute-sanitizer --error-exitcode 9 --tool racecheck --kern
 check racecheck_ce "${rc_own[@]}" "$ce" \
   -tc='gpu: LinearCrossEntropy matches*,gpu: all rows*,gpu: out-of-range*'
 check racecheck_pref "${rc_own[@]}" "$pref" -tce='gpu: P = 1*'
+check racecheck_parallel "${rc_own[@]}" "$par" -tc='*in-process group*'
 rc_all=(python3 tests/gpu/racecheck.py timeout 300 compute-sanitizer --tool racecheck
   --racecheck-memcpy-async no)
 check racecheck_all_ce "${rc_all[@]}" "$ce" \
@@ -71,4 +75,6 @@ check racecheck_all_pref "${rc_all[@]}" "$pref" -tc='gpu: P = 1*'
 check synccheck_ce "${san[@]}" --tool synccheck --kernel-name kns=chunkloss "$ce" -tc='gpu: shapes*'
 check synccheck_pref "${san[@]}" --tool synccheck --kernel-name kns=chunkloss "$pref" \
   -tc='gpu: P = 1*'
+check synccheck_parallel "${san[@]}" --tool synccheck --kernel-name kns=chunkloss "$par" \
+  -tc='*in-process group*'
 cat "$summary"

@@ -1,9 +1,13 @@
-// Aligned workspace blocks for tests.
+// Aligned workspace blocks for tests, and the check of a call's scalar results.
 #include "support/workspace.h"
+
+#include <doctest/doctest.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <new>
+
+#include "support/compare.h"
 
 namespace chunkloss::test {
 
@@ -24,6 +28,15 @@ CrossEntropyResult run_with_fresh_workspace(const LinearCrossEntropy& loss, Cont
                                             const CrossEntropyOutputs& out) {
   AlignedBuffer ws(loss.workspace_bytes(in, grads));
   return loss.forward_backward(ctx, in, grads, out, ws.workspace());
+}
+
+void check_results(const CrossEntropyResult& got, const CrossEntropyResult& want, double tol) {
+  check_scalar("loss", got.loss, want.loss, tol);
+  check_scalar("z_loss", got.z_loss, want.z_loss, tol);
+  check_scalar("accuracy", got.accuracy, want.accuracy, 1e-12);
+  check_scalar("entropy", got.entropy, want.entropy, tol);
+  CHECK(got.valid_rows == want.valid_rows);
+  check_scalar("weight_sum", got.weight_sum, want.weight_sum, 1e-6);
 }
 
 }  // namespace chunkloss::test

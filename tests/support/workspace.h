@@ -1,6 +1,7 @@
 // Aligned host memory for workspaces (RAII), and a helper that runs a LinearCrossEntropy call
 // with a fresh workspace of exactly workspace_bytes(), pre-filled with NaN bytes so a read of
-// workspace memory the library never wrote shows up in the results.
+// workspace memory the library never wrote shows up in the results; and the check of one call's
+// scalar results against another's.
 #pragma once
 
 #include <chunkloss/core/workspace.h>
@@ -35,5 +36,9 @@ CrossEntropyResult run_with_fresh_workspace(const LinearCrossEntropy& loss, Cont
                                             const CrossEntropyInputs& in,
                                             const CrossEntropyGrads& grads,
                                             const CrossEntropyOutputs& out);
+
+/// CHECKs one call's scalar results against another's: loss, z-loss and entropy to `tol`
+/// (check_scalar), accuracy to 1e-12, the valid rows exactly, the mean's divisor to 1e-6.
+void check_results(const CrossEntropyResult& got, const CrossEntropyResult& want, double tol);
 
 }  // namespace chunkloss::test

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 #if defined(__CUDACC__)
 #define CHUNKLOSS_HD __host__ __device__ __forceinline__
@@ -40,6 +41,41 @@ CHUNKLOSS_HD RowTerms row_terms(const RowRule& r, float lse, float z_y, float cw
   t.alpha = t.beta + r.eps * r.cw_sum + 2.0f * r.z_loss * lse;
   t.gamma = r.eps;
   return t;
+}
+
+/// A row's softmax statistics over a set of its logits: what each rank of a vocabulary-parallel
+/// group contributes for its columns (32 bytes, the unit the ranks exchange).
+struct alignas(16) RowStats {
+  float m;           ///< max
+  float s;           ///< sum exp(z - m)
+  float sez;         ///< sum exp(z - m) z (entropy)
+  float sz;          ///< sum z
+  float swz;         ///< sum cw_j z_j
+  float zy;          ///< the target logit where these columns hold the target, else 0
+  std::int32_t arg;  ///< first (global) column of the max
+};
+
+/// Statistics of the union of two disjoint column sets; ties of the max keep the first column.
+/// `exp` is the exponential to rescale with (the device's block reductions pass __expf).
+template <typename Exp>
+CHUNKLOSS_HD RowStats merge_stats(const RowStats& a, const RowStats& b, Exp exp) {
+  RowStats r;
+  r.m = fmaxf(a.m, b.m);
+  const float ea = a.m == -INFINITY ? 0.0f : exp(a.m - r.m);
+  const float eb = b.m == -INFINITY ? 0.0f : exp(b.m - r.m);
+  r.s = a.s * ea + b.s * eb;
+  r.sez = a.sez * ea + b.sez * eb;
+  r.sz = a.sz + b.sz;
+  r.swz = a.swz + b.swz;
+  r.zy = a.zy + b.zy;
+  r.arg = a.m > b.m ? a.arg : b.m > a.m ? b.arg : a.arg < b.arg ? a.arg : b.arg;
+  return r;
+}
+
+/// merge_stats with expf: the merge of a vocabulary-parallel group's statistics, the same on the
+/// CPU and the GPU.
+CHUNKLOSS_HD RowStats merge_stats(const RowStats& a, const RowStats& b) {
+  return merge_stats(a, b, [](float x) { return expf(x); });
 }
 
 /// Softcap: z = cap tanh(raw / cap); inv_cap == 0 means no softcap.

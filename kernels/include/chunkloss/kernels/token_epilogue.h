@@ -50,13 +50,17 @@ struct RowPtrs {
 /// What every per-row kernel needs to know about the call.
 struct TokenParams {
   std::int64_t rows = 0;   ///< N
-  std::int64_t vocab = 0;  ///< V
+  std::int64_t vocab = 0;  ///< V: the columns of this call's weight
+  /// Vocabulary parallelism: the weight holds columns [vocab_offset, vocab_offset + V) of a
+  /// vocabulary of vocab_total (targets and class weights index it); unsplit: 0 and V.
+  std::int64_t vocab_offset = 0;
+  std::int64_t vocab_total = 0;
   const void* targets = nullptr;
   bool targets_i64 = false;
   std::int64_t ignore_index = -100;
   const void* bias = nullptr;  ///< [V] in the input dtype, or null
   Elem bias_elem = Elem::kF32;
-  const float* class_weights = nullptr;  ///< [V] or null
+  const float* class_weights = nullptr;  ///< [vocab_total] or null
   const float* token_weights = nullptr;  ///< [N] or null
   const float* upstream = nullptr;       ///< [N] (Scale::kUpstream)
   RowRule rule;
@@ -67,6 +71,9 @@ struct TokenParams {
   Scale scale = Scale::kMean;
   RowPtrs row;
   double* scalars = nullptr;  ///< kNumScalars doubles
+  /// Set: launch_row_stats stores each row's statistics of the V columns here (one per row of
+  /// the launch) for the group to exchange, and launch_merge_row_stats applies the row rule.
+  RowStats* partials = nullptr;
 };
 
 /// Zeroes the scalars, counts valid rows, the mean's divisor D (sum of class weights of valid
@@ -79,6 +86,12 @@ int launch_token_begin(const TokenParams& p, void* stream);
 /// One block per row; deterministic block reductions.
 int launch_row_stats(const TokenParams& p, const void* logits, Elem logits_elem, std::int64_t ld,
                      std::int64_t r0, std::int64_t rows, void* stream);
+
+/// Row rule of rows [r0, r0 + rows) from the statistics of `ranks` column sets, set k at
+/// stats[k * rows + i] for row r0 + i, merged in k order (a vocabulary-parallel group's
+/// all-gathered partials; equal on every rank).
+int launch_merge_row_stats(const TokenParams& p, const RowStats* stats, int ranks, std::int64_t r0,
+                           std::int64_t rows, void* stream);
 
 /// Overwrites the tile of rows [r0, r0 + rows) x columns [v0, v0 + cols) (leading dimension
 /// `ld` in logits elements) with dL/dz in `grad_elem`. When the gradient element is smaller
@@ -95,9 +108,19 @@ int launch_bias_grad(const TokenParams& p, const void* tile, Elem logits_elem, s
                      float* db, void* stream);
 
 /// Reduces the per-row arrays into the scalar block and writes the optional per-row outputs
-/// (row_loss, lse: float; predictions: int32, -1 for ignored rows).
+/// (row_loss, lse: float; predictions: int32, -1 for ignored rows). With `defer_scaling` the
+/// block's kLoss, kZLoss, kAccuracy and kEntropy are left as sums over the rows (loss, z-loss,
+/// correct rows, entropy) for a data-parallel group to add up, and launch_scale_totals follows.
 int launch_token_finish(const TokenParams& p, float* out_row_loss, float* out_lse,
-                        std::int32_t* out_pred, void* stream);
+                        std::int32_t* out_pred, bool defer_scaling, void* stream);
+
+/// The sums launch_token_finish left (defer_scaling) into the reported values: the mean's or
+/// none's scaling of the loss and z-loss, accuracy and entropy per valid row.
+int launch_scale_totals(const TokenParams& p, void* stream);
+
+/// Recomputes the mean's 1/D and the GEMMs' alpha from the divisor in kWeightSum (after a
+/// data-parallel group has summed kValidRows and kWeightSum over its ranks).
+int launch_set_divisor(const TokenParams& p, void* stream);
 
 /// out[0..7) = loss, z_loss, accuracy, entropy, valid rows, weight sum, invalid inputs (bad
 /// targets + non-finite values) as floats, from the scalar block, on the device.

@@ -9,6 +9,7 @@
 #include "chunkloss/core/context.h"
 #include "chunkloss/core/tensor.h"
 #include "chunkloss/core/workspace.h"
+#include "chunkloss/dist/communicator.h"
 #include "chunkloss/losses/plan.h"
 
 namespace chunkloss {
@@ -46,6 +47,19 @@ struct CrossEntropyOptions {
   bool copy_results_to_host = true;
 };
 
+/// Vocabulary parallelism (Megatron-style vocab-parallel cross-entropy): the lm_head is split by
+/// rows over the ranks of `group`, this rank holding weight rows [offset, offset + V_local) of a
+/// vocabulary of `size`. Every rank calls with the same hidden, targets (ids in [0, size)),
+/// class weights ([size], whole) and token weights, and its own weight (and bias) shard. Each
+/// chunk's row statistics are all-gathered and merged in rank order and its dH rows all-reduced
+/// in fp32, so every rank gets the same loss, lse, predictions and dH; dW and db are the shard's.
+/// Every rank must make the call (the group's collectives would wait otherwise).
+struct VocabShard {
+  dist::Communicator* group = nullptr;  ///< null: the weight is the whole vocabulary
+  std::int64_t offset = 0;              ///< first vocabulary row of this rank's weight
+  std::int64_t size = 0;                ///< the whole vocabulary
+};
+
 /// Inputs. Shapes: hidden [N, H], weight [V, H] (same float dtype), bias [V] optional (same
 /// dtype), targets [N] i32 or i64 in [0, V) or ignore_index, class_weights [V] f32 optional,
 /// token_weights [N] f32 optional (scale each row's loss; not part of the mean's divisor),
@@ -59,6 +73,15 @@ struct CrossEntropyInputs {
   TensorView class_weights;
   TensorView token_weights;
   TensorView grad_output;
+  VocabShard vocab_shard;  ///< unset: not split
+  /// Data parallelism: the ranks of this group each call with their own rows (same weight);
+  /// the mean's divisor (valid rows, or their class weights) is summed over the group, so each
+  /// rank's gradients are its rows' share of the gradient of the group's mean, and the results
+  /// (loss, z-loss, accuracy, entropy, valid rows, weight sum, outputs.scalars) are the group's.
+  /// Sum (do not average) dW and db over the group afterwards, as data parallelism does for the
+  /// other parameters. Every rank must make the call. With vocab_shard too, the data group holds
+  /// one rank of each vocabulary group position. null: this call's rows alone.
+  dist::Communicator* data_group = nullptr;
 };
 
 /// Gradient buffers owned by the caller; absent views are not computed. grad_hidden [N, H]

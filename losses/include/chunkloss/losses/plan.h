@@ -57,6 +57,9 @@ struct PlanRequest {
   /// the tile holds a power of two per row, and the mantissa scales the dH rows and a staged
   /// copy of the X rows, so a coefficient shared by many rows costs no correlated rounding.
   bool row_scales = false;
+  /// Ranks of a vocabulary-parallel group (1: not split): token-chunk order, and staging for
+  /// the exchanged row statistics and the chunk's fp32 dH rows before their sum over ranks.
+  int vocab_ranks = 1;
   std::size_t budget_bytes = 0;  ///< bound on the workspace, less the optional fp32 dW accumulator
   LoopOrder order = LoopOrder::kAuto;
 };

@@ -1,0 +1,354 @@
+// Vocabulary and data parallelism on the CPU: LinearCrossEntropy with the weight split by rows
+// over the ranks of a vocabulary group and/or the rows split over a data group (in-process groups,
+// a thread per rank), against the unsplit call on the same data: every option, fp32 and bf16,
+// several chunks, accumulation, uneven shards, a 2 x 2 grid of both; the ranks agree bitwise;
+// bad shards and calls are rejected before anything is written.
+#include <doctest/doctest.h>
+
+#include <chunkloss/core/error.h>
+#include <chunkloss/dist/communicator.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ce_fixture.h"
+#include "support/compare.h"
+#include "support/threads.h"
+#include "support/workspace.h"
+
+namespace chunkloss::test {
+namespace {
+
+// One rank's call and what it produced.
+struct RankRun {
+  CrossEntropyResult result;
+  GradStorage grads;
+  OutBuffers out;
+};
+
+// How the call is split: the weight's rows at `vocab` offsets over a vocabulary group, the
+// problem's rows at `rows` offsets over a data group (one offset: not split that way).
+struct Split {
+  std::vector<std::int64_t> vocab = {0};
+  std::vector<std::int64_t> rows = {0};
+  GradRequest grads;
+  bool accumulate = false;
+  float fill = 0.0f;  // the gradient buffers' contents before the call
+};
+
+// [begin, end) of part i of `offsets` over [0, total).
+std::pair<std::int64_t, std::int64_t> part(const std::vector<std::int64_t>& offsets, std::size_t i,
+                                           std::int64_t total) {
+  return {offsets[i], i + 1 < offsets.size() ? offsets[i + 1] : total};
+}
+
+// Views of rows [o, o + rows) of a [*, width] (width 0: [*]) buffer of the problem's dtype.
+TensorView rows_of(const CeData& d, const std::vector<float>& f, const std::vector<BFloat16>& b,
+                   std::int64_t o, std::int64_t rows, std::int64_t width) {
+  if (d.spec.dtype == DType::kBF16)
+    return width ? TensorView::of(b.data() + o * width, {rows, width})
+                 : TensorView::of(b.data() + o, {rows});
+  return width ? TensorView::of(f.data() + o * width, {rows, width})
+               : TensorView::of(f.data() + o, {rows});
+}
+
+// The rank holding row part `ri` and vocabulary part `vi` calls with its rows and weight rows
+// (both parts whole and no groups: the unsplit call).
+RankRun call_rank(const CeData& d, const CrossEntropyOptions& o, const Split& s, std::size_t ri,
+                  std::size_t vi, dist::Communicator* vocab, dist::Communicator* data) {
+  const std::int64_t h = d.spec.h;
+  const auto [r0, r1] = data ? part(s.rows, ri, d.spec.n) : std::pair{std::int64_t{0}, d.spec.n};
+  const auto [v0, v1] = vocab ? part(s.vocab, vi, d.spec.v) : std::pair{std::int64_t{0}, d.spec.v};
+  const std::int64_t n = r1 - r0;
+  CrossEntropyInputs in = d.inputs(o);
+  in.hidden = rows_of(d, d.hidden, d.hidden_bf, r0, n, h);
+  in.targets = d.spec.targets_i64 ? TensorView::of(d.targets64.data() + r0, {n})
+                                  : TensorView::of(d.targets32.data() + r0, {n});
+  if (d.spec.token_weights) in.token_weights = TensorView::of(d.token_weights.data() + r0, {n});
+  if (in.grad_output.defined()) in.grad_output = TensorView::of(d.grad_output.data() + r0, {n});
+  in.weight = rows_of(d, d.weight, d.weight_bf, v0, v1 - v0, h);
+  if (d.spec.bias) in.bias = rows_of(d, d.bias, d.bias_bf, v0, v1 - v0, 0);
+  if (vocab) in.vocab_shard = {vocab, v0, d.spec.v};
+  in.data_group = data;
+  RankRun run{{},
+              GradStorage(s.grads.dtype, s.grads.hidden, s.grads.weight,
+                          s.grads.bias && d.spec.bias, n, h, v1 - v0, s.fill),
+              OutBuffers(n)};
+  CpuContext ctx(1);
+  run.result = run_with_fresh_workspace(LinearCrossEntropy(o), ctx, in,
+                                        run.grads.views_as<CrossEntropyGrads>(s.accumulate),
+                                        run.out.views());
+  return run;
+}
+
+// Every rank on its own thread, rank (ri, vi) at [ri * vocab parts + vi], in a vocabulary group
+// per row part and a data group per vocabulary part (when split that way).
+std::vector<RankRun> call_split(const CeData& d, const CrossEntropyOptions& o, const Split& s) {
+  const std::size_t nv = s.vocab.size(), nr = s.rows.size();
+  std::vector<std::unique_ptr<dist::InProcessGroup>> vocab_groups, data_groups;
+  for (std::size_t i = 0; nv > 1 && i < nr; ++i)
+    vocab_groups.push_back(std::make_unique<dist::InProcessGroup>(static_cast<int>(nv)));
+  for (std::size_t i = 0; nr > 1 && i < nv; ++i)
+    data_groups.push_back(std::make_unique<dist::InProcessGroup>(static_cast<int>(nr)));
+  return on_threads(nv * nr, [&](std::size_t k) {
+    const std::size_t ri = k / nv, vi = k % nv;
+    dist::Communicator* vg = nv > 1 ? &vocab_groups[ri]->comm(static_cast<int>(vi)) : nullptr;
+    dist::Communicator* dg = nr > 1 ? &data_groups[vi]->comm(static_cast<int>(ri)) : nullptr;
+    return call_rank(d, o, s, ri, vi, vg, dg);
+  });
+}
+
+// Elements [b * width, e * width) of `v`.
+template <typename T>
+std::vector<T> slice(const std::vector<T>& v, std::int64_t b, std::int64_t e, std::int64_t width) {
+  return {v.begin() + b * width, v.begin() + e * width};
+}
+
+// The split call against the unsplit one: every rank's scalars; each rank's per-row outputs and
+// dH against its rows; dW and db summed over the row parts and joined over the vocabulary
+// parts; and every rank's scalars, and its row part's outputs and dH, bitwise equal to the
+// first rank of that row part.
+void check_split(const CeSpec& spec, const CrossEntropyOptions& o, const Split& s) {
+  const CeData d(spec);
+  INFO(describe(spec, o, s.grads), " vocab parts=", s.vocab.size(), " row parts=", s.rows.size(),
+       " accumulate=", s.accumulate);
+  const RankRun whole = call_rank(d, o, s, 0, 0, nullptr, nullptr);
+  const std::vector<RankRun> split = call_split(d, o, s);
+  const double tol = s.grads.dtype == DType::kBF16 ? 4e-3 : 2e-5;
+  const std::size_t nv = s.vocab.size(), nr = s.rows.size();
+  const std::int64_t h = spec.h;
+  std::vector<double> dw, db;
+  for (std::size_t vi = 0; vi < nv; ++vi) {
+    std::vector<double> w, b;
+    for (std::size_t ri = 0; ri < nr; ++ri) {
+      const RankRun& r = split[ri * nv + vi];
+      const RankRun& first = split[ri * nv];
+      const RankRun& r0 = split.front();
+      check_results(r.result, whole.result, 1e-5);
+      CHECK(r.result.loss == r0.result.loss);
+      CHECK(r.result.accuracy == r0.result.accuracy);
+      const auto [r0b, r1b] =
+          nr > 1 ? part(s.rows, ri, spec.n) : std::pair{std::int64_t{0}, spec.n};
+      check_close("lse", r.out.lse, slice(whole.out.lse, r0b, r1b, 1), 1e-6);
+      check_close("row_loss", r.out.row_loss, slice(whole.out.row_loss, r0b, r1b, 1), 1e-5);
+      CHECK(r.out.predictions == slice(whole.out.predictions, r0b, r1b, 1));
+      if (s.grads.hidden)
+        check_close("grad_hidden", r.grads.hidden(), slice(whole.grads.hidden(), r0b, r1b, h), tol);
+      CHECK(r.out.lse == first.out.lse);
+      CHECK(r.grads.hidden() == first.grads.hidden());
+      const std::vector<double> rw = r.grads.weight(), rb = r.grads.bias();
+      w.resize(rw.size());
+      b.resize(rb.size());
+      // With accumulation each row part adds to its own prefilled buffer: the fill once.
+      for (std::size_t i = 0; i < rw.size(); ++i) w[i] += rw[i] - (ri > 0 ? s.fill : 0.0);
+      for (std::size_t i = 0; i < rb.size(); ++i) b[i] += rb[i] - (ri > 0 ? s.fill : 0.0);
+    }
+    dw.insert(dw.end(), w.begin(), w.end());
+    db.insert(db.end(), b.begin(), b.end());
+  }
+  if (s.grads.weight) check_close("grad_weight", dw, whole.grads.weight(), tol);
+  if (s.grads.bias && spec.bias) check_close("grad_bias", db, whole.grads.bias(), tol);
+}
+
+CeSpec spec_of(DType t, std::uint64_t seed) {
+  CeSpec s;
+  s.n = 150;
+  s.h = 64;
+  s.v = 507;
+  s.dtype = t;
+  s.logit_scale = 3.0f;
+  s.seed = seed;
+  return s;
+}
+
+// Variant 0: plain, with entropy; 1: bias, class and token weights (the mean's divisor is the
+// valid rows' class weights), label smoothing, z-loss; 2: also softcap, sum; 3: softcap, none.
+constexpr int kVariants = 4;
+std::pair<CeSpec, CrossEntropyOptions> variant_of(int variant, std::uint64_t seed) {
+  CeSpec spec = spec_of(DType::kF32, seed + static_cast<std::uint64_t>(variant));
+  CrossEntropyOptions o;
+  o.compute_entropy = true;
+  if (variant >= 1) {
+    spec.bias = spec.class_weights = spec.token_weights = true;
+    o.label_smoothing = 0.1f;
+    o.z_loss = 1e-3f;
+  }
+  if (variant >= 2) o.softcap = 4.0f;
+  if (variant == 2) o.reduction = Reduction::kSum;
+  if (variant == 3) o.reduction = Reduction::kNone;
+  return {spec, o};
+}
+
+}  // namespace
+
+TEST_CASE("vocab parallel: 2 and 3 uneven shards match the unsplit call, plain and every option") {
+  for (const std::vector<std::int64_t>& offsets :
+       {std::vector<std::int64_t>{0, 300}, std::vector<std::int64_t>{0, 170, 171}})
+    for (int variant = 0; variant < kVariants; ++variant) {
+      const auto [spec, o] = variant_of(variant, 11);
+      check_split(spec, o, {offsets});
+    }
+}
+
+TEST_CASE("vocab parallel: several chunks, sum reduction, accumulation") {
+  const CeSpec spec = spec_of(DType::kF32, 21);
+  CrossEntropyOptions o;
+  o.reduction = Reduction::kSum;
+  o.memory_budget_bytes = 96 << 10;  // a few 64-row chunks
+  Split s{{0, 250}};
+  s.accumulate = true;
+  s.fill = 0.25f;
+  check_split(spec, o, s);
+  const CeData d(spec);
+  CrossEntropyInputs in = d.inputs(o);
+  in.weight = TensorView::of(d.weight.data(), {250, spec.h});
+  in.vocab_shard = {nullptr, 0, 0};
+  dist::InProcessGroup g(2);
+  in.vocab_shard.group = &g.comm(0);
+  in.vocab_shard.size = spec.v;
+  CHECK(LinearCrossEntropy(o).plan(in).num_chunks > 1);
+}
+
+TEST_CASE("vocab parallel: bf16 inputs and gradients, and the fp32 dW accumulator") {
+  CeSpec spec = spec_of(DType::kBF16, 31);
+  spec.bias = true;
+  CrossEntropyOptions o;
+  Split s{{0, 256}};
+  s.grads.dtype = DType::kBF16;
+  check_split(spec, o, s);
+  o.fp32_weight_grad_accumulator = true;
+  check_split(spec, o, s);
+}
+
+TEST_CASE("vocab parallel: forward only") {
+  Split fwd{{0, 200}};
+  fwd.grads.hidden = fwd.grads.weight = fwd.grads.bias = false;
+  check_split(spec_of(DType::kF32, 41), {}, fwd);
+}
+
+TEST_CASE("data parallel: 2 and 3 uneven row parts match the unsplit mean over all rows") {
+  for (const std::vector<std::int64_t>& rows :
+       {std::vector<std::int64_t>{0, 40}, std::vector<std::int64_t>{0, 64, 65}})
+    for (int variant = 0; variant < kVariants; ++variant) {
+      const auto [spec, o] = variant_of(variant, 61);
+      Split s;
+      s.rows = rows;
+      check_split(spec, o, s);
+    }
+}
+
+TEST_CASE("data parallel: bf16, several chunks and accumulation") {
+  CeSpec spec = spec_of(DType::kBF16, 71);
+  spec.bias = true;
+  CrossEntropyOptions o;
+  o.memory_budget_bytes = 96 << 10;
+  Split s;
+  s.rows = {0, 90};
+  s.grads.dtype = DType::kBF16;
+  check_split(spec, o, s);
+  s.grads.dtype = DType::kF32;
+  s.accumulate = true;
+  s.fill = 0.25f;
+  check_split(spec_of(DType::kF32, 72), o, s);
+}
+
+TEST_CASE("vocab x data parallel: a 2 x 2 grid of ranks") {
+  CeSpec spec = spec_of(DType::kF32, 81);
+  spec.bias = spec.class_weights = true;
+  CrossEntropyOptions o;
+  o.label_smoothing = 0.05f;
+  o.compute_entropy = true;
+  o.memory_budget_bytes = 96 << 10;
+  Split s;
+  s.vocab = {0, 260};
+  s.rows = {0, 70};
+  check_split(spec, o, s);
+}
+
+TEST_CASE("bad input: vocab shards") {
+  const CeSpec spec = spec_of(DType::kF32, 51);
+  const CeData d(spec);
+  dist::InProcessGroup g(1);
+  const LinearCrossEntropy loss;
+  CrossEntropyInputs in = d.inputs({});
+  in.weight = TensorView::of(d.weight.data(), {300, spec.h});
+  auto fails = [&](const CrossEntropyInputs& bad, const CrossEntropyOptions& o,
+                   const char* needle) {
+    CHECK_THROWS_WITH_AS(LinearCrossEntropy(o).plan(bad), doctest::Contains(needle), Error);
+  };
+  CrossEntropyInputs alone = in;
+  alone.vocab_shard = {&g.comm(0), 0, spec.v};  // one rank must hold all 507 rows
+  fails(alone, {}, "on a group of one rank");
+  dist::InProcessGroup g2(2);
+  in.vocab_shard.group = &g2.comm(0);
+  CrossEntropyInputs past = in;
+  past.vocab_shard = {&g2.comm(0), 300, spec.v};  // rows [300, 600) of 507
+  fails(past, {}, "are not inside the vocabulary of size 507");
+  CrossEntropyInputs negative = in;
+  negative.vocab_shard = {&g2.comm(0), -1, spec.v};
+  fails(negative, {}, "vocab_shard rows [-1, 299)");
+  CrossEntropyInputs orphan = in;
+  orphan.vocab_shard = {nullptr, 10, spec.v};
+  fails(orphan, {}, "are set without a group");
+  CrossEntropyInputs ok = in;
+  ok.vocab_shard = {&g2.comm(0), 0, spec.v};
+  CrossEntropyOptions vb;
+  vb.loop_order = LoopOrder::kVocabBlock;
+  fails(ok, vb, "loop_order vocab_block is not available with vocab_shard");
+  std::vector<float> cw_shard(300, 1.0f);
+  CrossEntropyInputs cw = ok;
+  cw.class_weights = TensorView::of(cw_shard.data(), {300});
+  fails(cw, {}, "class_weights");
+  // Targets are checked against the whole vocabulary, before any collective: 506 is valid
+  // (one rank holding it all), 507 is not (rank 0 of two alone: no other rank is waited for).
+  CeData edited(spec);
+  edited.set_target(0, spec.v - 1);
+  CrossEntropyInputs last = edited.inputs({});
+  last.vocab_shard = {&g.comm(0), 0, spec.v};
+  CpuContext ctx(1);
+  AlignedBuffer ws(loss.workspace_bytes(last));
+  CHECK_NOTHROW(loss.forward(ctx, last, {}, ws.workspace()));
+  edited.set_target(0, spec.v);
+  CrossEntropyInputs out_of_range = edited.inputs({});
+  out_of_range.weight = in.weight;
+  out_of_range.vocab_shard = ok.vocab_shard;
+  CHECK_THROWS_WITH_AS(loss.forward(ctx, out_of_range, {}, ws.workspace()),
+                       doctest::Contains("is outside [0, V=507)"), Error);
+}
+
+TEST_CASE("in-process group: sums in rank order, gathers, and rejects mismatched sizes") {
+  dist::InProcessGroup g(3);
+  CHECK(g.size() == 3);
+  CHECK_THROWS_AS(g.comm(3), Error);
+  CHECK_THROWS_AS(dist::InProcessGroup(0), Error);
+  std::vector<std::vector<float>> data = {{1, 2}, {10, 20}, {100, 200}};
+  std::vector<std::vector<int>> gathered(3, std::vector<int>(3));
+  std::vector<std::string> errors(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r)
+    threads.emplace_back([&, r] {
+      CpuContext ctx(1);
+      auto& c = g.comm(r);
+      const auto i = static_cast<std::size_t>(r);
+      c.all_reduce_sum(ctx, data[i].data(), 2);
+      const int mine = 7 * r;
+      c.all_gather(ctx, &mine, gathered[i].data(), sizeof(int));
+      float one = 1.0f;
+      try {
+        c.all_reduce_sum(ctx, &one, r == 2 ? 0 : 1);
+      } catch (const Error& e) {
+        errors[i] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) {
+    const auto i = static_cast<std::size_t>(r);
+    CHECK(data[i] == std::vector<float>{111, 222});
+    CHECK(gathered[i] == std::vector<int>{0, 7, 14});
+    CHECK(errors[i].find("InProcessGroup::all_reduce_sum: rank ") != std::string::npos);
+  }
+}
+
+}  // namespace chunkloss::test
