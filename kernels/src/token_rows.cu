@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kStatsThreads)
     apply_row_rule(p, t, y, r);
     return;
   }
-  r.arg += static_cast<int>(p.vocab_offset);
+  if (r.arg != INT_MAX) r.arg += static_cast<int>(p.vocab_offset);  // INT_MAX: a row of NaNs
   p.partials[i] = r;
 }
 

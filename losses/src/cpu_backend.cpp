@@ -76,7 +76,7 @@ class CpuTokenBackend final : public TokenBackend {
     }
     if (call.grad_w.defined() && call.grad_w.dtype() == DType::kBF16 && !dw_acc_)
       dw_tile_ = take(kWeightTile * h_);
-    if (!vocab_order && call.grad_x.defined() && call.grad_x.dtype() == DType::kBF16)
+    if (!vocab_order && call.grad_x.defined() && call.grad_x.dtype() == DType::kBF16 && !vp_.dh)
       dh32_ = take(stage_rows * h_);
     if (call.class_weights.defined()) cw_ = call.class_weights.data_as<const float>();
     Eigen::setNbThreads(threads_);

@@ -49,12 +49,15 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   const VocabShard& shard = in.vocab_shard;
   const std::int64_t v_total = shard.group ? shard.size : v;
   if (shard.group) {
-    CHUNKLOSS_CHECK(shard.offset >= 0 && shard.offset + v <= shard.size, kWho,
-                    ": vocab_shard rows [", shard.offset, ", ", shard.offset + v, ") of weight ",
-                    in.weight.str(), " are not inside the vocabulary of size ", shard.size);
-    CHUNKLOSS_CHECK(shard.group->size() > 1 || shard.size == v, kWho, ": vocab_shard of size ",
-                    shard.size, " on a group of one rank, whose weight ", in.weight.str(),
-                    " must then be the whole vocabulary");
+    // Rank r of K holds rows [V r / K, V (r + 1) / K): every rank can check its own shard, the
+    // shards tile the vocabulary, and every rank plans the same chunks (from ceil(V / K)).
+    const std::int64_t k = shard.group->size(), r = shard.group->rank();
+    const std::int64_t first = shard.size * r / k, end = shard.size * (r + 1) / k;
+    CHUNKLOSS_CHECK(shard.size > 0 && shard.offset == first && v == end - first, kWho,
+                    ": vocab_shard: rank ", r, " of ", k, " must hold rows [", first, ", ", end,
+                    ") of the vocabulary of size ", shard.size,
+                    " (rank r: [V r / K, V (r + 1) / K)), got weight ", in.weight.str(),
+                    " at offset ", shard.offset);
     CHUNKLOSS_CHECK(o.loop_order != LoopOrder::kVocabBlock, kWho,
                     ": loop_order vocab_block is not available with vocab_shard");
   } else {
@@ -164,6 +167,7 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   q.budget_bytes = o.memory_budget_bytes;
   q.order = o.loop_order;
   q.vocab_ranks = k.vocab_group ? k.vocab_group->size() : 1;
+  if (k.vocab_group) q.vocab = (v_total + q.vocab_ranks - 1) / q.vocab_ranks;  // the largest shard
   return c;
 }
 

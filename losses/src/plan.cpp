@@ -106,7 +106,6 @@ std::size_t staging_per_row(const PlanRequest& q, bool vocab_order) {
   const std::size_t vp = vocab_order ? 0 : vocab_parallel_per_row(q);
   if (q.device != Device::kCpu) {
     if (!q.row_scales) return vp;
-    if (!q.row_scales) return 0;
     // Token-chunk rows stage in the logits tile's free halves when they fit (tile_staging.h).
     if (!vocab_order && detail::staging_fits_tile(q.vocab, q.hidden, q.logits_dtype, q.input_dtype))
       return vp;
@@ -115,7 +114,8 @@ std::size_t staging_per_row(const PlanRequest& q, bool vocab_order) {
     return b;
   }
   std::size_t b = vp + (q.input_dtype == DType::kBF16 ? row : 0);
-  if (!vocab_order && q.grad_hidden && q.grad_hidden_dtype == DType::kBF16) b += row;
+  // (a vocabulary-parallel chunk's dH rows are in its exchange buffers)
+  if (!vocab_order && q.grad_hidden && q.grad_hidden_dtype == DType::kBF16 && !vp) b += row;
   return b;
 }
 

@@ -215,14 +215,14 @@ std::vector<Result> call_parts(const Case& c, const Data& d, const std::vector<P
   return on_threads(parts.size(), [&](std::size_t r) { return call(c, d, parts[r]); });
 }
 
-// The vocabulary split at `offsets` over `comm`'s ranks on `devices`.
-std::vector<Part> vocab_parts(const Case& c, const std::vector<std::int64_t>& offsets,
-                              const std::function<dist::Communicator&(int)>& comm,
+// The vocabulary split over `devices.size()` ranks of `comm` (rank r: [V r / K, V (r + 1) / K)).
+std::vector<Part> vocab_parts(const Case& c, const std::function<dist::Communicator&(int)>& comm,
                               const std::vector<int>& devices) {
+  const auto k = static_cast<std::int64_t>(devices.size());
   std::vector<Part> parts;
-  for (std::size_t r = 0; r < offsets.size(); ++r)
-    parts.push_back({0, c.n, offsets[r], r + 1 < offsets.size() ? offsets[r + 1] : c.v,
-                     &comm(static_cast<int>(r)), nullptr, devices[r]});
+  for (std::int64_t r = 0; r < k; ++r)
+    parts.push_back({0, c.n, c.v * r / k, c.v * (r + 1) / k, &comm(static_cast<int>(r)), nullptr,
+                     devices[static_cast<std::size_t>(r)]});
   return parts;
 }
 
@@ -283,15 +283,13 @@ TEST_CASE(
     "vocab parallel on CUDA: two ranks on one device (in-process group) match the unsplit "
     "CPU and CUDA calls") {
   if (!have_gpu()) return;
-  const std::vector<std::int64_t> offsets{0, 517};
   for (const Case& c : cases()) {
     INFO("dtype=", dtype_name(c.dtype), " options=", c.options, " budget=", c.budget,
          " accumulate=", c.accumulate);
     const Data d = make_data(c, 7);
     dist::InProcessGroup g(2);
     const std::vector<Result> split = call_parts(
-        c, d,
-        vocab_parts(c, offsets, [&](int r) -> dist::Communicator& { return g.comm(r); }, {0, 0}));
+        c, d, vocab_parts(c, [&](int r) -> dist::Communicator& { return g.comm(r); }, {0, 0}));
     check_split(c, split, call(c, d, whole(c, 0)), grad_tolerance(c));
     check_split(c, split, call(c, d, whole(c, -1)), c.dtype == DType::kBF16 ? 4e-3 : 1e-4);
   }
@@ -305,13 +303,8 @@ TEST_CASE(
     MESSAGE("fewer than 2 CUDA devices (", devices, "): NCCL test skipped");
     return;
   }
-  std::vector<int> ids;
-  std::vector<std::int64_t> offsets;
-  const Case base;
-  for (int i = 0; i < devices; ++i) {
-    ids.push_back(i);
-    offsets.push_back(base.v * i / devices + (i > 0 ? 3 : 0));  // uneven shards
-  }
+  std::vector<int> ids;  // V = 1003 does not divide by 2, 4 or 8: uneven shards
+  for (int i = 0; i < devices; ++i) ids.push_back(i);
   auto comms = dist::NcclCommunicator::create_all(ids);
   for (int i = 0; i < devices; ++i) CHECK(comms[static_cast<std::size_t>(i)]->rank() == i);
   auto comm = [&](int r) -> dist::Communicator& { return *comms[static_cast<std::size_t>(r)]; };
@@ -319,7 +312,7 @@ TEST_CASE(
     INFO("ranks=", devices, " dtype=", dtype_name(c.dtype), " options=", c.options,
          " budget=", c.budget, " accumulate=", c.accumulate);
     const Data d = make_data(c, 8);
-    const std::vector<Part> parts = vocab_parts(c, offsets, comm, ids);
+    const std::vector<Part> parts = vocab_parts(c, comm, ids);
     const std::vector<Result> split = call_parts(c, d, parts);
     check_split(c, split, call(c, d, whole(c, 0)), grad_tolerance(c));
     const std::vector<Result> again = call_parts(c, d, parts);

@@ -183,9 +183,9 @@ std::pair<CeSpec, CrossEntropyOptions> variant_of(int variant, std::uint64_t see
 
 }  // namespace
 
-TEST_CASE("vocab parallel: 2 and 3 uneven shards match the unsplit call, plain and every option") {
+TEST_CASE("vocab parallel: 2 and 4 uneven shards match the unsplit call, plain and every option") {
   for (const std::vector<std::int64_t>& offsets :
-       {std::vector<std::int64_t>{0, 300}, std::vector<std::int64_t>{0, 170, 171}})
+       {std::vector<std::int64_t>{0, 253}, std::vector<std::int64_t>{0, 126, 253, 380}})
     for (int variant = 0; variant < kVariants; ++variant) {
       const auto [spec, o] = variant_of(variant, 11);
       check_split(spec, o, {offsets});
@@ -197,13 +197,13 @@ TEST_CASE("vocab parallel: several chunks, sum reduction, accumulation") {
   CrossEntropyOptions o;
   o.reduction = Reduction::kSum;
   o.memory_budget_bytes = 96 << 10;  // a few 64-row chunks
-  Split s{{0, 250}};
+  Split s{{0, 253}};
   s.accumulate = true;
   s.fill = 0.25f;
   check_split(spec, o, s);
   const CeData d(spec);
   CrossEntropyInputs in = d.inputs(o);
-  in.weight = TensorView::of(d.weight.data(), {250, spec.h});
+  in.weight = TensorView::of(d.weight.data(), {253, spec.h});
   in.vocab_shard = {nullptr, 0, 0};
   dist::InProcessGroup g(2);
   in.vocab_shard.group = &g.comm(0);
@@ -215,7 +215,7 @@ TEST_CASE("vocab parallel: bf16 inputs and gradients, and the fp32 dW accumulato
   CeSpec spec = spec_of(DType::kBF16, 31);
   spec.bias = true;
   CrossEntropyOptions o;
-  Split s{{0, 256}};
+  Split s{{0, 253}};
   s.grads.dtype = DType::kBF16;
   check_split(spec, o, s);
   o.fp32_weight_grad_accumulator = true;
@@ -223,7 +223,7 @@ TEST_CASE("vocab parallel: bf16 inputs and gradients, and the fp32 dW accumulato
 }
 
 TEST_CASE("vocab parallel: forward only") {
-  Split fwd{{0, 200}};
+  Split fwd{{0, 253}};
   fwd.grads.hidden = fwd.grads.weight = fwd.grads.bias = false;
   check_split(spec_of(DType::kF32, 41), {}, fwd);
 }
@@ -262,7 +262,7 @@ TEST_CASE("vocab x data parallel: a 2 x 2 grid of ranks") {
   o.compute_entropy = true;
   o.memory_budget_bytes = 96 << 10;
   Split s;
-  s.vocab = {0, 260};
+  s.vocab = {0, 253};
   s.rows = {0, 70};
   check_split(spec, o, s);
 }
@@ -270,36 +270,35 @@ TEST_CASE("vocab x data parallel: a 2 x 2 grid of ranks") {
 TEST_CASE("bad input: vocab shards") {
   const CeSpec spec = spec_of(DType::kF32, 51);
   const CeData d(spec);
-  dist::InProcessGroup g(1);
+  dist::InProcessGroup g(1), g2(2);
   const LinearCrossEntropy loss;
   CrossEntropyInputs in = d.inputs({});
-  in.weight = TensorView::of(d.weight.data(), {300, spec.h});
+  in.weight = TensorView::of(d.weight.data(), {253, spec.h});  // rank 0 of 2: rows [0, 253)
   auto fails = [&](const CrossEntropyInputs& bad, const CrossEntropyOptions& o,
                    const char* needle) {
     CHECK_THROWS_WITH_AS(LinearCrossEntropy(o).plan(bad), doctest::Contains(needle), Error);
   };
   CrossEntropyInputs alone = in;
   alone.vocab_shard = {&g.comm(0), 0, spec.v};  // one rank must hold all 507 rows
-  fails(alone, {}, "on a group of one rank");
-  dist::InProcessGroup g2(2);
-  in.vocab_shard.group = &g2.comm(0);
-  CrossEntropyInputs past = in;
-  past.vocab_shard = {&g2.comm(0), 300, spec.v};  // rows [300, 600) of 507
-  fails(past, {}, "are not inside the vocabulary of size 507");
-  CrossEntropyInputs negative = in;
-  negative.vocab_shard = {&g2.comm(0), -1, spec.v};
-  fails(negative, {}, "vocab_shard rows [-1, 299)");
+  fails(alone, {}, "rank 0 of 1 must hold rows [0, 507) of the vocabulary of size 507");
+  CrossEntropyInputs moved = in;
+  moved.vocab_shard = {&g2.comm(0), 254, spec.v};
+  fails(moved, {}, "rank 0 of 2 must hold rows [0, 253)");
+  CrossEntropyInputs other = in;  // rank 1's rows are [253, 507): 254 of them
+  other.vocab_shard = {&g2.comm(1), 253, spec.v};
+  fails(other, {}, "rank 1 of 2 must hold rows [253, 507)");
   CrossEntropyInputs orphan = in;
   orphan.vocab_shard = {nullptr, 10, spec.v};
   fails(orphan, {}, "are set without a group");
   CrossEntropyInputs ok = in;
   ok.vocab_shard = {&g2.comm(0), 0, spec.v};
+  CHECK_NOTHROW(loss.plan(ok));
   CrossEntropyOptions vb;
   vb.loop_order = LoopOrder::kVocabBlock;
   fails(ok, vb, "loop_order vocab_block is not available with vocab_shard");
-  std::vector<float> cw_shard(300, 1.0f);
+  std::vector<float> cw_shard(253, 1.0f);
   CrossEntropyInputs cw = ok;
-  cw.class_weights = TensorView::of(cw_shard.data(), {300});
+  cw.class_weights = TensorView::of(cw_shard.data(), {253});
   fails(cw, {}, "class_weights");
   // Targets are checked against the whole vocabulary, before any collective: 506 is valid
   // (one rank holding it all), 507 is not (rank 0 of two alone: no other rank is waited for).
@@ -316,6 +315,45 @@ TEST_CASE("bad input: vocab shards") {
   out_of_range.vocab_shard = ok.vocab_shard;
   CHECK_THROWS_WITH_AS(loss.forward(ctx, out_of_range, {}, ws.workspace()),
                        doctest::Contains("is outside [0, V=507)"), Error);
+}
+
+TEST_CASE("vocab parallel: every rank plans the same chunks, however the vocabulary divides") {
+  // 50257 over 4 ranks: shards of 12564 and 12565 rows. Planned from each shard's own rows, the
+  // CUDA plan at 1 GiB gave 16064-row chunks on three ranks and 16000 on the fourth. The plan
+  // reads no data, so views over a host byte stand in for the tensors. The CPU plans sweep
+  // budgets across the multiples of 64 rows.
+  const std::int64_t n = 16384, h = 4096, v = 50257;
+  const int k = 4;
+  dist::InProcessGroup g(k);
+  unsigned char byte = 0;
+  auto plans = [&](Device dev, DType dtype, std::size_t budget) {
+    CrossEntropyOptions o;
+    o.memory_budget_bytes = budget;
+    std::vector<Plan> out;
+    for (int r = 0; r < k; ++r) {
+      const std::int64_t first = v * r / k, rows = v * (r + 1) / k - first;
+      CrossEntropyInputs in;
+      in.hidden = TensorView(&byte, dtype, {n, h}, dev);
+      in.weight = TensorView(&byte, dtype, {rows, h}, dev);
+      in.targets = TensorView(&byte, DType::kI64, {n}, dev);
+      in.vocab_shard = {&g.comm(r), first, v};
+      CrossEntropyGrads gr;
+      gr.hidden = TensorView(&byte, dtype, {n, h}, dev);
+      gr.weight = TensorView(&byte, dtype, {rows, h}, dev);
+      out.push_back(LinearCrossEntropy(o).plan(in, gr));
+    }
+    return out;
+  };
+  std::vector<std::vector<Plan>> cases = {plans(Device::kCuda, DType::kBF16, std::size_t{1} << 30)};
+  for (std::size_t mib4 = 8; mib4 <= 64; ++mib4)  // 2 to 16 MiB in quarter MiB steps
+    cases.push_back(plans(Device::kCpu, DType::kF32, mib4 << 18));
+  for (const std::vector<Plan>& ps : cases)
+    for (const Plan& p : ps) {
+      INFO(p.str(), " against ", ps[0].str());
+      CHECK(p.chunk_rows == ps[0].chunk_rows);
+      CHECK(p.workspace_bytes() == ps[0].workspace_bytes());
+    }
+  CHECK(cases[0][0].workspace_bytes() <= std::size_t{1} << 30);
 }
 
 TEST_CASE("in-process group: sums in rank order, gathers, and rejects mismatched sizes") {

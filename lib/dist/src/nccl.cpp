@@ -29,11 +29,15 @@ void* init_rank(const NcclCommunicator::UniqueId& id, int rank, int size, int de
   const int n = gpu::device_count();
   CHUNKLOSS_CHECK(device >= 0 && device < n, "NcclCommunicator: device ", device,
                   " does not exist (", n, " CUDA devices visible)");
+  int previous = 0;
+  CHUNKLOSS_GPU_CHECK(cudaGetDevice(&previous));
   CHUNKLOSS_GPU_CHECK(cudaSetDevice(device));
   ncclUniqueId uid;
   std::memcpy(&uid, id.data(), sizeof uid);
   ncclComm_t comm = nullptr;
-  CHUNKLOSS_GPU_CHECK(ncclCommInitRank(&comm, size, uid, rank));
+  const ncclResult_t r = ncclCommInitRank(&comm, size, uid, rank);
+  (void)cudaSetDevice(previous);  // the caller's device stays current
+  CHUNKLOSS_GPU_CHECK(r);
   return comm;
 }
 
@@ -64,8 +68,14 @@ std::vector<std::unique_ptr<NcclCommunicator>> NcclCommunicator::create_all(
   CHUNKLOSS_GPU_CHECK(
       ncclCommInitAll(comms.data(), static_cast<int>(devices.size()), devices.data()));
   std::vector<std::unique_ptr<NcclCommunicator>> out;
-  for (ncclComm_t c : comms)
-    out.push_back(std::unique_ptr<NcclCommunicator>(new NcclCommunicator(c, true)));
+  std::size_t i = 0;
+  try {
+    for (; i < comms.size(); ++i)
+      out.push_back(std::unique_ptr<NcclCommunicator>(new NcclCommunicator(comms[i], true)));
+  } catch (...) {  // the communicators not yet owned by an object (the failed one destroys its own)
+    for (std::size_t j = i + 1; j < comms.size(); ++j) (void)ncclCommDestroy(comms[j]);
+    throw;
+  }
   return out;
 }
 
@@ -84,9 +94,14 @@ NcclCommunicator::NcclCommunicator(void* nccl_comm) : NcclCommunicator(nccl_comm
 
 NcclCommunicator::NcclCommunicator(void* nccl_comm, bool owned) : comm_(nccl_comm), owned_(owned) {
   CHUNKLOSS_CHECK(comm_ != nullptr, "NcclCommunicator: null ncclComm_t");
-  CHUNKLOSS_GPU_CHECK(ncclCommUserRank(as_comm(comm_), &rank_));
-  CHUNKLOSS_GPU_CHECK(ncclCommCount(as_comm(comm_), &size_));
-  CHUNKLOSS_GPU_CHECK(ncclCommCuDevice(as_comm(comm_), &device_));
+  try {
+    CHUNKLOSS_GPU_CHECK(ncclCommUserRank(as_comm(comm_), &rank_));
+    CHUNKLOSS_GPU_CHECK(ncclCommCount(as_comm(comm_), &size_));
+    CHUNKLOSS_GPU_CHECK(ncclCommCuDevice(as_comm(comm_), &device_));
+  } catch (...) {  // the destructor will not run: an owned communicator is destroyed here
+    if (owned_) (void)ncclCommDestroy(as_comm(comm_));
+    throw;
+  }
 }
 
 NcclCommunicator::~NcclCommunicator() {

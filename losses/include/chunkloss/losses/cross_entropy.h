@@ -48,12 +48,15 @@ struct CrossEntropyOptions {
 };
 
 /// Vocabulary parallelism (Megatron-style vocab-parallel cross-entropy): the lm_head is split by
-/// rows over the ranks of `group`, this rank holding weight rows [offset, offset + V_local) of a
-/// vocabulary of `size`. Every rank calls with the same hidden, targets (ids in [0, size)),
-/// class weights ([size], whole) and token weights, and its own weight (and bias) shard. Each
-/// chunk's row statistics are all-gathered and merged in rank order and its dH rows all-reduced
-/// in fp32, so every rank gets the same loss, lse, predictions and dH; dW and db are the shard's.
-/// Every rank must make the call (the group's collectives would wait otherwise).
+/// rows over the K ranks of `group`, rank r holding weight rows [offset, offset + V_local) =
+/// [size r / K, size (r + 1) / K) of a vocabulary of `size` (checked). Every rank calls with the
+/// same hidden, targets (ids in [0, size)), class weights ([size], whole), token weights and
+/// options, and its own weight (and bias) shard; every rank plans the same chunks. Each chunk's
+/// row statistics are all-gathered and merged in rank order and its dH rows all-reduced in
+/// fp32, so every rank gets the same loss, lse, predictions and dH; dW and db are the shard's.
+/// Every rank must make the call: a rank whose call is rejected throws before the collectives
+/// and the others wait for it, as with any collective library, so validate inputs beforehand.
+/// Out-of-range targets and check_finite's findings are counted per rank (outputs.scalars[6]).
 struct VocabShard {
   dist::Communicator* group = nullptr;  ///< null: the weight is the whole vocabulary
   std::int64_t offset = 0;              ///< first vocabulary row of this rank's weight
@@ -79,8 +82,9 @@ struct CrossEntropyInputs {
   /// rank's gradients are its rows' share of the gradient of the group's mean, and the results
   /// (loss, z-loss, accuracy, entropy, valid rows, weight sum, outputs.scalars) are the group's.
   /// Sum (do not average) dW and db over the group afterwards, as data parallelism does for the
-  /// other parameters. Every rank must make the call. With vocab_shard too, the data group holds
-  /// one rank of each vocabulary group position. null: this call's rows alone.
+  /// other parameters. Every rank must make the call (as for vocab_shard). With vocab_shard too,
+  /// the data group holds one rank of each vocabulary group position. outputs.scalars[6], the
+  /// invalid inputs found, stays this rank's. null: this call's rows alone.
   dist::Communicator* data_group = nullptr;
 };
 
