@@ -1,6 +1,8 @@
 // The CPU backend of the token engine: Eigen GEMMs (multi-threaded through OpenMP) on fp32
 // operands, vectorised Eigen array epilogues, one thread per row. bf16 operands are staged as
 // fp32 copies (a tile of W rows at a time) in the workspace; nothing is allocated per call.
+#include <omp.h>
+
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
@@ -79,8 +81,15 @@ class CpuTokenBackend final : public TokenBackend {
     if (!vocab_order && call.grad_x.defined() && call.grad_x.dtype() == DType::kBF16 && !vp_.dh)
       dh32_ = take(stage_rows * h_);
     if (call.class_weights.defined()) cw_ = call.class_weights.data_as<const float>();
-    Eigen::setNbThreads(threads_);
+    // Eigen's GEMMs take their threads from the calling thread's OpenMP setting (not from
+    // Eigen::setNbThreads, a process-wide value other threads' calls would race on); the
+    // caller's setting is restored when the call ends.
+    omp_set_num_threads(threads_);
   }
+
+  ~CpuTokenBackend() override { omp_set_num_threads(caller_threads_); }
+  CpuTokenBackend(const CpuTokenBackend&) = delete;
+  CpuTokenBackend& operator=(const CpuTokenBackend&) = delete;
 
   void begin() override {
     const std::int64_t n = c_.rows;
@@ -386,6 +395,7 @@ class CpuTokenBackend final : public TokenBackend {
   }
 
   const CpuContext& ctx_;
+  int caller_threads_ = omp_get_max_threads();
   const TokenCall& c_;
   const Plan& plan_;
   int threads_;
