@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -269,6 +270,11 @@ std::vector<Case> cases() {
   return out;
 }
 
+std::string describe(const Case& c) {
+  return "dtype=" + std::string(dtype_name(c.dtype)) + " options=" + std::to_string(c.options) +
+         " budget=" + std::to_string(c.budget) + " accumulate=" + std::to_string(c.accumulate);
+}
+
 bool have_gpu() {
   if (gpu::device_count() > 0) return true;
   MESSAGE("no CUDA device: GPU test skipped");
@@ -284,8 +290,7 @@ TEST_CASE(
     "CPU and CUDA calls") {
   if (!have_gpu()) return;
   for (const Case& c : cases()) {
-    INFO("dtype=", dtype_name(c.dtype), " options=", c.options, " budget=", c.budget,
-         " accumulate=", c.accumulate);
+    INFO(describe(c));
     const Data d = make_data(c, 7);
     dist::InProcessGroup g(2);
     const std::vector<Result> split = call_parts(
@@ -309,8 +314,7 @@ TEST_CASE(
   for (int i = 0; i < devices; ++i) CHECK(comms[static_cast<std::size_t>(i)]->rank() == i);
   auto comm = [&](int r) -> dist::Communicator& { return *comms[static_cast<std::size_t>(r)]; };
   for (const Case& c : cases()) {
-    INFO("ranks=", devices, " dtype=", dtype_name(c.dtype), " options=", c.options,
-         " budget=", c.budget, " accumulate=", c.accumulate);
+    INFO("ranks=", devices, " ", describe(c));
     const Data d = make_data(c, 8);
     const std::vector<Part> parts = vocab_parts(c, comm, ids);
     const std::vector<Result> split = call_parts(c, d, parts);
@@ -357,8 +361,7 @@ TEST_CASE(
   if (!have_gpu()) return;
   const std::vector<std::int64_t> rows{0, 131};
   for (const Case& c : cases()) {
-    INFO("dtype=", dtype_name(c.dtype), " options=", c.options, " budget=", c.budget,
-         " accumulate=", c.accumulate);
+    INFO(describe(c));
     const Data d = make_data(c, 9);
     dist::InProcessGroup g(2);
     const std::vector<Result> split = call_parts(
