@@ -115,6 +115,7 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   k.vocab_group = shard.group && shard.group->size() > 1 ? shard.group : nullptr;
   k.vocab_offset = shard.offset;
   k.data_group = in.data_group;
+  k.reduce_weight_grad = o.reduce_weight_grad_over_data_group && in.data_group;
   k.vocab_total = v_total;
   k.x = in.hidden;
   k.w = in.weight;
@@ -163,7 +164,8 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   q.grad_bias = gr.bias.defined();
   if (q.grad_hidden) q.grad_hidden_dtype = gr.hidden.dtype();
   if (q.grad_weight) q.grad_weight_dtype = gr.weight.dtype();
-  q.fp32_weight_grad_accumulator = o.fp32_weight_grad_accumulator;
+  q.fp32_weight_grad_accumulator =
+      o.fp32_weight_grad_accumulator || (o.reduce_weight_grad_over_data_group && in.data_group);
   q.budget_bytes = o.memory_budget_bytes;
   q.order = o.loop_order;
   q.vocab_ranks = k.vocab_group ? k.vocab_group->size() : 1;

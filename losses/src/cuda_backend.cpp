@@ -241,6 +241,10 @@ class CudaTokenBackend final : public TokenBackend {
   }
 
   TokenTotals finish() override {
+    if (c_.reduce_weight_grad) {  // the group's sums, before the one rounding
+      if (dw_acc_) c_.data_group->all_reduce_sum(ctx_, dw_acc_, c_.vocab * c_.hidden);
+      if (db_acc_) c_.data_group->all_reduce_sum(ctx_, db_acc_, c_.vocab);
+    }
     if (dw_acc_) flush(c_.grad_w, dw_acc_);
     if (dh_acc_ && c_.row_scales)
       CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(

@@ -28,6 +28,7 @@ struct TokenCall {
   /// Data parallelism: the mean's divisor and the scalar totals are summed over this group's
   /// ranks, each holding other rows (null: this call's rows alone).
   dist::Communicator* data_group = nullptr;
+  bool reduce_weight_grad = false;  ///< sum the fp32 dW and db accumulators over data_group
   TensorView x, w, bias, targets, class_weights, token_weights, upstream;
   TensorView grad_x, grad_w, grad_bias;
   bool accumulate = false;

@@ -38,6 +38,7 @@ struct Case {
   Reduction reduction = Reduction::kMean;
   std::size_t budget = 0;
   bool accumulate = false;
+  bool reduce_weight_grad = false;  // the option of that name (data groups)
 };
 
 // Host data as the library sees it (bf16-exact values when bf16).
@@ -74,6 +75,7 @@ CrossEntropyOptions options_of(const Case& c) {
   CrossEntropyOptions o;
   o.reduction = c.reduction;
   o.memory_budget_bytes = c.budget;
+  o.reduce_weight_grad_over_data_group = c.reduce_weight_grad;
   if (c.options) {
     o.label_smoothing = 0.1f;
     o.z_loss = 1e-3f;
@@ -272,7 +274,8 @@ std::vector<Case> cases() {
 
 std::string describe(const Case& c) {
   return "dtype=" + std::string(dtype_name(c.dtype)) + " options=" + std::to_string(c.options) +
-         " budget=" + std::to_string(c.budget) + " accumulate=" + std::to_string(c.accumulate);
+         " budget=" + std::to_string(c.budget) + " accumulate=" + std::to_string(c.accumulate) +
+         " reduce_weight_grad=" + std::to_string(c.reduce_weight_grad);
 }
 
 bool have_gpu() {
@@ -348,6 +351,11 @@ void check_data_split(const Case& c, const std::vector<std::int64_t>& rows,
     check_close("row_loss", p.row_loss, cut(whole.row_loss, 1), 2e-5);
     CHECK(p.pred == cut(whole.pred, 1));
     check_close("grad_hidden", p.dx, cut(whole.dx, c.h), grad_tol);
+    if (c.reduce_weight_grad) {  // every rank holds the group's sums, bitwise alike: once
+      CHECK(p.dw == split.front().dw);
+      CHECK(p.db == split.front().db);
+      if (r > 0) continue;
+    }
     for (std::size_t i = 0; i < dw.size(); ++i) dw[i] += p.dw[i] - (r > 0 ? fill : 0.0f);
     for (std::size_t i = 0; i < db.size(); ++i) db[i] += p.db[i] - (r > 0 ? fill : 0.0f);
   }
@@ -360,7 +368,12 @@ TEST_CASE(
     "mean over all rows") {
   if (!have_gpu()) return;
   const std::vector<std::int64_t> rows{0, 131};
-  for (const Case& c : cases()) {
+  std::vector<Case> all = cases();
+  for (const Case& c : cases()) {  // and dW, db summed over the group inside the call
+    all.push_back(c);
+    all.back().reduce_weight_grad = true;
+  }
+  for (const Case& c : all) {
     INFO(describe(c));
     const Data d = make_data(c, 9);
     dist::InProcessGroup g(2);

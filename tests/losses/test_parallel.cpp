@@ -118,6 +118,7 @@ void check_split(const CeSpec& spec, const CrossEntropyOptions& o, const Split& 
   const std::vector<RankRun> split = call_split(d, o, s);
   const double tol = s.grads.dtype == DType::kBF16 ? 4e-3 : 2e-5;
   const std::size_t nv = s.vocab.size(), nr = s.rows.size();
+  const bool reduced = o.reduce_weight_grad_over_data_group && nr > 1;
   const std::int64_t h = spec.h;
   std::vector<double> dw, db;
   for (std::size_t vi = 0; vi < nv; ++vi) {
@@ -141,6 +142,11 @@ void check_split(const CeSpec& spec, const CrossEntropyOptions& o, const Split& 
       const std::vector<double> rw = r.grads.weight(), rb = r.grads.bias();
       w.resize(rw.size());
       b.resize(rb.size());
+      if (reduced) {  // every row part holds the group's sums, bitwise alike: counted once
+        CHECK(rw == split[vi].grads.weight());
+        CHECK(rb == split[vi].grads.bias());
+        if (ri > 0) continue;
+      }
       // With accumulation each row part adds to its own prefilled buffer: the fill once.
       for (std::size_t i = 0; i < rw.size(); ++i) w[i] += rw[i] - (ri > 0 ? s.fill : 0.0);
       for (std::size_t i = 0; i < rb.size(); ++i) b[i] += rb[i] - (ri > 0 ? s.fill : 0.0);
@@ -254,6 +260,19 @@ TEST_CASE("data parallel: bf16, several chunks and accumulation") {
   check_split(spec_of(DType::kF32, 72), o, s);
 }
 
+TEST_CASE("data parallel: dW and db summed over the group inside the call") {
+  const auto [spec, o0] = variant_of(1, 75);
+  CrossEntropyOptions o = o0;
+  o.reduce_weight_grad_over_data_group = true;
+  Split s;
+  s.rows = {0, 64, 65};
+  check_split(spec, o, s);
+  s.grads.dtype = DType::kBF16;  // through the fp32 accumulator the option turns on
+  s.accumulate = true;
+  s.fill = 0.25f;
+  check_split(spec, o, s);
+}
+
 TEST_CASE("vocab x data parallel: a 2 x 2 grid of ranks") {
   CeSpec spec = spec_of(DType::kF32, 81);
   spec.bias = spec.class_weights = true;
@@ -264,6 +283,8 @@ TEST_CASE("vocab x data parallel: a 2 x 2 grid of ranks") {
   Split s;
   s.vocab = {0, 253};
   s.rows = {0, 70};
+  check_split(spec, o, s);
+  o.reduce_weight_grad_over_data_group = true;
   check_split(spec, o, s);
 }
 

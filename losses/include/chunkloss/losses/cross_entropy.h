@@ -39,6 +39,10 @@ struct CrossEntropyOptions {
   /// Accumulate dW across chunks in an fp32 buffer in the workspace (V*H*4 bytes, on top of
   /// the budget), rounding once into the caller's dW. Only matters for a bf16 dW.
   bool fp32_weight_grad_accumulator = false;
+  /// With inputs.data_group: sum dW and db over the group inside the call, so every rank ends
+  /// with the gradient of the group's mean (else each rank has its rows' share). The sums are
+  /// taken in fp32, through the fp32 dW accumulator this turns on, and rounded once.
+  bool reduce_weight_grad_over_data_group = false;
   /// Check hidden, weight and bias for NaN/Inf before computing (one extra read of each).
   bool check_finite = false;
   /// Copy the scalar results to the host at the end of the call (the call's one host
