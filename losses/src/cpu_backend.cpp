@@ -135,7 +135,7 @@ class CpuTokenBackend final : public TokenBackend {
     const float cap = c_.softcap, inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
     const bool want_sum = c_.rule.eps != 0.0f || c_.logit_sums;
     const float* cw = cw_ ? cw_ + c_.vocab_offset : nullptr;
-    kern::RowStats* part = vp_.own ? vp_.own : nullptr;
+    kern::RowStats* part = vp_.own;  // set: the vocabulary is split
 #pragma omp parallel for num_threads(threads_) schedule(static)
     for (std::int64_t t = r0; t < r1; ++t) {
       ArrMap z(tile_ + (t - r0) * v_, v_);
