@@ -2,6 +2,8 @@
 // weight) against the bare Eigen GEMMs it cannot avoid at full size (policy logits, reference
 // logits when a reference head is run, dX, dW) and against a naive computation that materialises
 // the [N, V] logits, all in this process on the same threads and the same input values.
+#include <omp.h>
+
 #include <chunkloss/core/context.h>
 #include <chunkloss/core/error.h>
 #include <chunkloss/core/workspace.h>
@@ -96,7 +98,7 @@ CaseResult run_preference_cpu(const CaseConfig& c, BenchDevice& dev) {
   const int threads = c.threads;
   const bool bf16 = c.dtype == DType::kBF16;
   CHUNKLOSS_CHECK(c.dtype == DType::kF32 || bf16, "bench: --dtype must be f32 or bf16");
-  Eigen::setNbThreads(threads);
+  omp_set_num_threads(threads);  // the library and the floor GEMMs alike
   const PreferenceBatch b = make_preference_batch(c, v);
   const std::int64_t n = b.rows, s = b.sequences, t = b.seq_len;
   const bool ref_head = c.reference == "head", ref_logps = c.reference == "logps";

@@ -3,6 +3,7 @@
 #include "chunkloss/losses/cross_entropy.h"
 
 #include <cmath>
+#include <exception>
 #include <limits>
 
 #include "chunkloss/core/error.h"
@@ -31,7 +32,22 @@ constexpr std::initializer_list<DType> kFloat = {DType::kF32, DType::kBF16};
 struct Checked {
   detail::TokenCall call;
   PlanRequest request;
+  std::exception_ptr rejected;  ///< this rank's rejected values (CPU, with groups)
 };
+
+// The CPU checks the values (targets, check_finite) of each rank's own data. With groups, the
+// ranks first agree whether any rank's were rejected, so that every rank throws instead of the
+// others waiting in the call's collectives for the one that threw.
+void agree_on_values(const Context& ctx, const Checked& c, const CrossEntropyInputs& in) {
+  if (ctx.device() != Device::kCpu || (!in.vocab_shard.group && !in.data_group)) return;
+  double rejected = c.rejected ? 1.0 : 0.0;
+  if (in.vocab_shard.group) in.vocab_shard.group->all_reduce_sum(ctx, &rejected, 1);
+  if (in.data_group) in.data_group->all_reduce_sum(ctx, &rejected, 1);
+  if (c.rejected) std::rethrow_exception(c.rejected);
+  CHUNKLOSS_CHECK(rejected == 0, kWho, ": ", rejected,
+                  " rank(s) of the call's groups rejected their targets or check_finite values; "
+                  "this rank's were valid, and nothing was written");
+}
 
 // `calling`: also check the outputs and the values (targets' range, finiteness); plan() checks
 // shapes and dtypes only and reads no data.
@@ -48,13 +64,16 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
                   ", weight ", in.weight.str());
   const VocabShard& shard = in.vocab_shard;
   const std::int64_t v_total = shard.group ? shard.size : v;
+  CHUNKLOSS_CHECK(v_total <= INT32_MAX, kWho, ": vocab V=", v_total, " exceeds 2^31-1");
   if (shard.group) {
     // Rank r of K holds rows [V r / K, V (r + 1) / K): every rank can check its own shard, the
     // shards tile the vocabulary, and every rank plans the same chunks (from ceil(V / K)).
     const std::int64_t k = shard.group->size(), r = shard.group->rank();
+    CHUNKLOSS_CHECK(shard.size >= k, kWho, ": vocab_shard: a vocabulary of size ", shard.size,
+                    " cannot be split over ", k, " ranks");
     const std::int64_t first = shard.size * r / k, end = shard.size * (r + 1) / k;
-    CHUNKLOSS_CHECK(shard.size > 0 && shard.offset == first && v == end - first, kWho,
-                    ": vocab_shard: rank ", r, " of ", k, " must hold rows [", first, ", ", end,
+    CHUNKLOSS_CHECK(shard.offset == first && v == end - first, kWho, ": vocab_shard: rank ", r,
+                    " of ", k, " must hold rows [", first, ", ", end,
                     ") of the vocabulary of size ", shard.size,
                     " (rank r: [V r / K, V (r + 1) / K)), got weight ", in.weight.str(),
                     " at offset ", shard.offset);
@@ -64,7 +83,6 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
     CHUNKLOSS_CHECK(shard.offset == 0 && shard.size == 0, kWho, ": vocab_shard offset ",
                     shard.offset, " and size ", shard.size, " are set without a group");
   }
-  CHUNKLOSS_CHECK(v_total <= INT32_MAX, kWho, ": vocab V=", v_total, " exceeds 2^31-1");
   check_view(kWho, "hidden", in.hidden, dev, {n, h}, kFloat);
   CHUNKLOSS_CHECK(in.weight.size(1) == h, kWho, ": weight ", in.weight.str(),
                   " does not match hidden ", in.hidden.str(), " (H differs)");
@@ -98,16 +116,20 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   check_optional(kWho, "outputs.scalars", out.scalars, dev, {7}, {DType::kF32});
   CHUNKLOSS_CHECK(!calling || o.copy_results_to_host || out.scalars.defined(), kWho,
                   ": copy_results_to_host = false needs outputs.scalars [7] f32");
+  Checked c;
   if (calling && dev == Device::kCpu) {
-    detail::check_targets(kWho, in.targets, v_total, o.ignore_index);
-    if (o.check_finite) {
-      detail::check_finite(kWho, "hidden", in.hidden);
-      detail::check_finite(kWho, "weight", in.weight);
-      detail::check_finite(kWho, "bias", in.bias);
+    try {
+      detail::check_targets(kWho, in.targets, v_total, o.ignore_index);
+      if (o.check_finite) {
+        detail::check_finite(kWho, "hidden", in.hidden);
+        detail::check_finite(kWho, "weight", in.weight);
+        detail::check_finite(kWho, "bias", in.bias);
+      }
+    } catch (const Error&) {  // with groups, thrown once the ranks agree (agree_on_values)
+      if (!shard.group && !in.data_group) throw;
+      c.rejected = std::current_exception();
     }
   }
-
-  Checked c;
   auto& k = c.call;
   k.rows = n;
   k.hidden = h;
@@ -202,6 +224,7 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
                                                         const CrossEntropyOutputs& out,
                                                         const Workspace& ws) const {
   const Checked c = check_call(options_, ctx.device(), in, grads, out, true);
+  agree_on_values(ctx, c, in);
   const Plan plan = plan_token_objective(c.request);
   CHUNKLOSS_CHECK(ws.device() == ctx.device(), kWho, ": workspace is on ", device_name(ws.device()),
                   ", the context on ", device_name(ctx.device()));

@@ -8,6 +8,7 @@
 #include <chunkloss/core/error.h>
 #include <chunkloss/dist/communicator.h>
 
+#include <cmath>
 #include <memory>
 #include <string>
 #include <thread>
@@ -321,8 +322,7 @@ TEST_CASE("bad input: vocab shards") {
   CrossEntropyInputs cw = ok;
   cw.class_weights = TensorView::of(cw_shard.data(), {253});
   fails(cw, {}, "class_weights");
-  // Targets are checked against the whole vocabulary, before any collective: 506 is valid
-  // (one rank holding it all), 507 is not (rank 0 of two alone: no other rank is waited for).
+  // Targets are checked against the whole vocabulary: 506 is valid (one rank holding it all).
   CeData edited(spec);
   edited.set_target(0, spec.v - 1);
   CrossEntropyInputs last = edited.inputs({});
@@ -330,12 +330,23 @@ TEST_CASE("bad input: vocab shards") {
   CpuContext ctx(1);
   AlignedBuffer ws(loss.workspace_bytes(last));
   CHECK_NOTHROW(loss.forward(ctx, last, {}, ws.workspace()));
+  // 507 on both ranks of a group of two: each throws it, after they agree.
   edited.set_target(0, spec.v);
-  CrossEntropyInputs out_of_range = edited.inputs({});
-  out_of_range.weight = in.weight;
-  out_of_range.vocab_shard = ok.vocab_shard;
-  CHECK_THROWS_WITH_AS(loss.forward(ctx, out_of_range, {}, ws.workspace()),
-                       doctest::Contains("is outside [0, V=507)"), Error);
+  const std::vector<std::string> errors = on_threads(2, [&](std::size_t r) -> std::string {
+    CrossEntropyInputs out_of_range = edited.inputs({});
+    const std::int64_t first = r == 0 ? 0 : 253, rows = r == 0 ? 253 : 254;
+    out_of_range.weight = TensorView::of(d.weight.data() + first * spec.h, {rows, spec.h});
+    out_of_range.vocab_shard = {&g2.comm(static_cast<int>(r)), first, spec.v};
+    CpuContext rctx(1);
+    AlignedBuffer rws(loss.workspace_bytes(out_of_range));
+    try {
+      loss.forward(rctx, out_of_range, {}, rws.workspace());
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  });
+  for (const std::string& e : errors) CHECK(e.find("is outside [0, V=507)") != std::string::npos);
 }
 
 TEST_CASE("vocab parallel: every rank plans the same chunks, however the vocabulary divides") {
@@ -375,6 +386,43 @@ TEST_CASE("vocab parallel: every rank plans the same chunks, however the vocabul
       CHECK(p.workspace_bytes() == ps[0].workspace_bytes());
     }
   CHECK(cases[0][0].workspace_bytes() <= std::size_t{1} << 30);
+}
+
+TEST_CASE("bad values on one rank: every rank of the groups throws") {
+  // Rank 1 of a data group holds an out-of-range target; rank 1 of a vocabulary group a NaN in
+  // its weight shard (check_finite). Neither may leave the other ranks waiting.
+  for (const bool vocab : {false, true}) {
+    CeSpec spec = spec_of(DType::kF32, 91);
+    spec.ignore_fraction = 0.0;
+    CeData d(spec);
+    CrossEntropyOptions o;
+    o.check_finite = vocab;
+    Split s;
+    if (vocab) {
+      s.vocab = {0, 253};
+      d.weight[static_cast<std::size_t>(300 * spec.h + 5)] = NAN;  // in rank 1's rows
+    } else {
+      s.rows = {0, 75};
+      d.set_target(100, spec.v);  // in rank 1's rows
+    }
+    s.fill = 0.5f;
+    CAPTURE(vocab);
+    const std::size_t nv = s.vocab.size(), nr = s.rows.size();
+    dist::InProcessGroup group(2);
+    const std::vector<std::string> errors = on_threads(2, [&](std::size_t i) -> std::string {
+      dist::Communicator* c = &group.comm(static_cast<int>(i));
+      try {
+        const RankRun r = call_rank(d, o, s, nr > 1 ? i : 0, nv > 1 ? i : 0, vocab ? c : nullptr,
+                                    vocab ? nullptr : c);
+        FAIL("rank ", i, " did not throw");
+      } catch (const Error& e) {
+        return e.what();
+      }
+      return {};
+    });
+    CHECK(errors[0].find("1 rank(s) of the call's groups rejected") != std::string::npos);
+    CHECK(errors[1].find(vocab ? "non-finite" : "is outside [0, V=507)") != std::string::npos);
+  }
 }
 
 TEST_CASE("in-process group: sums in rank order, gathers, and rejects mismatched sizes") {

@@ -70,10 +70,13 @@ std::vector<std::unique_ptr<NcclCommunicator>> NcclCommunicator::create_all(
   std::vector<std::unique_ptr<NcclCommunicator>> out;
   std::size_t i = 0;
   try {
-    for (; i < comms.size(); ++i)
-      out.push_back(std::unique_ptr<NcclCommunicator>(new NcclCommunicator(comms[i], true)));
-  } catch (...) {  // the communicators not yet owned by an object (the failed one destroys its own)
-    for (std::size_t j = i + 1; j < comms.size(); ++j) (void)ncclCommDestroy(comms[j]);
+    out.reserve(comms.size());
+    for (; i < comms.size(); ++i) {  // owning only once it is in `out`
+      out.emplace_back(new NcclCommunicator(comms[i], false));
+      out.back()->owned_ = true;
+    }
+  } catch (...) {  // the communicators no object owns yet
+    for (std::size_t j = i; j < comms.size(); ++j) (void)ncclCommDestroy(comms[j]);
     throw;
   }
   return out;

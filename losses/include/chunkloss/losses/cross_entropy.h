@@ -58,9 +58,10 @@ struct CrossEntropyOptions {
 /// options, and its own weight (and bias) shard; every rank plans the same chunks. Each chunk's
 /// row statistics are all-gathered and merged in rank order and its dH rows all-reduced in
 /// fp32, so every rank gets the same loss, lse, predictions and dH; dW and db are the shard's.
-/// Every rank must make the call: a rank whose call is rejected throws before the collectives
-/// and the others wait for it, as with any collective library, so validate inputs beforehand.
-/// Out-of-range targets and check_finite's findings are counted per rank (outputs.scalars[6]).
+/// Every rank must make the call. On the CPU the ranks agree whether any rank's targets or
+/// check_finite values were rejected, and then all throw; other rejections (shapes, workspace)
+/// are thrown by the rank alone while the others wait for it. On CUDA, out-of-range targets and
+/// check_finite's findings are counted and thrown per rank (outputs.scalars[6]).
 struct VocabShard {
   dist::Communicator* group = nullptr;  ///< null: the weight is the whole vocabulary
   std::int64_t offset = 0;              ///< first vocabulary row of this rank's weight
@@ -87,8 +88,9 @@ struct CrossEntropyInputs {
   /// (loss, z-loss, accuracy, entropy, valid rows, weight sum, outputs.scalars) are the group's.
   /// Sum (do not average) dW and db over the group afterwards, as data parallelism does for the
   /// other parameters. Every rank must make the call (as for vocab_shard). With vocab_shard too,
-  /// the data group holds one rank of each vocabulary group position. outputs.scalars[6], the
-  /// invalid inputs found, stays this rank's. null: this call's rows alone.
+  /// the data group holds the ranks at one vocabulary position, one from each vocabulary group.
+  /// outputs.scalars[6], the invalid inputs found, stays this rank's. null: this call's rows
+  /// alone.
   dist::Communicator* data_group = nullptr;
 };
 

@@ -21,6 +21,8 @@ class Context {
 };
 
 /// Runs on the host. `threads` bounds the threads used by GEMMs and epilogues (0: all cores).
+/// The GEMMs are Eigen's, which take it from the calling thread's OpenMP setting during a call;
+/// a process that calls Eigen::setNbThreads overrides that for every call.
 class CpuContext final : public Context {
  public:
   explicit CpuContext(int threads = 0);
