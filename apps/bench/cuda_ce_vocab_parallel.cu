@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <barrier>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <memory>
 #include <thread>
@@ -105,7 +107,6 @@ CaseResult run_ce_cuda_vocab_parallel(const CaseConfig& c, BenchDevice&) {
 
   std::vector<Rank> ranks(static_cast<std::size_t>(k));
   std::barrier sync(k);
-  std::vector<std::exception_ptr> errors(ranks.size());
   auto work = [&](int r) {
     Rank& rk = ranks[static_cast<std::size_t>(r)];
     rk.ctx = std::make_unique<gpu::Context>(r);
@@ -172,10 +173,10 @@ CaseResult run_ce_cuda_vocab_parallel(const CaseConfig& c, BenchDevice&) {
       threads.emplace_back([&, r] {
         try {
           work(r);
-        } catch (...) {
-          errors[static_cast<std::size_t>(r)] = std::current_exception();
-          // The others wait at the barrier for this rank: a failure here ends the process.
-          std::terminate();
+        } catch (const std::exception& e) {
+          // The others would wait at the barrier for this rank: one line, and the process ends.
+          std::fprintf(stderr, "chunkloss-bench: error: device %d: %s\n", r, e.what());
+          std::_Exit(1);
         }
       });
     for (auto& t : threads) t.join();
