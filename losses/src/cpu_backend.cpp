@@ -261,9 +261,9 @@ class CpuTokenBackend final : public TokenBackend {
   }
 
   TokenTotals finish() override {
-    if (c_.reduce_weight_grad) {  // the group's sums, before the one rounding
-      if (dw_acc_) c_.data_group->all_reduce_sum(ctx_, dw_acc_, v_ * h_);
-      if (db_acc_) c_.data_group->all_reduce_sum(ctx_, db_acc_, v_);
+    if (c_.weight_grad_group) {  // the group's sums, before the one rounding
+      if (dw_acc_) c_.weight_grad_group->all_reduce_sum(ctx_, dw_acc_, v_ * h_);
+      if (db_acc_) c_.weight_grad_group->all_reduce_sum(ctx_, db_acc_, v_);
     }
     if (dw_acc_) store_f32(c_.grad_w, 0, v_ * h_, dw_acc_, c_.accumulate);
     if (dh_acc_) store_f32(c_.grad_x, 0, c_.rows * h_, dh_acc_, c_.accumulate);

@@ -137,7 +137,7 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   k.vocab_group = shard.group && shard.group->size() > 1 ? shard.group : nullptr;
   k.vocab_offset = shard.offset;
   k.data_group = in.data_group;
-  k.reduce_weight_grad = o.reduce_weight_grad_over_data_group && in.data_group;
+  if (o.reduce_weight_grad_over_data_group) k.weight_grad_group = in.data_group;
   k.vocab_total = v_total;
   k.x = in.hidden;
   k.w = in.weight;

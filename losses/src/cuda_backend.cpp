@@ -241,9 +241,9 @@ class CudaTokenBackend final : public TokenBackend {
   }
 
   TokenTotals finish() override {
-    if (c_.reduce_weight_grad) {  // the group's sums, before the one rounding
-      if (dw_acc_) c_.data_group->all_reduce_sum(ctx_, dw_acc_, c_.vocab * c_.hidden);
-      if (db_acc_) c_.data_group->all_reduce_sum(ctx_, db_acc_, c_.vocab);
+    if (c_.weight_grad_group) {  // the group's sums, before the one rounding
+      if (dw_acc_) c_.weight_grad_group->all_reduce_sum(ctx_, dw_acc_, c_.vocab * c_.hidden);
+      if (db_acc_) c_.weight_grad_group->all_reduce_sum(ctx_, db_acc_, c_.vocab);
     }
     if (dw_acc_) flush(c_.grad_w, dw_acc_);
     if (dh_acc_ && c_.row_scales)
@@ -565,6 +565,32 @@ void cuda_read_to_host(Context& ctx, const TensorView& t, void* dst) {
   const auto s = static_cast<cudaStream_t>(g.stream());
   CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(dst, t.data(), t.nbytes(), cudaMemcpyDeviceToHost, s));
   CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(s));
+}
+
+void cuda_all_reduce_host(Context& ctx, dist::Communicator& group, double* values, std::int64_t n,
+                          double* device) {
+  const auto& g = static_cast<const gpu::Context&>(ctx);
+  g.activate();
+  const auto s = static_cast<cudaStream_t>(g.stream());
+  const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(double);
+  CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(device, values, bytes, cudaMemcpyHostToDevice, s));
+  group.all_reduce_sum(ctx, device, n);
+  CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(values, device, bytes, cudaMemcpyDeviceToHost, s));
+  CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(s));
+}
+
+std::uint64_t cuda_count_nonfinite(Context& ctx, const TensorView& t, double* scalars) {
+  const auto& g = static_cast<const gpu::Context&>(ctx);
+  g.activate();
+  const auto s = static_cast<cudaStream_t>(g.stream());
+  CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(scalars + kern::kNonFinite, 0, sizeof(double), s));
+  CHUNKLOSS_LAUNCH_CHECK(
+      kern::launch_count_nonfinite(t.data(), elem(t.dtype()), t.numel(), scalars, s));
+  std::uint64_t count = 0;
+  CHUNKLOSS_GPU_CHECK(
+      cudaMemcpyAsync(&count, scalars + kern::kNonFinite, sizeof count, cudaMemcpyDeviceToHost, s));
+  CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(s));
+  return count;
 }
 
 std::unique_ptr<TokenBackend> make_cuda_token_backend(Context& ctx, const TokenCall& call,

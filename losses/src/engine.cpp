@@ -32,6 +32,20 @@ void read_to_host(Context& ctx, const TensorView& t, void* dst) {
 #endif
 }
 
+void all_reduce_host(Context& ctx, dist::Communicator& group, double* values, std::int64_t n,
+                     double* device) {
+  if (ctx.device() == Device::kCpu) {
+    group.all_reduce_sum(ctx, values, n);
+    return;
+  }
+#if CHUNKLOSS_HAVE_CUDA
+  cuda_all_reduce_host(ctx, group, values, n, device);
+#else
+  (void)device;
+  CHUNKLOSS_FAIL("all_reduce_host: this build of chunkloss has no CUDA support");
+#endif
+}
+
 void vocab_block_pass(TokenBackend& b, std::int64_t n, std::int64_t v, std::int64_t block) {
   b.select_tile(0);
   for (std::int64_t v0 = 0; v0 < v; v0 += block) {

@@ -28,7 +28,9 @@ struct TokenCall {
   /// Data parallelism: the mean's divisor and the scalar totals are summed over this group's
   /// ranks, each holding other rows (null: this call's rows alone).
   dist::Communicator* data_group = nullptr;
-  bool reduce_weight_grad = false;  ///< sum the fp32 dW and db accumulators over data_group
+  /// Sums the fp32 dW and db accumulators over this group's ranks before they are stored
+  /// (null: this rank's own).
+  dist::Communicator* weight_grad_group = nullptr;
   TensorView x, w, bias, targets, class_weights, token_weights, upstream;
   TensorView grad_x, grad_w, grad_bias;
   bool accumulate = false;
@@ -132,8 +134,17 @@ std::unique_ptr<TokenBackend> make_cuda_token_backend(Context& ctx, const TokenC
 /// Copies a view's elements to host memory `dst` (nbytes()); device views are read on the
 /// context's stream, which is synchronised.
 void read_to_host(Context& ctx, const TensorView& t, void* dst);
+/// Sums host values[0, n) over the group's ranks: directly on the CPU; on CUDA through
+/// `device`, n doubles of the context's device memory (the stream is synchronised).
+void all_reduce_host(Context& ctx, dist::Communicator& group, double* values, std::int64_t n,
+                     double* device);
 #if CHUNKLOSS_HAVE_CUDA
 void cuda_read_to_host(Context& ctx, const TensorView& t, void* dst);
+void cuda_all_reduce_host(Context& ctx, dist::Communicator& group, double* values, std::int64_t n,
+                          double* device);
+/// The number of non-finite elements of a float device view, counted in `scalars` (a CUDA
+/// plan's scalars slice); synchronises the stream.
+std::uint64_t cuda_count_nonfinite(Context& ctx, const TensorView& t, double* scalars);
 #endif
 
 /// Pass 2 in vocab-block order over all n rows, whose lse and coefficients are set: each block

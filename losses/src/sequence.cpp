@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <string>
 
 #include "chunkloss/core/error.h"
@@ -66,8 +67,9 @@ TensorView as_rows(const TensorView& x, std::int64_t n, std::int64_t h) {
 }
 
 // A forward-only (or policy) token call of a head under the plain rule: row loss = -log p(y).
+// check_finite is done before the call on either device (check_finite_head), not by the backend.
 detail::TokenCall head_call(const Head& head, const HeadShape& hs, const TensorView& targets_rows,
-                            std::int64_t ignore_index, bool check_finite, Device dev) {
+                            std::int64_t ignore_index) {
   detail::TokenCall k;
   k.rows = hs.n;
   k.hidden = hs.h;
@@ -79,7 +81,6 @@ detail::TokenCall head_call(const Head& head, const HeadShape& hs, const TensorV
   k.ignore_index = ignore_index;
   k.rule.cw_sum = static_cast<float>(hs.v);
   k.scale = detail::RowScale::kSum;
-  k.check_finite = check_finite && dev == Device::kCuda;
   return k;
 }
 
@@ -154,14 +155,21 @@ std::vector<double> read_vector(const char* who, const char* name, Context& ctx,
   return out;
 }
 
-void check_finite_head(const char* who, const std::string& name, const Head& head) {
-  detail::check_finite(who, (name + ".hidden").c_str(), head.hidden);
-  detail::check_finite(who, (name + ".weight").c_str(), head.weight);
-  detail::check_finite(who, (name + ".bias").c_str(), head.bias);
+// A CUDA plan's scalars slice, where check_finite counts device views (null on the CPU).
+double* device_scalars(const Plan& plan, const Workspace& ws) {
+  return plan.scalars.bytes ? ws.at<double>(plan.scalars) : nullptr;
 }
 
-// Everything a call needs, checked. `calling`: also read and check the values (targets,
-// labels, finiteness, reference log-probs); plan() checks shapes only.
+// `scalars`: device_scalars(), where device views are counted.
+void check_finite_head(Context& ctx, double* scalars, const char* who, const std::string& name,
+                       const Head& head) {
+  detail::check_finite(ctx, scalars, who, (name + ".hidden").c_str(), head.hidden);
+  detail::check_finite(ctx, scalars, who, (name + ".weight").c_str(), head.weight);
+  detail::check_finite(ctx, scalars, who, (name + ".bias").c_str(), head.bias);
+}
+
+// Everything a call needs, checked: check_call checks the shapes (all plan() does), check_values
+// reads and checks the values.
 struct Checked {
   detail::SequenceCall call;
   PlanRequest request;
@@ -175,9 +183,10 @@ struct Checked {
   std::vector<std::uint8_t> kl_valid;
   std::int64_t kl_seq_len = 0, kl_sequences = 0;
   Plan kl_plan;
+  dist::Communicator* data_group = nullptr;
 };
 
-Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Context* ctx, Device dev,
+Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Device dev,
                    const PreferenceInputs& in, const PreferenceGrads& gr) {
   const std::string who_s(obj.name());
   const char* who = who_s.c_str();
@@ -229,17 +238,18 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Conte
 
   const TensorView targets_rows(in.targets.data(), in.targets.dtype(), {n}, in.targets.device(),
                                 in.targets.device_index());
+  c.data_group = in.data_group;
   auto& k = c.call;
-  k.policy = head_call(in.policy, hs, targets_rows, o.ignore_index, o.check_finite, dev);
+  k.policy = head_call(in.policy, hs, targets_rows, o.ignore_index);
   k.policy.grad_x = gr.hidden;
   k.policy.grad_w = gr.weight;
   k.policy.grad_bias = gr.bias;
   k.policy.accumulate = gr.accumulate;
   k.policy.logit_sums = true;
+  if (o.reduce_weight_grad_over_data_group) k.policy.weight_grad_group = in.data_group;
   // A bf16 gradient tile on CUDA keeps per-sequence coefficients out of its rounding.
   k.policy.row_scales = dev == Device::kCuda && hs.dtype == DType::kBF16;
-  if (ref_head)
-    k.reference = head_call(in.reference, hs, targets_rows, o.ignore_index, o.check_finite, dev);
+  if (ref_head) k.reference = head_call(in.reference, hs, targets_rows, o.ignore_index);
   k.sequences = s;
   k.seq_len = t;
   k.unit_sequences = pairs ? 2 : 1;
@@ -249,6 +259,7 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Conte
   c.request.grad_weight = gr.weight.defined();
   c.request.grad_bias = gr.bias.defined();
   c.request.row_scales = k.policy.row_scales;
+  c.request.fp32_weight_grad_accumulator |= k.policy.weight_grad_group != nullptr;
   if (c.request.grad_hidden) c.request.grad_hidden_dtype = gr.hidden.dtype();
   if (c.request.grad_weight) c.request.grad_weight_dtype = gr.weight.dtype();
   c.layout.sequences = s;
@@ -273,20 +284,29 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Conte
                     ": kl_batch needs exactly one of a reference head and reference_logps");
     const TensorView krows(kb.targets.data(), kb.targets.dtype(), {ks.n}, kb.targets.device(),
                            kb.targets.device_index());
-    c.kl_policy = head_call(kb.policy, ks, krows, o.ignore_index, o.check_finite, dev);
+    c.kl_policy = head_call(kb.policy, ks, krows, o.ignore_index);
     if (kref_head) {
       const HeadShape kr =
           check_head(who, "kl_batch.reference", kb.reference, dev, c.kl_sequences, c.kl_seq_len);
       CHUNKLOSS_CHECK(kr.h == h && kr.v == v && kr.dtype == hs.dtype, who,
                       ": kl_batch.reference must match the policy head's H, V and dtype");
-      c.kl_reference = head_call(kb.reference, ks, krows, o.ignore_index, o.check_finite, dev);
+      c.kl_reference = head_call(kb.reference, ks, krows, o.ignore_index);
     }
     c.kl_plan = plan_token_objective(head_request(ks, dev, o));
   }
+  return c;
+}
 
-  if (!ctx) return c;
-  // Values: targets, labels, reference log-probs, finiteness (CPU; CUDA checks on the device).
-  HostTargets ht = read_targets(who, "targets", *ctx, in.targets, v, o.ignore_index);
+// The values of a call checked by check_call: targets, labels, reference log-probs, and with
+// check_finite every head (`scalars`: the plan's, for device views).
+void check_values(const SequenceObjective& obj, const SequenceOptions& o, Context& ctx,
+                  double* scalars, const PreferenceInputs& in, Checked& c) {
+  const std::string who_s(obj.name());
+  const char* who = who_s.c_str();
+  const std::int64_t s = in.targets.size(0);
+  const bool pairs = obj.unit() == Unit::kPair;
+  auto& k = c.call;
+  HostTargets ht = read_targets(who, "targets", ctx, in.targets, k.policy.vocab, o.ignore_index);
   for (std::int64_t i = 0; i < s; ++i)
     CHUNKLOSS_CHECK(ht.tokens[static_cast<std::size_t>(i)] > 0, who, ": sequence ", i,
                     " of targets ", in.targets.str(), " has no valid token (all ignore_index ",
@@ -294,42 +314,41 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Conte
   k.valid = std::move(ht.valid);
   c.tokens = std::move(ht.tokens);
   if (c.layout.deferrable) {
-    k.objective = obj.name();
     for (std::int64_t i = 0; i < s; ++i) {
       const double n_i = static_cast<double>(c.tokens[static_cast<std::size_t>(i)]);
       k.kappa.push_back((i < s / 2 ? 1.0 : -1.0) / (obj.averages_log_probs() ? n_i : 1.0));
     }
   }
   if (!pairs) {
-    c.labels = read_vector(who, "labels", *ctx, in.labels, s, DType::kI32);
+    c.labels = read_vector(who, "labels", ctx, in.labels, s, DType::kI32);
     for (std::int64_t i = 0; i < s; ++i) {
       const double l = c.labels[static_cast<std::size_t>(i)];
       CHUNKLOSS_CHECK(l == 0 || l == 1, who, ": labels[", i, "] = ", l, " must be 0 or 1");
     }
   }
-  if (ref_given) {
-    k.ref_logps = read_vector(who, "reference_logps", *ctx, in.reference_logps, s, DType::kF32);
+  if (in.reference_logps.defined()) {
+    k.ref_logps = read_vector(who, "reference_logps", ctx, in.reference_logps, s, DType::kF32);
     for (std::int64_t i = 0; i < s; ++i)
       CHUNKLOSS_CHECK(std::isfinite(k.ref_logps[static_cast<std::size_t>(i)]), who,
                       ": reference_logps[", i, "] is not finite");
   }
-  if (kl_batch) {
+  if (c.kl_policy) {
     const auto& kb = in.kl_batch;
-    HostTargets kt = read_targets(who, "kl_batch.targets", *ctx, kb.targets, v, o.ignore_index);
+    HostTargets kt =
+        read_targets(who, "kl_batch.targets", ctx, kb.targets, k.policy.vocab, o.ignore_index);
     c.kl_valid = std::move(kt.valid);
     if (kb.reference_logps.defined())
-      c.kl_ref_logps = read_vector(who, "kl_batch.reference_logps", *ctx, kb.reference_logps,
+      c.kl_ref_logps = read_vector(who, "kl_batch.reference_logps", ctx, kb.reference_logps,
                                    c.kl_sequences, DType::kF32);
   }
-  if (o.check_finite && dev == Device::kCpu) {
-    check_finite_head(who, "policy", in.policy);
-    if (ref_head) check_finite_head(who, "reference", in.reference);
-    if (kl_batch) {
-      check_finite_head(who, "kl_batch.policy", in.kl_batch.policy);
-      check_finite_head(who, "kl_batch.reference", in.kl_batch.reference);
+  if (o.check_finite) {
+    check_finite_head(ctx, scalars, who, "policy", in.policy);
+    if (k.reference) check_finite_head(ctx, scalars, who, "reference", in.reference);
+    if (c.kl_policy) {
+      check_finite_head(ctx, scalars, who, "kl_batch.policy", in.kl_batch.policy);
+      check_finite_head(ctx, scalars, who, "kl_batch.reference", in.kl_batch.reference);
     }
   }
-  return c;
 }
 
 // Per-sequence statistics for unit u: (chosen, rejected) for pairs, (u) alone otherwise.
@@ -347,77 +366,129 @@ std::size_t unit_stats(const Checked& c, const detail::SequenceSums& sums, std::
   return static_cast<std::size_t>(per);
 }
 
-// The metrics of ../shared/LOSSES.md from the per-unit results and per-sequence sums.
-void add_metrics(PreferenceResult& r, const SequenceObjective& obj, const Checked& c,
-                 const detail::SequenceSums& sums, const std::vector<UnitResult>& units,
-                 const std::vector<std::vector<double>>& extras, double nll, std::int64_t vocab) {
-  const bool pairs = obj.unit() == Unit::kPair;
-  const auto s = static_cast<std::size_t>(c.call.sequences);
-  // Group sums by label (pairs: chosen/rejected by position).
-  double rw[2] = {0, 0}, lp[2] = {0, 0}, lg[2] = {0, 0}, cnt[2] = {0, 0}, tok[2] = {0, 0};
-  for (std::size_t i = 0; i < s; ++i) {
-    const int l = pairs ? (i < s / 2 ? 1 : 0) : static_cast<int>(c.labels[i]);
-    const double n = static_cast<double>(c.tokens[i]);
-    rw[l] += r.rewards[i];
-    lp[l] += obj.averages_log_probs() ? sums.logp[i] / n : sums.logp[i];
-    lg[l] += sums.logit_sum[i];
-    tok[l] += n;
-    cnt[l] += 1;
+// Whether sequence i is chosen: the first half of a paired batch, label 1 unpaired.
+bool is_chosen(const Checked& c, std::int64_t i) {
+  return c.call.unit_sequences == 2 ? i < c.call.sequences / 2
+                                    : c.labels[static_cast<std::size_t>(i)] == 1;
+}
+
+// The sums behind the loss and the metrics of ../shared/LOSSES.md, one vector of doubles so that
+// a data group adds them over its ranks in one call. Pairs of entries are indexed by label (0
+// rejected, 1 chosen); the objective's extras follow kNumTally.
+constexpr std::size_t kFailed = 0;          // ranks whose objective returned a non-finite value
+constexpr std::size_t kLoss = 1, kNll = 2;  // the units' losses; -logp of the chosen sequences
+constexpr std::size_t kReward = 3, kLogp = 5, kLogit = 7, kCount = 9, kTokens = 11;
+constexpr std::size_t kAccuracy = 13, kMargin = 14, kNumTally = 15;  // pairs only
+
+std::vector<double> tally(const SequenceObjective& obj, const Checked& c,
+                          const detail::SequenceSums& sums, const std::vector<double>& rewards,
+                          const std::vector<UnitResult>& units,
+                          const std::vector<std::vector<double>>& extras, bool failed) {
+  std::vector<double> t(kNumTally + obj.extra_metrics().size(), 0.0);
+  t[kFailed] = failed ? 1.0 : 0.0;
+  for (std::int64_t i = 0; i < c.call.sequences; ++i) {
+    const auto si = static_cast<std::size_t>(i);
+    const std::size_t l = is_chosen(c, i) ? 1 : 0;
+    const double n = static_cast<double>(c.tokens[si]);
+    t[kReward + l] += rewards[si];
+    t[kLogp + l] += obj.averages_log_probs() ? sums.logp[si] / n : sums.logp[si];
+    t[kLogit + l] += sums.logit_sum[si];
+    t[kCount + l] += 1;
+    t[kTokens + l] += n;
+    if (l == 1) t[kNll] -= sums.logp[si];
   }
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    t[kLoss] += units[u].loss;
+    t[kAccuracy] += units[u].reward[0] > units[u].reward[1] ? 1.0 : 0.0;
+    t[kMargin] += units[u].reward[0] - units[u].reward[1];
+    for (std::size_t e = 0; e < extras[u].size(); ++e) t[kNumTally + e] += extras[u][e];
+  }
+  return t;
+}
+
+// The loss and the metrics from the tally of `units` units (the group's, with a data group).
+void set_results(PreferenceResult& r, const SequenceObjective& obj, const std::vector<double>& t,
+                 double units, std::int64_t vocab) {
   const auto mean = [](double a, double b) { return b > 0 ? a / b : 0.0; };
+  const double nll = mean(t[kNll], t[kTokens + 1]);
+  r.loss = t[kLoss] / units + obj.nll_weight() * nll;
   auto& m = r.metrics;
-  m.emplace_back("rewards/chosen", mean(rw[1], cnt[1]));
-  m.emplace_back("rewards/rejected", mean(rw[0], cnt[0]));
+  m.emplace_back("rewards/chosen", mean(t[kReward + 1], t[kCount + 1]));
+  m.emplace_back("rewards/rejected", mean(t[kReward], t[kCount]));
+  const bool pairs = obj.unit() == Unit::kPair;
   if (pairs) {
-    double acc = 0, margin = 0;
-    for (const UnitResult& u : units) {
-      acc += u.reward[0] > u.reward[1] ? 1.0 : 0.0;
-      margin += u.reward[0] - u.reward[1];
-    }
-    const auto nu = static_cast<double>(units.size());
-    m.emplace_back("rewards/accuracies", acc / nu);
-    m.emplace_back("rewards/margins", margin / nu);
+    m.emplace_back("rewards/accuracies", t[kAccuracy] / units);
+    m.emplace_back("rewards/margins", t[kMargin] / units);
   } else {
-    m.emplace_back("rewards/margins", mean(rw[1], cnt[1]) - mean(rw[0], cnt[0]));
+    m.emplace_back("rewards/margins",
+                   mean(t[kReward + 1], t[kCount + 1]) - mean(t[kReward], t[kCount]));
   }
-  m.emplace_back("logps/chosen", mean(lp[1], cnt[1]));
-  m.emplace_back("logps/rejected", mean(lp[0], cnt[0]));
+  m.emplace_back("logps/chosen", mean(t[kLogp + 1], t[kCount + 1]));
+  m.emplace_back("logps/rejected", mean(t[kLogp], t[kCount]));
   const auto dv = static_cast<double>(vocab);
-  m.emplace_back("logits/chosen", mean(lg[1], tok[1] * dv));
-  m.emplace_back("logits/rejected", mean(lg[0], tok[0] * dv));
+  m.emplace_back("logits/chosen", mean(t[kLogit + 1], t[kTokens + 1] * dv));
+  m.emplace_back("logits/rejected", mean(t[kLogit], t[kTokens] * dv));
   if (obj.nll_weight() > 0) m.emplace_back("nll_loss", nll);
   const std::vector<std::string> names = obj.extra_metrics();
-  for (std::size_t e = 0; e < names.size(); ++e) {
-    double sum = 0;
-    for (const auto& x : extras) sum += x[e];
-    m.emplace_back(names[e], sum / static_cast<double>(extras.size()));
-  }
+  for (std::size_t e = 0; e < names.size(); ++e) m.emplace_back(names[e], t[kNumTally + e] / units);
   if (!pairs) {
-    m.emplace_back("count/chosen", cnt[1]);
-    m.emplace_back("count/rejected", cnt[0]);
+    m.emplace_back("count/chosen", t[kCount + 1]);
+    m.emplace_back("count/rejected", t[kCount]);
   }
   if (obj.uses_kl()) m.emplace_back("kl", r.kl);
 }
 
-// KTO's KL reference point from the mismatched batch: max(0, mean(policy - reference)).
-double kl_from_batch(Context& ctx, const Checked& c, const Workspace& ws) {
+// Sums host values over the data group's ranks (none: unchanged), through `device` on CUDA.
+struct GroupSum {
+  Context& ctx;
+  dist::Communicator* group;
+  double* device;
+  void operator()(double* values, std::size_t n) const {
+    if (group) detail::all_reduce_host(ctx, *group, values, static_cast<std::int64_t>(n), device);
+  }
+};
+
+// KTO's KL reference point from the mismatched batch (every rank's, with a data group):
+// max(0, mean(policy - reference)).
+double kl_from_batch(Context& ctx, const Checked& c, const Workspace& ws, const GroupSum& sum) {
   const std::vector<double> pol =
       detail::sequence_log_probs(ctx, *c.kl_policy, c.kl_plan, ws, c.kl_seq_len, c.kl_valid);
   const std::vector<double> ref = c.kl_reference
                                       ? detail::sequence_log_probs(ctx, *c.kl_reference, c.kl_plan,
                                                                    ws, c.kl_seq_len, c.kl_valid)
                                       : c.kl_ref_logps;
-  double sum = 0;
-  for (std::size_t i = 0; i < pol.size(); ++i) sum += pol[i] - ref[i];
-  return std::max(0.0, sum / static_cast<double>(pol.size()));
+  double t[2] = {0, static_cast<double>(pol.size())};
+  for (std::size_t i = 0; i < pol.size(); ++i) t[0] += pol[i] - ref[i];
+  sum(t, 2);
+  return std::max(0.0, t[0] / t[1]);
+}
+
+// The deferred regime's first pair: its coefficients must be gamma * kappa, as the objective's
+// pair_antisymmetric() declares (the engine scales the pair's gradient by gamma alone).
+void check_deferred_pair(const SequenceObjective& obj, const Checked& c,
+                         const std::vector<double>& coef) {
+  const auto rejected = static_cast<std::size_t>(c.call.sequences / 2);
+  const double expect = coef[0] / c.call.kappa[0] * c.call.kappa[rejected];
+  CHUNKLOSS_CHECK(std::abs(coef[rejected] - expect) <= 1e-9 * std::abs(expect) + 1e-300, obj.name(),
+                  " declares pair_antisymmetric() but its derivatives for the deferred pair are "
+                  "not equal and opposite (coefficients ",
+                  coef[0], " and ", coef[rejected],
+                  "); the gradient buffers hold unspecified values");
 }
 
 // The call's plan; with a KL batch, whose passes run first from the start of the same block,
-// the layout is extended to hold their plan too.
-Plan call_plan(const Checked& c) {
+// the layout is extended to hold their plan too; on CUDA with a data group it also holds the
+// sums the ranks exchange (`group_sums`).
+Plan call_plan(const SequenceObjective& obj, const Checked& c,
+               WorkspaceSlice* group_sums = nullptr) {
   Plan p = plan_sequence_objective(c.request, c.layout);
   const std::size_t kl = c.kl_policy ? c.kl_plan.workspace_bytes() : 0;
   if (kl > p.workspace_bytes()) p.layout.add(kl - p.workspace_bytes());
+  if (c.data_group && c.request.device == Device::kCuda) {
+    const WorkspaceSlice g =
+        p.layout.add((kNumTally + obj.extra_metrics().size()) * sizeof(double));
+    if (group_sums) *group_sums = g;
+  }
   return p;
 }
 
@@ -439,7 +510,7 @@ SequenceLoss::SequenceLoss(std::shared_ptr<const SequenceObjective> objective,
 
 Plan SequenceLoss::plan(const PreferenceInputs& in, const PreferenceGrads& grads) const {
   const Device dev = in.policy.hidden.defined() ? in.policy.hidden.device() : Device::kCpu;
-  return call_plan(check_call(*objective_, options_, nullptr, dev, in, grads));
+  return call_plan(*objective_, check_call(*objective_, options_, dev, in, grads));
 }
 
 std::size_t SequenceLoss::workspace_bytes(const PreferenceInputs& in,
@@ -452,29 +523,58 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
                                                 const Workspace& ws) const {
   const SequenceObjective& obj = *objective_;
   const std::string who(obj.name());
-  Checked c = check_call(obj, options_, &ctx, ctx.device(), in, grads);
-  const Plan plan = call_plan(c);
+  Checked c = check_call(obj, options_, ctx.device(), in, grads);
+  WorkspaceSlice group_slice;
+  const Plan plan = call_plan(obj, c, &group_slice);
   CHUNKLOSS_CHECK(ws.device() == ctx.device(), who, ": workspace is on ", device_name(ws.device()),
                   ", the context on ", device_name(ctx.device()));
+  detail::check_device_index(who.c_str(), ctx, ws,
+                             {{"policy.hidden", &in.policy.hidden},
+                              {"policy.weight", &in.policy.weight},
+                              {"policy.bias", &in.policy.bias},
+                              {"targets", &in.targets},
+                              {"reference.hidden", &in.reference.hidden},
+                              {"reference.weight", &in.reference.weight},
+                              {"reference.bias", &in.reference.bias},
+                              {"grads.hidden", &grads.hidden},
+                              {"grads.weight", &grads.weight},
+                              {"grads.bias", &grads.bias}});
   ws.require(plan.layout, who.c_str());
   if (c.kl_policy) ws.require(c.kl_plan.layout, who.c_str());
+  const GroupSum group_sum{ctx, in.data_group, ws.at<double>(group_slice)};
+
+  // The values; with a data group the ranks first agree whether any rank's were rejected, so
+  // that all of them throw instead of the others waiting for the one that threw.
+  std::exception_ptr rejected;
+  try {
+    check_values(obj, options_, ctx, device_scalars(plan, ws), in, c);
+  } catch (const Error&) {
+    if (!in.data_group) throw;
+    rejected = std::current_exception();
+  }
+  const std::int64_t s = c.call.sequences, per = c.call.unit_sequences, units = s / per;
+  // Rejected ranks, units, and tokens of the chosen sequences (the NLL term's divisor).
+  double counts[3] = {rejected ? 1.0 : 0.0, static_cast<double>(units), 0.0};
+  for (std::int64_t i = 0; i < s && !rejected; ++i)
+    if (is_chosen(c, i)) counts[2] += static_cast<double>(c.tokens[static_cast<std::size_t>(i)]);
+  group_sum(counts, 3);
+  if (rejected) std::rethrow_exception(rejected);
+  CHUNKLOSS_CHECK(counts[0] == 0, who, ": ", counts[0],
+                  " rank(s) of data_group rejected their inputs' values; this rank's were valid, "
+                  "and nothing was written");
+  const double all_units = counts[1], chosen_tokens = counts[2];
+  const double nll_coef = chosen_tokens > 0 ? obj.nll_weight() / chosen_tokens : 0.0;
 
   PreferenceResult r;
-  r.kl = c.kl_policy ? kl_from_batch(ctx, c, ws) : in.kl ? std::max(0.0, *in.kl) : 0.0;
+  r.kl = c.kl_policy ? kl_from_batch(ctx, c, ws, group_sum) : in.kl ? std::max(0.0, *in.kl) : 0.0;
   const BatchConstants batch{r.kl};
-  const std::int64_t s = c.call.sequences, per = c.call.unit_sequences, units = s / per;
-  const double inv_units = 1.0 / static_cast<double>(units);
-  // NLL over the chosen (label 1) sequences' tokens.
-  double chosen_tokens = 0;
-  for (std::int64_t i = 0; i < s; ++i) {
-    const bool chosen = per == 2 ? i < units : c.labels[static_cast<std::size_t>(i)] == 1;
-    if (chosen) chosen_tokens += static_cast<double>(c.tokens[static_cast<std::size_t>(i)]);
-  }
-  const double nll_coef = chosen_tokens > 0 ? obj.nll_weight() / chosen_tokens : 0.0;
   const std::size_t num_extras = obj.extra_metrics().size();
   std::vector<UnitResult> results(static_cast<std::size_t>(units));
   std::vector<std::vector<double>> extras(static_cast<std::size_t>(units),
                                           std::vector<double>(num_extras, 0.0));
+  const bool deferred = plan.regime == Regime::kDeferred && c.call.policy.any_grad();
+  // With a data group the objective's failure is thrown at the end, once the ranks know of it.
+  std::exception_ptr failed;
 
   detail::UnitsFn on_units = [&](std::int64_t u0, std::int64_t u1, const detail::SequenceSums& sums,
                                  std::vector<double>& coef) {
@@ -482,17 +582,26 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
       SequenceStats st[2];
       const std::size_t m = unit_stats(c, sums, u, st);
       const auto ui = static_cast<std::size_t>(u);
-      results[ui] = obj.evaluate(std::span<const SequenceStats>(st, m), batch, extras[ui]);
-      for (std::size_t k = 0; k < m; ++k) {
-        const UnitResult& res = results[ui];
-        CHUNKLOSS_CHECK(std::isfinite(res.loss) && std::isfinite(res.dlogp[k]), who,
-                        ": the objective returned a non-finite loss or derivative for unit ", u,
-                        " (logp ", st[k].logp, ", ref ", st[k].ref_logp, ")",
-                        u0 > 0 ? "; earlier resident groups' gradients were already written, so "
-                                 "the gradient buffers hold unspecified values"
-                               : "");
-        const auto seq = static_cast<std::size_t>(static_cast<std::int64_t>(k) * units + u);
-        coef[seq] = -res.dlogp[k] * inv_units + (st[k].label == 1 ? nll_coef : 0.0);
+      const UnitResult& res = results[ui] =
+          obj.evaluate(std::span<const SequenceStats>(st, m), batch, extras[ui]);
+      try {
+        for (std::size_t k = 0; k < m; ++k) {
+          CHUNKLOSS_CHECK(std::isfinite(res.loss) && std::isfinite(res.dlogp[k]), who,
+                          ": the objective returned a non-finite loss or derivative for unit ", u,
+                          " (logp ", st[k].logp, ", ref ", st[k].ref_logp, ")",
+                          u0 > 0 || in.data_group
+                              ? "; gradients were already written, so the gradient buffers "
+                                "hold unspecified values"
+                              : "");
+          const auto seq = static_cast<std::size_t>(static_cast<std::int64_t>(k) * units + u);
+          coef[seq] = -res.dlogp[k] / all_units + (st[k].label == 1 ? nll_coef : 0.0);
+        }
+        if (deferred && u == 0) check_deferred_pair(obj, c, coef);
+      } catch (const Error&) {
+        if (!in.data_group) throw;
+        if (!failed) failed = std::current_exception();
+        for (std::size_t k = 0; k < m; ++k)
+          coef[static_cast<std::size_t>(static_cast<std::int64_t>(k) * units + u)] = 0.0;
       }
     }
   };
@@ -502,22 +611,19 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   r.ref_logps = sums.ref_logp;
   r.tokens = c.tokens;
   r.rewards.assign(static_cast<std::size_t>(s), 0.0);
-  double loss = 0;
   for (std::int64_t u = 0; u < units; ++u) {
     const UnitResult& res = results[static_cast<std::size_t>(u)];
-    loss += res.loss;
     r.unit_losses.push_back(res.loss);
     for (std::int64_t k = 0; k < per; ++k)
       r.rewards[static_cast<std::size_t>(k * units + u)] = res.reward[static_cast<std::size_t>(k)];
   }
-  double nll = 0;
-  for (std::int64_t i = 0; i < s; ++i) {
-    const bool chosen = per == 2 ? i < units : c.labels[static_cast<std::size_t>(i)] == 1;
-    if (chosen) nll -= sums.logp[static_cast<std::size_t>(i)];
-  }
-  nll = chosen_tokens > 0 ? nll / chosen_tokens : 0.0;
-  r.loss = loss * inv_units + obj.nll_weight() * nll;
-  add_metrics(r, obj, c, sums, results, extras, nll, c.call.policy.vocab);
+  std::vector<double> t = tally(obj, c, sums, r.rewards, results, extras, failed != nullptr);
+  group_sum(t.data(), t.size());
+  if (failed) std::rethrow_exception(failed);
+  CHUNKLOSS_CHECK(t[kFailed] == 0, who, ": the objective returned a non-finite value on ",
+                  t[kFailed],
+                  " other rank(s) of data_group; the gradient buffers hold unspecified values");
+  set_results(r, obj, t, all_units, c.call.policy.vocab);
   return r;
 }
 
@@ -558,14 +664,18 @@ SequenceLogProbResult SequenceLogProbs::compute(Context& ctx, const Head& head,
   const Plan plan = plan_token_objective(q);
   CHUNKLOSS_CHECK(ws.device() == ctx.device(), kLogProbs, ": workspace is on ",
                   device_name(ws.device()), ", the context on ", device_name(ctx.device()));
+  detail::check_device_index(kLogProbs, ctx, ws,
+                             {{"head.hidden", &head.hidden},
+                              {"head.weight", &head.weight},
+                              {"head.bias", &head.bias},
+                              {"targets", &targets}});
   ws.require(plan.layout, kLogProbs);
   HostTargets ht = read_targets(kLogProbs, "targets", ctx, targets, hs.v, options_.ignore_index);
-  if (options_.check_finite && ctx.device() == Device::kCpu)
-    check_finite_head(kLogProbs, "head", head);
+  if (options_.check_finite)
+    check_finite_head(ctx, device_scalars(plan, ws), kLogProbs, "head", head);
   const TensorView rows(targets.data(), targets.dtype(), {hs.n}, targets.device(),
                         targets.device_index());
-  const detail::TokenCall call =
-      head_call(head, hs, rows, options_.ignore_index, options_.check_finite, ctx.device());
+  const detail::TokenCall call = head_call(head, hs, rows, options_.ignore_index);
   SequenceLogProbResult r;
   r.logps = detail::sequence_log_probs(ctx, call, plan, ws, targets.size(1), ht.valid);
   r.tokens = std::move(ht.tokens);

@@ -147,18 +147,10 @@ void upload_coefficients(TokenBackend& b, const SequenceCall& c,
   }
 }
 
-// The pair's coefficient gamma with coef[s] = gamma * kappa[s] for its two sequences, checked
-// against the objective's pair_antisymmetric() declaration.
-float pair_coefficient(const SequenceCall& c, const std::vector<double>& coef, std::size_t chosen,
-                       std::size_t rejected) {
-  const double gamma = coef[chosen] / c.kappa[chosen];
-  const double expect = gamma * c.kappa[rejected];
-  CHUNKLOSS_CHECK(
-      std::abs(coef[rejected] - expect) <= 1e-9 * std::abs(expect) + 1e-300, c.objective,
-      " declares pair_antisymmetric() but its derivatives for the deferred pair are "
-      "not equal and opposite (coefficients ",
-      coef[chosen], " and ", coef[rejected], "); the gradient buffers hold unspecified values");
-  return static_cast<float>(gamma);
+// The pair's coefficient gamma with coef[s] = gamma * kappa[s] for its two sequences (the
+// caller checked the objective's pair_antisymmetric() declaration on them).
+float pair_coefficient(const SequenceCall& c, const std::vector<double>& coef) {
+  return static_cast<float>(coef[0] / c.kappa[0]);
 }
 
 // The deferred regime's first pair: each chunk's gradient is formed with the sequences' shares
@@ -172,7 +164,6 @@ void deferred_pair(TokenBackend& b, const SequenceCall& c, const Plan& plan, Seq
     chunks.push_back({r0, r1});
   });
   const std::int64_t v = c.policy.vocab;
-  const auto rejected = static_cast<std::size_t>(c.sequences / 2);
   float gamma = 0;
   b.select_tile(0);
   for (std::size_t i = 0; i < chunks.size(); ++i) {
@@ -183,7 +174,7 @@ void deferred_pair(TokenBackend& b, const SequenceCall& c, const Plan& plan, Seq
     if (last) {
       add_sums(b, c, ranges, sums.logp, &sums.logit_sum);
       on_units(0, 1, sums, coef);
-      gamma = pair_coefficient(c, coef, 0, rejected);
+      gamma = pair_coefficient(c, coef);
     }
     b.grad_epilogue(r0, r1, 0, v);
     b.grad_x(r0, r1, 0, v, true);

@@ -6,7 +6,6 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
-#include <string_view>
 #include <vector>
 
 #include "engine.h"
@@ -22,9 +21,8 @@ struct SequenceCall {
   std::int64_t sequences = 0, seq_len = 0;
   std::int64_t unit_sequences = 1;  ///< 2: pairs (s, s + S/2)
   std::vector<std::uint8_t> valid;  ///< [S*T]: the row's target is not ignore_index
-  /// Regime::kDeferred: the objective's name (errors) and each sequence's share kappa[s] of its
-  /// pair's coefficient, coef[s] = gamma * kappa[s] (+-1, or +-1/tokens when averaging).
-  std::string_view objective;
+  /// Regime::kDeferred: each sequence's share kappa[s] of its pair's coefficient,
+  /// coef[s] = gamma * kappa[s] (+-1, or +-1/tokens when averaging).
   std::vector<double> kappa;
 };
 
@@ -34,7 +32,9 @@ struct SequenceSums {
 };
 
 /// Evaluates units [u0, u1) from the sums and writes coef[s] for each of their sequences s:
-/// dL/dz_t = coef[s] (p_t - onehot_t) for the valid rows t of s.
+/// dL/dz_t = coef[s] (p_t - onehot_t) for the valid rows t of s. In the deferred regime the
+/// first call is for the deferred pair alone (u0 = 0, u1 = 1), and the caller checks that its
+/// coefficients are gamma * kappa.
 using UnitsFn = std::function<void(std::int64_t u0, std::int64_t u1, const SequenceSums& sums,
                                    std::vector<double>& coef)>;
 

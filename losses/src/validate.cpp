@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "chunkloss/core/error.h"
+#include "engine.h"
 
 namespace chunkloss::detail {
 namespace {
@@ -71,6 +72,22 @@ void check_finite(const char* who, const char* name, const TensorView& t) {
     CHUNKLOSS_CHECK(std::isfinite(v), who, ": ", name, " ", t.str(), " has a non-finite value ", v,
                     " at flat index ", i);
   }
+}
+
+void check_finite(Context& ctx, double* scalars, const char* who, const char* name,
+                  const TensorView& t) {
+  if (!t.defined() || t.device() == Device::kCpu) {
+    check_finite(who, name, t);
+    return;
+  }
+#if CHUNKLOSS_HAVE_CUDA
+  const std::uint64_t n = cuda_count_nonfinite(ctx, t, scalars);
+  CHUNKLOSS_CHECK(n == 0, who, ": ", name, " ", t.str(), " has ", n, " non-finite values");
+#else
+  (void)ctx;
+  (void)scalars;
+  CHUNKLOSS_FAIL(who, ": ", name, " ", t.str(), " is device memory and this build has no CUDA");
+#endif
 }
 
 void check_targets(const char* who, const TensorView& targets, std::int64_t vocab,

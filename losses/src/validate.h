@@ -25,6 +25,10 @@ void check_device_index(const char* who, const Context& ctx, const Workspace& ws
                         std::initializer_list<std::pair<const char*, const TensorView*>> views);
 /// Every element of a float view is finite (host memory only).
 void check_finite(const char* who, const char* name, const TensorView& t);
+/// The same for a view in host memory or on the context's device: a device view is counted
+/// there in `scalars` (a CUDA plan's scalars slice), which synchronises the stream.
+void check_finite(Context& ctx, double* scalars, const char* who, const char* name,
+                  const TensorView& t);
 /// Targets in [0, V) or equal to ignore_index (host memory only).
 void check_targets(const char* who, const TensorView& targets, std::int64_t vocab,
                    std::int64_t ignore_index);

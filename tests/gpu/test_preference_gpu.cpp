@@ -1,12 +1,13 @@
 // GPU suite of the preference losses: the CUDA path against the CPU path (itself checked against
 // the float64 oracle) and against the oracle, on the same generated problems: every DPO loss
 // type, ORPO, SimPO, CPO, KTO (KL given and computed), fp32 and bf16, resident and recompute (and
-// deferred for the pair-antisymmetric losses),
-// several budgets, accumulation, forward only, SequenceLogProbs, bitwise run-to-run equality,
-// host-side per-sequence vectors, and bad input. Skips itself, with a message, without a device.
+// deferred for the pair-antisymmetric losses), several budgets, accumulation, forward only,
+// SequenceLogProbs, bitwise run-to-run equality, host-side per-sequence vectors, data groups of
+// two ranks on one device, and bad input. Skips itself, with a message, without a device.
 #include <doctest/doctest.h>
 
 #include <chunkloss/core/error.h>
+#include <chunkloss/dist/communicator.h>
 #include <chunkloss/gpu/context.h>
 #include <chunkloss/losses/preference.h>
 #include <chunkloss/losses/sequence.h>
@@ -21,6 +22,7 @@
 #include "losses/preference_fixture.h"
 #include "reference/preference_ref.h"
 #include "support/compare.h"
+#include "support/threads.h"
 #include "support/tolerance.h"
 #include "support/workspace.h"
 
@@ -98,9 +100,12 @@ struct DeviceInputs {
 // with accumulate) and returns the results with the gradients copied back into a PrefRun.
 // With `error`, a chunkloss::Error is caught and its message stored, and the gradient buffers
 // are still copied back (to check that a failed call wrote nothing).
+// `group`: the call is this rank's of a data group.
 PrefRun run_gpu(const PrefData& d, const SequenceLoss& loss, const PrefGradBuffers& start,
-                bool accumulate = false, bool host_vectors = false, std::string* error = nullptr) {
+                bool accumulate = false, bool host_vectors = false, std::string* error = nullptr,
+                dist::Communicator* group = nullptr) {
   DeviceInputs di(d, host_vectors);
+  di.in.data_group = group;
   PrefRun run{{}, {}, start};
   PreferenceGrads host = run.grads.views(accumulate);
   DeviceCopies gmem;
@@ -574,6 +579,92 @@ TEST_CASE("gpu: bad targets and empty sequences raise chunkloss::Error and write
         CHECK_MESSAGE(run.grads.bitwise_equal(pristine), "a failed call wrote into the gradients");
       }
     }
+  }
+}
+
+TEST_CASE("gpu: check_finite names the head's tensor and writes nothing") {
+  if (!have_gpu()) return;
+  PrefSpec s = gpu_spec();
+  s.ref = RefMode::kHead;
+  for (int where : {0, 1, 2}) {
+    CAPTURE(where);
+    PrefData d(s);
+    std::vector<float>& x = where == 0 ? d.hidden : where == 1 ? d.weight : d.ref_hidden;
+    x[x.size() / 2] = where == 1 ? std::numeric_limits<float>::infinity()
+                                 : std::numeric_limits<float>::quiet_NaN();
+    d.sync();
+    const char* name = where == 0   ? "policy.hidden"
+                       : where == 1 ? "policy.weight"
+                                    : "reference.hidden";
+    for (Regime r : kRegimes) {
+      DpoOptions o;
+      o.engine.regime = r;
+      o.engine.check_finite = true;
+      const PrefGradBuffers pristine(d, {}, 3.25f);
+      std::string what;
+      const PrefRun run = run_gpu(d, Dpo(o), pristine, false, false, &what);
+      const bool named = what.find(std::string(name) + " ") != std::string::npos &&
+                         what.find("has 1 non-finite values") != std::string::npos;
+      CHECK_MESSAGE(named, "expected chunkloss::Error naming " << name << ", got: " << what);
+      CHECK_MESSAGE(run.grads.bitwise_equal(pristine), "a failed call wrote into the gradients");
+    }
+  }
+}
+
+// Two ranks of an in-process group on one device, each with its part of the units (and of the
+// KL batch), against the unsplit call on the device.
+void check_gpu_split(const PrefData& d, const SequenceLoss& loss, const PrefGradRequest& g,
+                     const DataSplit& split, bool reduced) {
+  const PrefRun full = run_gpu(d, loss, g);
+  std::vector<PrefData> parts;
+  for (std::size_t r = 0; r < split.ranks(); ++r) parts.push_back(split.part(d, r));
+  dist::InProcessGroup group(static_cast<int>(split.ranks()));
+  const std::vector<PrefRun> runs = on_threads(split.ranks(), [&](std::size_t r) {
+    return run_gpu(parts[r], loss,
+                   PrefGradBuffers(parts[r], g, std::numeric_limits<float>::quiet_NaN()), false,
+                   false, nullptr, &group.comm(static_cast<int>(r)));
+  });
+  // Other GEMM shapes may take other cuBLAS algorithms: fp32 rounding, and one bf16 rounding
+  // of the gradients.
+  const double grad_tol = g.dtype == DType::kF32 && d.spec.dtype == DType::kF32 ? 2e-5 : 4e-3;
+  check_split_runs(d, full, runs, split, {2e-5, grad_tol}, reduced);
+}
+
+TEST_CASE("gpu: data parallel: two ranks on one device match the unsplit call") {
+  if (!have_gpu()) return;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    PrefSpec s = gpu_spec();
+    s.dtype = dtype;
+    s.ref = RefMode::kHead;
+    const PrefData d(s);
+    const std::int64_t units = s.s / 2;
+    const DataSplit split{{0, units / 3, units}, {}};
+    PrefGradRequest g;
+    g.dtype = dtype;
+    for (Regime r : {Regime::kResident, Regime::kRecompute, Regime::kDeferred}) {
+      INFO("dtype=", dtype_name(dtype), " regime=", regime_name(r));
+      DpoOptions o;
+      o.engine.regime = r;
+      PrefGradRequest gr = g;
+      gr.bias = r != Regime::kDeferred;  // the deferred regime takes no bias gradient
+      check_gpu_split(d, Dpo(o), gr, split, false);
+      // Summed in the call, through the fp32 accumulator (the unsplit call too).
+      o.engine.fp32_weight_grad_accumulator = true;
+      o.engine.reduce_weight_grad_over_data_group = true;
+      check_gpu_split(d, Dpo(o), gr, split, true);
+    }
+    CpoOptions cpo;
+    cpo.alpha = 0.5f;
+    PrefSpec cs = s;
+    cs.ref = RefMode::kNone;
+    check_gpu_split(PrefData(cs), Cpo(cpo), g, split, false);
+    PrefSpec ks = s;
+    ks.s = 9;
+    ks.labels = true;
+    ks.kl_batch = true;
+    ks.kl_ref = RefMode::kLogps;
+    check_gpu_split(PrefData(ks), Kto(KtoOptions{}), g, DataSplit{{0, 4, 9}, {0, 1, ks.kl_s}},
+                    false);
   }
 }
 

@@ -153,6 +153,51 @@ void PrefData::sync() {
   }
 }
 
+namespace {
+
+// Rows [r0, r1) of a row-major matrix of `width` columns (empty stays empty).
+template <typename T>
+void append_rows(std::vector<T>& dst, const std::vector<T>& src, std::int64_t r0, std::int64_t r1,
+                 std::int64_t width) {
+  if (src.empty()) return;
+  dst.insert(dst.end(), src.begin() + r0 * width, src.begin() + r1 * width);
+}
+
+}  // namespace
+
+PrefData data_part(const PrefData& d, std::int64_t u0, std::int64_t u1, std::int64_t k0,
+                   std::int64_t k1) {
+  const PrefSpec& s = d.spec;
+  const bool pairs = !s.labels;
+  const std::int64_t units = pairs ? s.s / 2 : s.s, t = s.t, h = s.h;
+  PrefData p = d;
+  p.spec.s = (pairs ? 2 : 1) * (u1 - u0);
+  p.hidden.clear();
+  p.ref_hidden.clear();
+  p.targets64.clear();
+  p.labels.clear();
+  for (std::int64_t k = 0; k < (pairs ? 2 : 1); ++k) {
+    const std::int64_t a = k * units + u0, b = k * units + u1;  // sequences [a, b)
+    append_rows(p.hidden, d.hidden, a * t, b * t, h);
+    append_rows(p.ref_hidden, d.ref_hidden, a * t, b * t, h);
+    append_rows(p.targets64, d.targets64, a, b, t);
+    append_rows(p.labels, d.labels, a, b, 1);
+  }
+  p.targets32.assign(p.targets64.begin(), p.targets64.end());
+  if (s.kl_batch) {
+    p.spec.kl_s = k1 - k0;
+    p.kl_hidden.clear();
+    p.kl_ref_hidden.clear();
+    p.kl_targets64.clear();
+    append_rows(p.kl_hidden, d.kl_hidden, k0 * s.kl_t, k1 * s.kl_t, h);
+    append_rows(p.kl_ref_hidden, d.kl_ref_hidden, k0 * s.kl_t, k1 * s.kl_t, h);
+    append_rows(p.kl_targets64, d.kl_targets64, k0, k1, s.kl_t);
+    p.kl_targets32.assign(p.kl_targets64.begin(), p.kl_targets64.end());
+  }
+  p.sync();
+  return p;
+}
+
 Head PrefData::policy_head() const {
   const std::int64_t n = rows(), h = spec.h, v = spec.v;
   Head head;
@@ -240,11 +285,12 @@ PrefGradBuffers::PrefGradBuffers(const PrefData& d, const PrefGradRequest& r, fl
                   fill) {}
 
 PrefRun run_library(const PrefData& d, const SequenceLoss& loss, const PrefGradRequest& g,
-                    int threads) {
+                    int threads, dist::Communicator* data_group) {
   CpuContext ctx(threads);
   // NaN-filled gradient buffers: the call overwrites them, so every row must be written.
   PrefRun run{{}, {}, PrefGradBuffers(d, g, std::numeric_limits<float>::quiet_NaN())};
-  const PreferenceInputs in = d.inputs();
+  PreferenceInputs in = d.inputs();
+  in.data_group = data_group;
   const PreferenceGrads grads = run.grads.views();
   run.plan = loss.plan(in, grads);
   const std::size_t bytes = loss.workspace_bytes(in, grads);
@@ -304,6 +350,69 @@ void check_against_oracle(const PrefRun& run, const reference::PrefResult& ref, 
   if (run.grads.has_weight())
     check_close("grad_weight", run.grads.weight(), ref.grad_weight, tol.grad);
   if (run.grads.has_bias()) check_close("grad_bias", run.grads.bias(), ref.grad_bias, tol.grad);
+}
+
+namespace {
+
+// The rank's entries of a per-sequence vector of the unsplit call (pairs: chosen then rejected
+// sequences of its units), or of its [S*T, H] rows with `width` = T * H.
+template <typename T>
+std::vector<T> rank_part(const std::vector<T>& v, const DataSplit& s, std::size_t r, bool pairs,
+                         std::int64_t width = 1) {
+  const std::int64_t units = s.units.back();
+  std::vector<T> out;
+  for (std::int64_t k = 0; k < (pairs ? 2 : 1); ++k)
+    append_rows(out, v, k * units + s.units[r], k * units + s.units[r + 1], width);
+  return out;
+}
+
+void add_to(std::vector<double>& sum, const std::vector<double>& x) {
+  sum.resize(x.size(), 0.0);
+  for (std::size_t i = 0; i < x.size(); ++i) sum[i] += x[i];
+}
+
+}  // namespace
+
+void check_split_runs(const PrefData& d, const PrefRun& full, const std::vector<PrefRun>& runs,
+                      const DataSplit& s, const SplitTol& tol, bool reduced) {
+  const bool pairs = !d.spec.labels;
+  const PreferenceResult& want = full.result;
+  std::vector<double> dw, db;
+  for (std::size_t r = 0; r < runs.size(); ++r) {
+    CAPTURE(r);
+    const PreferenceResult& got = runs[r].result;
+    check_scalar("loss", got.loss, want.loss, tol.values);
+    check_scalar("kl", got.kl, want.kl, tol.values);
+    REQUIRE(got.metrics.size() == want.metrics.size());
+    for (std::size_t i = 0; i < got.metrics.size(); ++i) {
+      CHECK(got.metrics[i].first == want.metrics[i].first);
+      check_scalar("metric " + want.metrics[i].first, got.metrics[i].second, want.metrics[i].second,
+                   tol.values);
+    }
+    check_close("logps", got.logps, rank_part(want.logps, s, r, pairs), tol.values);
+    check_close("ref_logps", got.ref_logps, rank_part(want.ref_logps, s, r, pairs), tol.values);
+    check_close("rewards", got.rewards, rank_part(want.rewards, s, r, pairs), tol.values);
+    CHECK(got.tokens == rank_part(want.tokens, s, r, pairs));
+    std::vector<double> units;
+    append_rows(units, want.unit_losses, s.units[r], s.units[r + 1], 1);
+    check_close("unit_losses", got.unit_losses, units, tol.values);
+    const PrefGradBuffers& g = runs[r].grads;
+    if (g.has_hidden())
+      check_close("grad_hidden rows", g.hidden(),
+                  rank_part(full.grads.hidden(), s, r, pairs, d.spec.t * d.spec.h), tol.grad);
+    if (reduced) {
+      if (g.has_weight())
+        check_close("grad_weight (summed in the call)", g.weight(), full.grads.weight(), tol.grad);
+      if (g.has_bias())
+        check_close("grad_bias (summed in the call)", g.bias(), full.grads.bias(), tol.grad);
+    } else {
+      if (g.has_weight()) add_to(dw, g.weight());
+      if (g.has_bias()) add_to(db, g.bias());
+    }
+  }
+  if (!dw.empty())
+    check_close("grad_weight summed over the ranks", dw, full.grads.weight(), tol.grad);
+  if (!db.empty()) check_close("grad_bias summed over the ranks", db, full.grads.bias(), tol.grad);
 }
 
 void check_runs_close(const PrefRun& a, const PrefRun& b, double tol) {

@@ -77,6 +77,21 @@ struct PrefData {
   TensorView targets_view() const;
 };
 
+/// The part of `d` that one rank of a data group holds: units [u0, u1) (pairs: chosen and
+/// rejected sequences of those pairs, chosen first) and KL-batch sequences [k0, k1).
+PrefData data_part(const PrefData& d, std::int64_t u0, std::int64_t u1, std::int64_t k0,
+                   std::int64_t k1);
+
+/// A problem split over the ranks of a data group: unit boundaries {0, c1, ..., units} and
+/// KL-batch boundaries {0, ..., S'} (empty without a KL batch).
+struct DataSplit {
+  std::vector<std::int64_t> units, kl;
+  std::size_t ranks() const { return units.size() - 1; }
+  PrefData part(const PrefData& d, std::size_t r) const {
+    return data_part(d, units[r], units[r + 1], kl.empty() ? 0 : kl[r], kl.empty() ? 0 : kl[r + 1]);
+  }
+};
+
 /// Which gradients a call asks for, in which dtype.
 struct PrefGradRequest {
   bool hidden = true;
@@ -108,8 +123,9 @@ struct PrefRun {
 /// buffers with a fresh NaN-filled workspace of exactly workspace_bytes(), followed by a guard
 /// region that must stay untouched.
 /// One thread by default: the problems are tiny, and CI runs two suites on two cores.
+/// `data_group`: the call is this rank's of the group (PreferenceInputs::data_group).
 PrefRun run_library(const PrefData& d, const SequenceLoss& loss, const PrefGradRequest& g,
-                    int threads = 1);
+                    int threads = 1, dist::Communicator* data_group = nullptr);
 
 /// Tolerances of one comparison: values by the input dtype, gradients by the gradient dtype.
 struct PrefTol {
@@ -121,6 +137,18 @@ struct PrefTol {
 /// oracle's), the per-sequence vectors, the KL point and every requested gradient.
 void check_against_oracle(const PrefRun& run, const reference::PrefResult& ref, const PrefTol& tol,
                           bool paired);
+
+/// Tolerances of a split against the unsplit call: the loss, metrics and per-sequence values,
+/// and the gradients.
+struct SplitTol {
+  double values, grad;
+};
+
+/// Every rank's run of a split (`runs`) against the unsplit run of `d`: the group's loss,
+/// metrics and KL point; the rank's per-sequence vectors and dH rows; dW and db summed over the
+/// ranks, or each rank's when the call summed them (`reduced`).
+void check_split_runs(const PrefData& d, const PrefRun& full, const std::vector<PrefRun>& runs,
+                      const DataSplit& s, const SplitTol& tol, bool reduced);
 
 /// Two runs of one problem agree to `tol` (relative): loss, per-sequence vectors, gradients.
 void check_runs_close(const PrefRun& a, const PrefRun& b, double tol);

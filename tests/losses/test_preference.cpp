@@ -1452,6 +1452,35 @@ TEST_CASE("bad input: targets out of range and a sequence with no valid tokens")
   }
 }
 
+TEST_CASE("bad input: check_finite names the head's tensor, the KL batch's too") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  PrefSpec s = BadCall::spec();
+  s.ref = RefMode::kHead;
+  for (int where = 0; where < 4; ++where) {
+    CAPTURE(where);
+    BadCall b(s);
+    std::vector<float>& x = where == 0   ? b.d.hidden
+                            : where == 1 ? b.d.weight
+                            : where == 2 ? b.d.bias
+                                         : b.d.ref_weight;
+    x[x.size() - 1] = where % 2 ? inf : nan;
+    DpoOptions o;
+    o.engine.check_finite = true;
+    const char* names[] = {"policy.hidden", "policy.weight", "policy.bias", "reference.weight"};
+    b.expect(o, std::string(names[where]) + " ");
+  }
+  PrefSpec k = BadCall::spec();
+  k.labels = true;
+  k.kl_batch = true;
+  k.kl_ref = RefMode::kHead;
+  BadCall kb(k);
+  kb.d.kl_ref_hidden[3] = nan;
+  KtoOptions o;
+  o.engine.check_finite = true;
+  kb.expect(o, "kl_batch.reference.hidden ");
+}
+
 TEST_CASE("bad input: references where none is allowed, both kinds at once, labels") {
   PrefSpec s = BadCall::spec();
   s.ref = RefMode::kHead;

@@ -19,6 +19,7 @@
 #include "chunkloss/core/context.h"
 #include "chunkloss/core/tensor.h"
 #include "chunkloss/core/workspace.h"
+#include "chunkloss/dist/communicator.h"
 #include "chunkloss/losses/plan.h"
 
 namespace chunkloss {
@@ -101,7 +102,12 @@ struct SequenceOptions {
   LoopOrder loop_order = LoopOrder::kAuto;    ///< pass 2 order in the recompute regime
   DType logits_dtype = DType::kF32;           ///< bf16 is an opt-in speed mode (CUDA)
   bool fp32_weight_grad_accumulator = false;  ///< see CrossEntropyOptions
-  bool check_finite = false;                  ///< check hidden/weight/bias for NaN/Inf
+  /// With PreferenceInputs::data_group: sum dW and db over the group inside the call, in fp32
+  /// through the fp32 dW accumulator this turns on, rounded once (see CrossEntropyOptions).
+  bool reduce_weight_grad_over_data_group = false;
+  /// Check every head's hidden/weight/bias for NaN/Inf before computing (on CUDA: on the
+  /// device, one read of each and a synchronisation per tensor).
+  bool check_finite = false;
 };
 
 /// A batch of sequences laid out as [S, T] rows (row s*T + t is token t of sequence s).
@@ -126,6 +132,20 @@ struct PreferenceInputs {
     Head reference;              ///< the reference head on them, or
     TensorView reference_logps;  ///< [S'] their reference log-prob sums
   } kl_batch;
+  /// Data parallelism: the ranks of this group each call with their own sequences (S and T may
+  /// differ; the heads' H, V, dtype, the options and the gradients asked for must not). The
+  /// call then computes the group's loss: the mean over every rank's units, plus nll_weight
+  /// times the NLL over every rank's chosen tokens; KTO's KL point from kl_batch is the mean
+  /// over every rank's KL batch. Each rank's gradients are its rows' share of that loss's
+  /// gradient: sum (do not average) dW and db over the group afterwards, or set
+  /// SequenceOptions::reduce_weight_grad_over_data_group. The loss, the metrics and kl are the
+  /// group's, equal on every rank; the per-sequence vectors (logps, rewards, unit_losses, ...)
+  /// are this rank's. Every rank must make the call. Invalid values on any rank (targets,
+  /// labels, reference_logps, a sequence without valid tokens, check_finite's findings) make
+  /// every rank throw before anything is written, and a non-finite value from the objective on
+  /// any rank makes every rank throw at the end of the call; shape and workspace errors are
+  /// thrown by the rank alone while the others wait for it. null: this call's sequences alone.
+  dist::Communicator* data_group = nullptr;
 };
 
 /// Gradient buffers owned by the caller (absent: not computed; all absent: forward only).
@@ -175,10 +195,11 @@ class SequenceLoss {
   /// Loss, metrics and the requested gradients. `workspace` holds workspace_bytes() on the
   /// inputs' device. Throws chunkloss::Error naming the argument before writing anything on
   /// invalid input (odd S for pairs, shape or dtype mismatch, out-of-range targets, a sequence
-  /// without valid tokens, missing or unexpected reference or labels). An objective returning a
-  /// non-finite value also throws; in the resident regime with several groups the objective
-  /// runs group by group, so if that happens after the first group the gradient buffers hold
-  /// unspecified values (the message says so). On CUDA, check_finite reports at the end.
+  /// without valid tokens, missing or unexpected reference or labels, check_finite's findings).
+  /// An objective returning a non-finite value also throws; in the resident regime with several
+  /// groups the objective runs group by group, so if that happens after the first group the
+  /// gradient buffers hold unspecified values (the message says so). With a data group, see
+  /// PreferenceInputs::data_group.
   PreferenceResult forward_backward(Context& ctx, const PreferenceInputs& in,
                                     const PreferenceGrads& grads, const Workspace& workspace) const;
   /// Evaluation: pass 1 only, no gradient work.
