@@ -47,7 +47,8 @@ check memcheck_measured "${san[@]}" --tool memcheck "$ce" -tc='gpu: measured*'
 check memcheck_ce "${san[@]}" --tool memcheck "$ce" \
   -tc='gpu: shapes*,gpu: all rows*,gpu: out-of-range*,gpu: results left*'
 check memcheck_pref "${san[@]}" --tool memcheck "$pref" \
-  -tc='gpu: P = 1*,gpu: accumulate*,gpu: bad targets*,gpu: SequenceLogProbs*'
+  -tc='gpu: P = 1*,gpu: accumulate*,gpu: bad targets*,gpu: SequenceLogProbs*,gpu: check_finite*'
+check memcheck_pref_parallel "${san[@]}" --tool memcheck "$pref" -tc='gpu: data parallel*'
 check memcheck_parallel "${san[@]}" --tool memcheck "$par" -tc='*in-process group*'
 check memcheck_deferred "${san[@]}" --tool memcheck "$pref" -tc='gpu: the deferred regime*'
 check memcheck_skipped "${san[@]}" --tool memcheck "$pref" -tc='gpu: skipped rows*'
