@@ -9,6 +9,7 @@
 #include <chunkloss/apps/progress.h>
 #include <chunkloss/core/error.h>
 #include <chunkloss/data/sampler.h>
+#include <chunkloss/dist/communicator.h>
 #include <chunkloss/losses/preference.h>
 #include <chunkloss/model/checkpoint.h>
 #include <chunkloss/model/optim.h>
@@ -23,6 +24,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <thread>
 
 #include "trainers.h"
 
@@ -47,6 +49,7 @@ struct Settings {
   std::string device = "cpu";
   bool measured_gemms = false;
   int threads = 1;
+  int data_parallel = 1;
   std::string init, resume, save, metrics, chart;
   std::int64_t steps = 0, batch_size = 0, grad_accum = 1, log_every = 0, save_every = 0;
   model::LrSchedule schedule;
@@ -82,6 +85,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("device", po::value<std::string>()->default_value("cpu"), "where the loss runs: cpu | cuda (CUDA device 0; each step's hidden states and lm_head are copied there and the gradients back; the model layer runs on the CPU)")
     ("gemm-selection", po::value<std::string>()->default_value("default"), "with --device cuda: default (cuBLAS's own algorithm for each GEMM shape, the same bits in every run) | measured (cuBLAS's and cuBLASLt's candidates timed on each shape's first calls, the fastest kept: faster on large heads, exact, but bits may differ between runs)")
     ("threads", po::value<int>()->default_value(1), "CPU threads for the model and the loss (0: all cores; the bundled model is too small to gain from more than 1)")
+    ("data-parallel", po::value<int>()->default_value(1), "ranks of a data group, threads of this process: each holds a model replica and takes its part of every micro-batch; their loss calls share the library's data group (the loss, metrics and gradients of the whole micro-batch) and the gradients are summed over them before each optimizer step; --threads is split between them; an epoch's last short micro-batch is dropped; with --device cuda every rank's loss runs on device 0")
     ("seed", po::value<std::uint64_t>()->default_value(0), "seed of the model init and the data order");
   po::options_description data_opts("Data");
   data_opts.add_options()
@@ -164,6 +168,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   if (s.measured_gemms && s.device != "cuda")
     throw apps::UsageError("--gemm-selection measured is for --device cuda");
   s.threads = in_range<int>(vm, "threads", 0, 4096);
+  s.data_parallel = in_range<int>(vm, "data-parallel", 1, 256);
   s.seed = vm["seed"].as<std::uint64_t>();
 
   s.data.file = vm["train-file"].as<std::string>();
@@ -171,6 +176,12 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.data.encode.max_length = in_range<std::int64_t>(vm, "max-length", 0, 1 << 20);
   s.data.encode.max_prompt_length = in_range<std::int64_t>(vm, "max-prompt-length", 0, 1 << 20);
   s.batch_size = in_range<std::int64_t>(vm, "batch-size", 1, 1 << 20);
+  // Every rank needs examples (KTO two, for its mismatched pairs).
+  const std::int64_t per_rank = s.loss.loss == "kto" ? 2 : 1;
+  if (s.batch_size < per_rank * s.data_parallel)
+    throw apps::UsageError("--batch-size " + std::to_string(s.batch_size) + " is less than " +
+                           std::to_string(per_rank) + " example(s) for each of the " +
+                           std::to_string(s.data_parallel) + " ranks of --data-parallel");
 
   s.init = vm["init"].as<std::string>();
   s.resume = vm["resume"].as<std::string>();
@@ -267,6 +278,29 @@ void write_chart(const std::string& metrics, const std::string& chart, const std
   apps::write_file_atomic(chart, apps::svg_chart(title, "optimizer step", {loss, acc}));
 }
 
+// fn(r) for each rank r of `n`, each on its own thread when there are several; the first rank's
+// error is rethrown once every thread has ended.
+template <typename Fn>
+void for_ranks(int n, Fn&& fn) {
+  if (n == 1) {
+    fn(0);
+    return;
+  }
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  for (std::thread& t : threads) t.join();
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
 int run(const Settings& s, const std::string& invocation) {
   if (s.threads > 0) omp_set_num_threads(s.threads);
   // The policy: resumed, initialised from a checkpoint, or new.
@@ -295,6 +329,8 @@ int run(const Settings& s, const std::string& invocation) {
     // (saved since --device exists; older runs were on the CPU)
     if (!st.strings.count("device")) st.strings["device"] = "cpu";
     expect("device", s.device);
+    if (!st.strings.count("data_parallel")) st.strings["data_parallel"] = "1";
+    expect("data_parallel", std::to_string(s.data_parallel));
     if (init.empty() && st.strings.count("init")) init = st.strings.at("init");
     start = st.global_step;
   } else if (!init.empty()) {
@@ -310,9 +346,29 @@ int run(const Settings& s, const std::string& invocation) {
   }
 
   std::fprintf(stderr, "%s: %s\n", kProg, policy->summary().c_str());
-  LossDevice device(s.device, s.threads, s.measured_gemms);
-  std::unique_ptr<Trainer> trainer = make_trainer(s, device, std::move(reference));
-  const data::BatchSampler sampler(trainer->size(), static_cast<std::size_t>(s.batch_size), s.seed);
+  // Per rank of the data group (one rank: no group): a loss device, a trainer and a model replica
+  // (rank 0's is the policy; the others copy its parameters after each optimizer step).
+  const int ranks = s.data_parallel;
+  const int all_threads = s.threads > 0 ? s.threads : omp_get_max_threads();
+  const int rank_threads = ranks == 1 ? s.threads : std::max(1, all_threads / ranks);
+  std::optional<dist::InProcessGroup> group;
+  if (ranks > 1) group.emplace(ranks);
+  std::vector<std::unique_ptr<LossDevice>> devices;
+  std::vector<std::unique_ptr<Trainer>> trainers;
+  std::vector<model::LlamaModel> replicas;
+  for (int r = 0; r < ranks; ++r) {
+    devices.push_back(std::make_unique<LossDevice>(s.device, rank_threads, s.measured_gemms));
+    trainers.push_back(
+        make_trainer(s, *devices.back(), r + 1 < ranks ? reference : std::move(reference)));
+    if (group) trainers.back()->set_data_group(&group->comm(r));
+    if (r > 0) replicas.push_back(*policy);
+  }
+  const auto model_of = [&](int r) -> model::LlamaModel& {
+    return r == 0 ? *policy : replicas[static_cast<std::size_t>(r - 1)];
+  };
+  const std::unique_ptr<Trainer>& trainer = trainers.front();
+  const data::BatchSampler sampler(trainer->size(), static_cast<std::size_t>(s.batch_size), s.seed,
+                                   true, ranks > 1);
   const std::int64_t per_epoch = static_cast<std::int64_t>(sampler.batches_per_epoch());
   std::fprintf(
       stderr,
@@ -336,6 +392,7 @@ int run(const Settings& s, const std::string& invocation) {
                    {"grad_accum", std::to_string(s.grad_accum)},
                    {"steps", std::to_string(s.steps)},
                    {"device", s.device},
+                   {"data_parallel", std::to_string(s.data_parallel)},
                    {"command", invocation}};
   if (!init.empty()) state.strings["init"] = init;
   const auto save = [&](std::int64_t step, const std::string& dir) {
@@ -349,20 +406,38 @@ int run(const Settings& s, const std::string& invocation) {
   std::vector<std::vector<std::size_t>> epoch_batches;
   double last_loss = NAN;
   for (std::int64_t step = start; step < s.steps; ++step) {
-    policy->zero_grad();
-    MicroStats sum;
-    std::map<std::string, double> metric_sum;
+    std::vector<std::vector<std::size_t>> micro_batches;
     for (std::int64_t micro = 0; micro < s.grad_accum; ++micro) {
       const std::int64_t m = step * s.grad_accum + micro;
       if (m / per_epoch != cached_epoch) {
         cached_epoch = m / per_epoch;
         epoch_batches = sampler.epoch(static_cast<std::uint64_t>(cached_epoch));
       }
-      const MicroStats r =
-          trainer->step(*policy, epoch_batches[static_cast<std::size_t>(m % per_epoch)]);
-      sum.loss += r.loss;
-      sum.tokens += r.tokens;
-      for (const auto& [k, v] : r.metrics) metric_sum[k] += v;
+      micro_batches.push_back(epoch_batches[static_cast<std::size_t>(m % per_epoch)]);
+    }
+    // Rank r takes examples [n r / ranks, n (r + 1) / ranks) of each micro-batch; the ranks'
+    // gradients are summed before the optimizer step (each is its share of the whole's).
+    std::vector<std::vector<MicroStats>> stats(static_cast<std::size_t>(ranks));
+    for_ranks(ranks, [&](int r) {
+      if (ranks > 1) omp_set_num_threads(rank_threads);
+      model::LlamaModel& m = model_of(r);
+      m.zero_grad();
+      for (const std::vector<std::size_t>& b : micro_batches) {
+        const std::size_t n = b.size(), lo = n * static_cast<std::size_t>(r) / ranks,
+                          hi = n * static_cast<std::size_t>(r + 1) / ranks;
+        stats[static_cast<std::size_t>(r)].push_back(
+            trainers[static_cast<std::size_t>(r)]->step(m, {b.data() + lo, hi - lo}));
+      }
+      if (group)
+        group->comm(r).all_reduce_sum(CpuContext(rank_threads), m.grads().data(),
+                                      static_cast<std::int64_t>(m.grads().size()));
+    });
+    MicroStats sum;
+    std::map<std::string, double> metric_sum;
+    for (std::size_t i = 0; i < micro_batches.size(); ++i) {
+      sum.loss += stats[0][i].loss;  // the group's, on every rank
+      for (const auto& [k, v] : stats[0][i].metrics) metric_sum[k] += v;
+      for (const auto& rank : stats) sum.tokens += rank[i].tokens;
     }
     const double inv = 1.0 / static_cast<double>(s.grad_accum);
     if (s.grad_accum > 1) policy->scale_grads(static_cast<float>(inv));
@@ -372,6 +447,8 @@ int run(const Settings& s, const std::string& invocation) {
                     ", grad norm ", norm, "); try a lower --lr");
     const double lr = model::learning_rate(s.schedule, step);
     opt->step(*policy, lr);
+    for (model::LlamaModel& m : replicas)
+      std::copy(policy->params().begin(), policy->params().end(), m.params().begin());
     last_loss = sum.loss * inv;
 
     nlohmann::json rec = {

@@ -53,6 +53,7 @@ class CeTrainer final : public Trainer {
     in.hidden = dev_.in(hidden);
     in.weight = dev_.in(model.lm_head_weight());
     in.targets = dev_.in(batch.targets_view());
+    in.data_group = data_group_;
     CrossEntropyGrads g;
     g.hidden = dev_.inout(d_hidden);
     g.weight = dev_.inout(model.lm_head_weight_grad());
@@ -89,7 +90,7 @@ class LogProbs {
 
 // One forward_backward of a sequence loss on the policy, then the model's backward. Of `host`
 // the per-sequence inputs reference_logps, labels and kl are used (host views: the loss reads
-// them on the host on either device).
+// them on the host on either device), and the data group.
 MicroStats policy_step(LossDevice& dev, const SequenceLoss& loss, model::LlamaModel& model,
                        const data::Batch& batch, const PreferenceInputs& host, HiddenGrad& dh) {
   const TensorView hidden = model.forward(batch.tokens_view());
@@ -101,6 +102,7 @@ MicroStats policy_step(LossDevice& dev, const SequenceLoss& loss, model::LlamaMo
   in.reference_logps = host.reference_logps;
   in.labels = host.labels;
   in.kl = host.kl;
+  in.data_group = host.data_group;
   PreferenceGrads g;
   g.hidden = dev.inout(d_hidden);
   g.weight = dev.inout(model.lm_head_weight_grad());
@@ -175,6 +177,7 @@ class PairTrainer final : public Trainer {
   MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples) override {
     const data::Batch batch = data::collate_preference(pairs_, examples);
     PreferenceInputs in;
+    in.data_group = data_group_;
     std::vector<float> ref;
     if (reference_) {
       ref = ref_logps_(*reference_, batch);
@@ -233,17 +236,19 @@ class KtoTrainer final : public Trainer {
     const data::Batch kl_batch = data::collate_sft(mismatched, all);
     const std::vector<float> kl_ref = logps_(reference_, kl_batch);
     const std::vector<float> kl_policy = logps_(model, kl_batch);
-    double kl = 0;
+    // The mean over the group's mismatched pairs, as TRL gathers them.
+    double kl[2] = {0, static_cast<double>(kl_ref.size())};
     for (std::size_t i = 0; i < kl_ref.size(); ++i)
-      kl += static_cast<double>(kl_policy[i]) - static_cast<double>(kl_ref[i]);
-    kl = std::max(0.0, kl / static_cast<double>(kl_ref.size()));
+      kl[0] += static_cast<double>(kl_policy[i]) - static_cast<double>(kl_ref[i]);
+    if (data_group_) data_group_->all_reduce_sum(host_, kl, 2);
 
     PreferenceInputs in;
+    in.data_group = data_group_;
     const std::vector<float> ref = logps_(reference_, batch);
     in.reference_logps = TensorView::of(ref.data(), {batch.rows});
     std::vector<std::int32_t> labels(batch.labels.begin(), batch.labels.end());
     in.labels = TensorView::of(labels.data(), {batch.rows});
-    in.kl = kl;
+    in.kl = std::max(0.0, kl[0] / kl[1]);
     return policy_step(dev_, loss_, model, batch, in, dh_);
   }
 
@@ -257,6 +262,7 @@ class KtoTrainer final : public Trainer {
   std::vector<data::UnpairedExample> examples_;
   std::vector<data::LabeledSequence> seqs_;
   HiddenGrad dh_;
+  CpuContext host_;  // the KL sums' collective (host memory)
 };
 
 }  // namespace

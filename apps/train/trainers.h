@@ -5,6 +5,7 @@
 #include <chunkloss/apps/loss_device.h>
 #include <chunkloss/apps/tuning.h>
 #include <chunkloss/data/batch.h>
+#include <chunkloss/dist/communicator.h>
 #include <chunkloss/model/model.h>
 
 #include <cstdint>
@@ -49,6 +50,14 @@ class Trainer {
   virtual MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples) = 0;
   /// The metric shown as the progress line's accuracy, and its short label.
   virtual std::pair<const char*, const char*> accuracy_metric() const = 0;
+  /// Makes this trainer one rank of a data group: step() takes the rank's part of the group's
+  /// micro-batch, and its loss, metrics and gradients are those of the group's whole micro-batch
+  /// (the gradients as this rank's share: sum model.grads() over the group afterwards). Every
+  /// rank must step together. null: alone.
+  void set_data_group(dist::Communicator* group) { data_group_ = group; }
+
+ protected:
+  dist::Communicator* data_group_ = nullptr;
 };
 
 /// Encoding options shared by every data set.

@@ -6,10 +6,12 @@
 CASE is one of: sft (a few SFT steps from a new model: the loss goes down, the metrics file has
 one line per step, the chart is written), dpo|orpo|simpo|cpo|kto (a few steps from the sft
 case's checkpoint: the loss goes down), resume (12 steps straight == 7 steps, save, resume, 5
-more; bitwise), eval (chunkloss-eval --json on the sft checkpoint), usage (bad options: one line,
-exit code 2), cuda (ctest label gpu: SFT then DPO (measured GEMM algorithms) with the loss on the
-GPU, step by step within
-1e-4 of the CPU run; exits with 77, skipped, where there is no CUDA backend or device).
+more; bitwise), eval (chunkloss-eval --json on the sft checkpoint), data_parallel (SFT and DPO
+over 1 and 3 ranks of --data-parallel agree step by step; KTO over 2 ranks reports the whole
+micro-batch's counts), usage (bad options: one line, exit code 2), cuda (ctest label gpu: SFT
+then DPO (measured GEMM algorithms) with the loss on the GPU, step by step within 1e-4 of the CPU
+run, and DPO over 2 ranks on the GPU too; exits with 77, skipped, where there is no CUDA backend
+or device).
 """
 import json
 import os
@@ -118,13 +120,17 @@ def main():
             fail("a model against itself must have zero rewards: %s" % r)
         if "| sft " not in p.stdout:
             fail("the table has no sft row:\n" + p.stdout)
+    elif case == "data_parallel":
+        data_parallel_case(train, work, sft)
     elif case == "usage":
         for cmd in ([train, "--no-such-option"], [train, "--loss", "nope"],
                     [train, "--steps", "0"], [train, "--device", "tpu"],
                     [train, "--gemm-selection", "measured"],
                     [train, "--device", "cuda", "--gemm-selection", "fastest"],
                     [train, "--init", sft, "--hidden-size", "8"], [evaluate],
-                    [evaluate, "--model", sft, "--beta", "-1"]):
+                    [evaluate, "--model", sft, "--beta", "-1"],
+                    [train, "--batch-size", "3", "--data-parallel", "4"],
+                    [train, "--loss", "kto", "--batch-size", "3", "--data-parallel", "2"]):
             p = run(cmd, expect=2)
             lines = p.stderr.strip().splitlines()
             if len(lines) != 1 or "see --help" not in lines[0]:
@@ -148,6 +154,57 @@ def main():
 
 def close(a, b, rel):
     return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+def records(metrics_path):
+    with open(metrics_path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def check_same_curves(a, b, what, tol):
+    """Every number of every step of two metrics files agrees to `tol` (relative, with a floor of
+    1e-2 for values near 0, such as the first step's rewards), but the epoch: --data-parallel
+    drops an epoch's last short micro-batch, so its epochs have fewer steps."""
+    ra, rb = records(a), records(b)
+    if len(ra) != len(rb):
+        fail("%s: %d and %d steps" % (what, len(ra), len(rb)))
+    worst, where = 0.0, ""
+    for x, y in zip(ra, rb):
+        if set(x) != set(y):
+            fail("%s: metric names differ: %s, %s" % (what, sorted(x), sorted(y)))
+        for k, v in x.items():
+            if k == "epoch":
+                continue
+            d = abs(v - y[k]) / max(abs(v), 1e-2)
+            if d > worst:
+                worst, where = d, "step %d %s" % (x["step"], k)
+    print("%s: %d steps, worst relative difference %.2e (%s)" % (what, len(ra), worst, where))
+    if worst > tol:
+        fail("%s: the curves differ by %.2e at %s" % (what, worst, where))
+
+
+def data_parallel_case(train, work, sft):
+    """--data-parallel K: the ranks' loss calls share the library's data group, so a run over K
+    ranks computes the same steps as over one, up to the order of sums."""
+    for loss, init in (("ce", []), ("dpo", ["--init", sft])):
+        paths = []
+        for k in ("1", "3"):
+            m = os.path.join(work, "dp-%s-%s.jsonl" % (loss, k))
+            if os.path.exists(m):
+                os.remove(m)
+            run([train, "--loss", loss, "--steps", "8", "--warmup-steps", "0", "--lr", "3e-3",
+                 "--batch-size", "16", "--data-parallel", k, "--metrics", m] + init +
+                ([] if init else ["--hidden-size", "32", "--intermediate-size", "64"]))
+            paths.append(m)
+        check_same_curves(paths[0], paths[1], "%s over 1 and 3 ranks" % loss, 1e-4)
+    m = os.path.join(work, "dp-kto-2.jsonl")
+    if os.path.exists(m):
+        os.remove(m)
+    run([train, "--loss", "kto", "--init", sft, "--steps", "4", "--warmup-steps", "0",
+         "--batch-size", "16", "--data-parallel", "2", "--metrics", m])
+    for r in records(m):
+        if r["count/chosen"] + r["count/rejected"] != 16:
+            fail("kto over 2 ranks: the counts are not the micro-batch's 16: %s" % r)
 
 
 def cuda_case(train, evaluate, work, small):
@@ -177,6 +234,14 @@ def cuda_case(train, evaluate, work, small):
              "--warmup-steps", "0", "--lr", "3e-3", "--batch-size", "16", "--save", dpo] +
             (["--gemm-selection", "measured"] if dev == "cuda" else []))
         runs[dev].append(losses(os.path.join(dpo, "metrics.jsonl")))
+    # DPO over 2 ranks of --data-parallel, both losses on the GPU (the in-process group stages
+    # the collectives through the host): the same curve as the CPU's single rank.
+    dp = os.path.join(work, "cuda-check-dp2")
+    run([train, "--device", "cuda", "--data-parallel", "2", "--loss", "dpo", "--init",
+         os.path.join(work, "cuda-check-cpu", "sft"), "--steps", "16", "--warmup-steps", "0",
+         "--lr", "3e-3", "--batch-size", "16", "--save", dp])
+    check_same_curves(os.path.join(work, "cuda-check-cpu", "dpo", "metrics.jsonl"),
+                      os.path.join(dp, "metrics.jsonl"), "dpo: cpu, cuda over 2 ranks", 1e-4)
     check_went_down(os.path.join(work, "cuda-check-cuda", "sft", "metrics.jsonl"), 40)
     check_went_down(os.path.join(work, "cuda-check-cuda", "dpo", "metrics.jsonl"), 16)
     for stage, i in (("sft", 0), ("dpo", 1)):
