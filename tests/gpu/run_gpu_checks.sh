@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's checks of a CUDA build, run from the source root: the GPU suites, the CUDA
 # smoke test of chunkloss-train (the loss on the GPU against the CPU run), compute-sanitizer
-# memcheck over the suites and a CUDA training run, racecheck of 18 of the suites' 20 cases
-# (see below) and synccheck of the project's kernels. Test binaries run directly, not through CTest:
+# memcheck over the suites and CUDA training runs (one rank and --data-parallel 2), racecheck of
+# most of the suites' cases (see below) and synccheck of the project's kernels. Test binaries run directly, not through CTest:
 # CTest files hold the build machine's paths. Writes OUT/NAME.txt per check and OUT/summary.txt.
 #
 #   tests/gpu/run_gpu_checks.sh BUILD_DIR OUT_DIR
@@ -43,6 +43,8 @@ init=/tmp/chunkloss-smoke/cuda-check-cpu/sft  # the smoke test's SFT model, or a
   --save "$init" >/dev/null 2>&1
 check memcheck_train "${san[@]}" --tool memcheck "$train" --device cuda \
   --loss dpo --init "$init" --steps 2 --warmup-steps 0 --batch-size 4 --save /tmp/chunkloss-memcheck
+check memcheck_train_dp "${san[@]}" --tool memcheck "$train" --device cuda --data-parallel 2 \
+  --loss dpo --init "$init" --steps 2 --warmup-steps 0 --batch-size 4 --save /tmp/chunkloss-memcheck-dp
 check memcheck_measured "${san[@]}" --tool memcheck "$ce" -tc='gpu: measured*'
 check memcheck_ce "${san[@]}" --tool memcheck "$ce" \
   -tc='gpu: shapes*,gpu: all rows*,gpu: out-of-range*,gpu: results left*'
