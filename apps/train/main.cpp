@@ -176,12 +176,10 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.data.encode.max_length = in_range<std::int64_t>(vm, "max-length", 0, 1 << 20);
   s.data.encode.max_prompt_length = in_range<std::int64_t>(vm, "max-prompt-length", 0, 1 << 20);
   s.batch_size = in_range<std::int64_t>(vm, "batch-size", 1, 1 << 20);
-  // Every rank needs examples (KTO two, for its mismatched pairs).
-  const std::int64_t per_rank = s.loss.loss == "kto" ? 2 : 1;
-  if (s.batch_size < per_rank * s.data_parallel)
-    throw apps::UsageError("--batch-size " + std::to_string(s.batch_size) + " is less than " +
-                           std::to_string(per_rank) + " example(s) for each of the " +
-                           std::to_string(s.data_parallel) + " ranks of --data-parallel");
+  if (s.batch_size < s.data_parallel)  // every rank needs an example
+    throw apps::UsageError("--batch-size " + std::to_string(s.batch_size) +
+                           " gives no example to some of the " + std::to_string(s.data_parallel) +
+                           " ranks of --data-parallel");
 
   s.init = vm["init"].as<std::string>();
   s.resume = vm["resume"].as<std::string>();
@@ -278,14 +276,16 @@ void write_chart(const std::string& metrics, const std::string& chart, const std
   apps::write_file_atomic(chart, apps::svg_chart(title, "optimizer step", {loss, acc}));
 }
 
-// fn(r) for each rank r of `n`, each on its own thread when there are several; the first rank's
-// error is rethrown once every thread has ended.
+// fn(r) for each rank r of `group` (none: rank 0 alone), each on its own thread; a rank that
+// fails aborts the group, so that the others do not wait for it in a collective, and the first
+// rank's error is rethrown once every thread has ended.
 template <typename Fn>
-void for_ranks(int n, Fn&& fn) {
-  if (n == 1) {
+void for_ranks(dist::InProcessGroup* group, Fn&& fn) {
+  if (!group) {
     fn(0);
     return;
   }
+  const int n = group->size();
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r)
@@ -294,11 +294,26 @@ void for_ranks(int n, Fn&& fn) {
         fn(r);
       } catch (...) {
         errors[static_cast<std::size_t>(r)] = std::current_exception();
+        group->abort();
       }
     });
   for (std::thread& t : threads) t.join();
-  for (const std::exception_ptr& e : errors)
-    if (e) std::rethrow_exception(e);
+  // The first error that is not another rank's abort.
+  std::exception_ptr first;
+  for (const std::exception_ptr& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const Error& err) {
+      if (std::string_view(err.what()).find("was aborted") != std::string_view::npos) {
+        if (!first) first = e;
+        continue;
+      }
+    } catch (...) {
+    }
+    std::rethrow_exception(e);
+  }
+  if (first) std::rethrow_exception(first);
 }
 
 int run(const Settings& s, const std::string& invocation) {
@@ -415,19 +430,16 @@ int run(const Settings& s, const std::string& invocation) {
       }
       micro_batches.push_back(epoch_batches[static_cast<std::size_t>(m % per_epoch)]);
     }
-    // Rank r takes examples [n r / ranks, n (r + 1) / ranks) of each micro-batch; the ranks'
-    // gradients are summed before the optimizer step (each is its share of the whole's).
+    // Each rank steps on its part of every micro-batch; the ranks' gradients are summed before
+    // the optimizer step (each is its share of the whole's).
     std::vector<std::vector<MicroStats>> stats(static_cast<std::size_t>(ranks));
-    for_ranks(ranks, [&](int r) {
+    for_ranks(group ? &*group : nullptr, [&](int r) {
       if (ranks > 1) omp_set_num_threads(rank_threads);
       model::LlamaModel& m = model_of(r);
       m.zero_grad();
-      for (const std::vector<std::size_t>& b : micro_batches) {
-        const std::size_t n = b.size(), lo = n * static_cast<std::size_t>(r) / ranks,
-                          hi = n * static_cast<std::size_t>(r + 1) / ranks;
+      for (const std::vector<std::size_t>& b : micro_batches)
         stats[static_cast<std::size_t>(r)].push_back(
-            trainers[static_cast<std::size_t>(r)]->step(m, {b.data() + lo, hi - lo}));
-      }
+            trainers[static_cast<std::size_t>(r)]->step(m, b));
       if (group)
         group->comm(r).all_reduce_sum(CpuContext(rank_threads), m.grads().data(),
                                       static_cast<std::int64_t>(m.grads().size()));

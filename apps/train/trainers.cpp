@@ -45,7 +45,7 @@ class CeTrainer final : public Trainer {
   }
 
   MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples) override {
-    const data::Batch batch = data::collate_sft(seqs_, examples);
+    const data::Batch batch = data::collate_sft(seqs_, own(examples));
     const TensorView hidden = model.forward(batch.tokens_view());
     const TensorView d_hidden = dh_.view(hidden);
     dev_.begin();
@@ -175,7 +175,7 @@ class PairTrainer final : public Trainer {
   }
 
   MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples) override {
-    const data::Batch batch = data::collate_preference(pairs_, examples);
+    const data::Batch batch = data::collate_preference(pairs_, own(examples));
     PreferenceInputs in;
     in.data_group = data_group_;
     std::vector<float> ref;
@@ -224,9 +224,13 @@ class KtoTrainer final : public Trainer {
   MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples) override {
     CHUNKLOSS_CHECK(examples.size() >= 2, "kto: a micro-batch of ", examples.size(),
                     " example has no mismatched pairs for the KL estimate; use --batch-size >= 2");
-    const data::Batch batch = data::collate_unpaired(seqs_, examples);
+    // The rank's examples, and their mismatched pairs: prompt i with completion i + 1 over the
+    // whole micro-batch, so the pairs do not depend on how it is split.
+    const std::span<const std::size_t> mine = own(examples);
+    const data::Batch batch = data::collate_unpaired(seqs_, mine);
     std::vector<data::Sequence> mismatched;
-    for (std::size_t i = 0; i < examples.size(); ++i) {
+    const auto first = static_cast<std::size_t>(mine.data() - examples.data());
+    for (std::size_t i = first; i < first + mine.size(); ++i) {
       const data::UnpairedExample& p = examples_[examples[i]];
       const data::UnpairedExample& c = examples_[examples[(i + 1) % examples.size()]];
       mismatched.push_back(data::encode(tok_, p.prompt, c.completion, encode_));

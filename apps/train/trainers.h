@@ -46,17 +46,25 @@ class Trainer {
   virtual ~Trainer() = default;
   /// Number of examples (pairs for the paired losses) an epoch draws from.
   virtual std::size_t size() const = 0;
-  /// Adds the gradients of the mean loss over `examples` into model.grads().
+  /// Adds the gradients of the mean loss over `examples` (a micro-batch) into model.grads().
   virtual MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples) = 0;
   /// The metric shown as the progress line's accuracy, and its short label.
   virtual std::pair<const char*, const char*> accuracy_metric() const = 0;
-  /// Makes this trainer one rank of a data group: step() takes the rank's part of the group's
-  /// micro-batch, and its loss, metrics and gradients are those of the group's whole micro-batch
-  /// (the gradients as this rank's share: sum model.grads() over the group afterwards). Every
-  /// rank must step together. null: alone.
+  /// Makes this trainer one rank of a data group: every rank's step() gets the whole
+  /// micro-batch and computes on its own part (own()), and its loss, metrics and gradients are
+  /// those of the whole micro-batch (the gradients as this rank's share: sum model.grads() over
+  /// the group afterwards). Every rank must step together. null: alone.
   void set_data_group(dist::Communicator* group) { data_group_ = group; }
 
  protected:
+  /// This rank's examples of a micro-batch of n: [n r / K, n (r + 1) / K) for rank r of K.
+  std::span<const std::size_t> own(std::span<const std::size_t> examples) const {
+    if (!data_group_) return examples;
+    const auto n = examples.size(), r = static_cast<std::size_t>(data_group_->rank()),
+               k = static_cast<std::size_t>(data_group_->size());
+    return examples.subspan(n * r / k, n * (r + 1) / k - n * r / k);
+  }
+
   dist::Communicator* data_group_ = nullptr;
 };
 

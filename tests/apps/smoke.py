@@ -6,9 +6,9 @@
 CASE is one of: sft (a few SFT steps from a new model: the loss goes down, the metrics file has
 one line per step, the chart is written), dpo|orpo|simpo|cpo|kto (a few steps from the sft
 case's checkpoint: the loss goes down), resume (12 steps straight == 7 steps, save, resume, 5
-more; bitwise), eval (chunkloss-eval --json on the sft checkpoint), data_parallel (SFT and DPO
-over 1 and 3 ranks of --data-parallel agree step by step; KTO over 2 ranks reports the whole
-micro-batch's counts), usage (bad options: one line, exit code 2), cuda (ctest label gpu: SFT
+more; bitwise), eval (chunkloss-eval --json on the sft checkpoint), data_parallel (SFT, DPO
+and KTO over 1 and 3 ranks of --data-parallel agree step by step, KTO's counts are the whole
+micro-batch's, and a rank that fails alone ends the run with one line), usage (bad options: one line, exit code 2), cuda (ctest label gpu: SFT
 then DPO (measured GEMM algorithms) with the loss on the GPU, step by step within 1e-4 of the CPU
 run, and DPO over 2 ranks on the GPU too; exits with 77, skipped, where there is no CUDA backend
 or device).
@@ -129,8 +129,7 @@ def main():
                     [train, "--device", "cuda", "--gemm-selection", "fastest"],
                     [train, "--init", sft, "--hidden-size", "8"], [evaluate],
                     [evaluate, "--model", sft, "--beta", "-1"],
-                    [train, "--batch-size", "3", "--data-parallel", "4"],
-                    [train, "--loss", "kto", "--batch-size", "3", "--data-parallel", "2"]):
+                    [train, "--batch-size", "3", "--data-parallel", "4"]):
             p = run(cmd, expect=2)
             lines = p.stderr.strip().splitlines()
             if len(lines) != 1 or "see --help" not in lines[0]:
@@ -186,7 +185,7 @@ def check_same_curves(a, b, what, tol):
 def data_parallel_case(train, work, sft):
     """--data-parallel K: the ranks' loss calls share the library's data group, so a run over K
     ranks computes the same steps as over one, up to the order of sums."""
-    for loss, init in (("ce", []), ("dpo", ["--init", sft])):
+    for loss, init in (("ce", []), ("dpo", ["--init", sft]), ("kto", ["--init", sft])):
         paths = []
         for k in ("1", "3"):
             m = os.path.join(work, "dp-%s-%s.jsonl" % (loss, k))
@@ -197,14 +196,27 @@ def data_parallel_case(train, work, sft):
                 ([] if init else ["--hidden-size", "32", "--intermediate-size", "64"]))
             paths.append(m)
         check_same_curves(paths[0], paths[1], "%s over 1 and 3 ranks" % loss, 1e-4)
-    m = os.path.join(work, "dp-kto-2.jsonl")
-    if os.path.exists(m):
-        os.remove(m)
-    run([train, "--loss", "kto", "--init", sft, "--steps", "4", "--warmup-steps", "0",
-         "--batch-size", "16", "--data-parallel", "2", "--metrics", m])
-    for r in records(m):
+    for r in records(os.path.join(work, "dp-kto-3.jsonl")):
         if r["count/chosen"] + r["count/rejected"] != 16:
-            fail("kto over 2 ranks: the counts are not the micro-batch's 16: %s" % r)
+            fail("kto over 3 ranks: the counts are not the micro-batch's 16: %s" % r)
+    # One pair longer than the model's positions: the rank that gets it fails in the model, the
+    # other, waiting in a collective, is released, and the run ends with that rank's error.
+    bad = os.path.join(work, "dp-one-long.jsonl")
+    with open(bad, "w") as f:
+        for i in range(7):
+            f.write(json.dumps({"prompt": "q%d" % i, "chosen": "yes", "rejected": "no"}) + "\n")
+        f.write(json.dumps({"prompt": "q", "chosen": "x" * 40, "rejected": "no"}) + "\n")
+    cmd = [train, "--loss", "orpo", "--train-file", bad, "--max-length", "0",
+           "--max-positions", "16", "--hidden-size", "32", "--intermediate-size", "64",
+           "--batch-size", "4", "--steps", "2", "--warmup-steps", "0", "--data-parallel", "2"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        fail("a rank's failure left the other waiting: %s" % " ".join(cmd))
+    lines = p.stderr.strip().splitlines()
+    if p.returncode != 1 or "max_position_embeddings" not in lines[-1]:
+        fail("expected exit 1 naming max_position_embeddings, got %d:\n%s" %
+             (p.returncode, p.stderr))
 
 
 def cuda_case(train, evaluate, work, small):

@@ -8,6 +8,7 @@
 #include <chunkloss/core/error.h>
 #include <chunkloss/dist/communicator.h>
 
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -34,7 +35,7 @@ struct RankRun {
 struct Split {
   std::vector<std::int64_t> vocab = {0};
   std::vector<std::int64_t> rows = {0};
-  GradRequest grads;
+  GradRequest grads{};
   bool accumulate = false;
   float fill = 0.0f;  // the gradient buffers' contents before the call
 };
@@ -456,6 +457,30 @@ TEST_CASE("in-process group: sums in rank order, gathers, and rejects mismatched
     CHECK(gathered[i] == std::vector<int>{0, 7, 14});
     CHECK(errors[i].find("InProcessGroup::all_reduce_sum: rank ") != std::string::npos);
   }
+}
+
+TEST_CASE(
+    "in-process group: abort wakes the ranks waiting in a collective, and later calls throw") {
+  dist::InProcessGroup g(3);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)  // rank 2 never calls: ranks 0 and 1 wait until the abort
+    threads.emplace_back([&, r] {
+      CpuContext ctx(1);
+      double x = 1;
+      try {
+        g.comm(r).all_reduce_sum(ctx, &x, 1);
+      } catch (const Error& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  g.abort();
+  for (auto& t : threads) t.join();
+  for (const std::string& e : errors) CHECK(e.find("aborted") != std::string::npos);
+  CpuContext ctx(1);
+  double x = 1;
+  CHECK_THROWS_WITH_AS(g.comm(2).all_reduce_sum(ctx, &x, 1), doctest::Contains("aborted"), Error);
 }
 
 }  // namespace chunkloss::test

@@ -108,9 +108,10 @@ struct InProcessGroup::State {
                    " has ", theirs);
   }
 
-  // A barrier over all ranks.
+  // A barrier over all ranks (throws once the group is aborted).
   void wait() {
     std::unique_lock lock(mutex);
+    CHUNKLOSS_CHECK(!aborted, kAborted);
     const std::uint64_t gen = generation;
     if (++arrived == ranks.size()) {
       arrived = 0;
@@ -118,8 +119,18 @@ struct InProcessGroup::State {
       cv.notify_all();
       return;
     }
-    cv.wait(lock, [&] { return generation != gen; });
+    cv.wait(lock, [&] { return generation != gen || aborted; });
+    CHUNKLOSS_CHECK(generation != gen, kAborted);
   }
+
+  void abort() {
+    const std::lock_guard lock(mutex);
+    aborted = true;
+    cv.notify_all();
+  }
+
+  static constexpr const char* kAborted =
+      "InProcessGroup: the group was aborted (a rank failed outside the collectives)";
 
   std::vector<std::unique_ptr<Rank>> ranks;
   std::vector<const void*> slots;
@@ -128,6 +139,7 @@ struct InProcessGroup::State {
   std::condition_variable cv;
   std::size_t arrived = 0;
   std::uint64_t generation = 0;
+  bool aborted = false;
 };
 
 InProcessGroup::InProcessGroup(int size) {
@@ -144,5 +156,7 @@ Communicator& InProcessGroup::comm(int rank) {
                   size(), ")");
   return *state_->ranks[static_cast<std::size_t>(rank)];
 }
+
+void InProcessGroup::abort() { state_->abort(); }
 
 }  // namespace chunkloss::dist

@@ -41,6 +41,10 @@ class InProcessGroup {
 
   int size() const;
   Communicator& comm(int rank);
+  /// Ends the group: every rank waiting in a collective, and every later collective, throws
+  /// chunkloss::Error. For a driver one of whose ranks failed outside the collectives, which the
+  /// others would otherwise wait for forever.
+  void abort();
 
  private:
   struct State;
