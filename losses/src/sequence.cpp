@@ -411,7 +411,7 @@ void set_results(PreferenceResult& r, const SequenceObjective& obj, const std::v
                  double units, std::int64_t vocab) {
   const auto mean = [](double a, double b) { return b > 0 ? a / b : 0.0; };
   const double nll = mean(t[kNll], t[kTokens + 1]);
-  r.loss = t[kLoss] / units + obj.nll_weight() * nll;
+  r.loss = t[kLoss] * (1.0 / units) + obj.nll_weight() * nll;
   auto& m = r.metrics;
   m.emplace_back("rewards/chosen", mean(t[kReward + 1], t[kCount + 1]));
   m.emplace_back("rewards/rejected", mean(t[kReward], t[kCount]));
@@ -438,7 +438,8 @@ void set_results(PreferenceResult& r, const SequenceObjective& obj, const std::v
   if (obj.uses_kl()) m.emplace_back("kl", r.kl);
 }
 
-// Sums host values over the data group's ranks (none: unchanged), through `device` on CUDA.
+// Sums host values over the data group's ranks (none: unchanged), through `device` (device
+// memory) on CUDA.
 struct GroupSum {
   Context& ctx;
   dist::Communicator* group;
@@ -476,20 +477,32 @@ void check_deferred_pair(const SequenceObjective& obj, const Checked& c,
                   "); the gradient buffers hold unspecified values");
 }
 
+// Bytes at the start of the workspace through which a data group's ranks exchange their sums
+// on CUDA, between the passes (no pass is running then).
+std::size_t exchange_bytes(const SequenceObjective& obj) {
+  return (kNumTally + obj.extra_metrics().size()) * sizeof(double);
+}
+
 // The call's plan; with a KL batch, whose passes run first from the start of the same block,
-// the layout is extended to hold their plan too; on CUDA with a data group it also holds the
-// sums the ranks exchange (`group_sums`).
-Plan call_plan(const SequenceObjective& obj, const Checked& c,
-               WorkspaceSlice* group_sums = nullptr) {
+// the layout is extended to hold their plan too, and on CUDA with a data group to hold the
+// exchange.
+Plan call_plan(const SequenceObjective& obj, const Checked& c) {
   Plan p = plan_sequence_objective(c.request, c.layout);
-  const std::size_t kl = c.kl_policy ? c.kl_plan.workspace_bytes() : 0;
-  if (kl > p.workspace_bytes()) p.layout.add(kl - p.workspace_bytes());
-  if (c.data_group && c.request.device == Device::kCuda) {
-    const WorkspaceSlice g =
-        p.layout.add((kNumTally + obj.extra_metrics().size()) * sizeof(double));
-    if (group_sums) *group_sums = g;
-  }
+  std::size_t floor = c.kl_policy ? c.kl_plan.workspace_bytes() : 0;
+  if (c.data_group && c.request.device == Device::kCuda)
+    floor = std::max(floor, exchange_bytes(obj));
+  if (floor > p.workspace_bytes()) p.layout.add(floor - p.workspace_bytes());
   return p;
+}
+
+// What every rank of a data group must have alike for their collectives to match: the KL batch,
+// the sums of dW and db in the call, and the objective's extra metrics.
+double call_kind(const SequenceObjective& obj, const SequenceOptions& o, const PreferenceInputs& in,
+                 const PreferenceGrads& gr) {
+  const bool kl_batch = in.kl_batch.targets.defined() || in.kl_batch.policy.hidden.defined();
+  const bool sum = o.reduce_weight_grad_over_data_group;
+  return (kl_batch ? 1 : 0) + (sum && gr.weight.defined() ? 2 : 0) +
+         (sum && gr.bias.defined() ? 4 : 0) + 8.0 * static_cast<double>(obj.extra_metrics().size());
 }
 
 }  // namespace
@@ -523,46 +536,74 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
                                                 const Workspace& ws) const {
   const SequenceObjective& obj = *objective_;
   const std::string who(obj.name());
-  Checked c = check_call(obj, options_, ctx.device(), in, grads);
-  WorkspaceSlice group_slice;
-  const Plan plan = call_plan(obj, c, &group_slice);
-  CHUNKLOSS_CHECK(ws.device() == ctx.device(), who, ": workspace is on ", device_name(ws.device()),
-                  ", the context on ", device_name(ctx.device()));
-  detail::check_device_index(who.c_str(), ctx, ws,
-                             {{"policy.hidden", &in.policy.hidden},
-                              {"policy.weight", &in.policy.weight},
-                              {"policy.bias", &in.policy.bias},
-                              {"targets", &in.targets},
-                              {"reference.hidden", &in.reference.hidden},
-                              {"reference.weight", &in.reference.weight},
-                              {"reference.bias", &in.reference.bias},
-                              {"grads.hidden", &grads.hidden},
-                              {"grads.weight", &grads.weight},
-                              {"grads.bias", &grads.bias}});
-  ws.require(plan.layout, who.c_str());
-  if (c.kl_policy) ws.require(c.kl_plan.layout, who.c_str());
-  const GroupSum group_sum{ctx, in.data_group, ws.at<double>(group_slice)};
-
-  // The values; with a data group the ranks first agree whether any rank's were rejected, so
-  // that all of them throw instead of the others waiting for the one that threw.
+  // Everything checked before the first collective: with a data group the ranks first agree
+  // whether any rank rejected its call and whether they all make the same kind of call, so that
+  // all of them throw instead of the others waiting for one that threw.
+  std::optional<Checked> checked;
+  Plan plan;
   std::exception_ptr rejected;
   try {
-    check_values(obj, options_, ctx, device_scalars(plan, ws), in, c);
-  } catch (const Error&) {
+    checked.emplace(check_call(obj, options_, ctx.device(), in, grads));
+    plan = call_plan(obj, *checked);
+    CHUNKLOSS_CHECK(ws.device() == ctx.device(), who, ": workspace is on ",
+                    device_name(ws.device()), ", the context on ", device_name(ctx.device()));
+    const auto& kb = in.kl_batch;
+    detail::check_device_index(who.c_str(), ctx, ws,
+                               {{"policy.hidden", &in.policy.hidden},
+                                {"policy.weight", &in.policy.weight},
+                                {"policy.bias", &in.policy.bias},
+                                {"targets", &in.targets},
+                                {"reference.hidden", &in.reference.hidden},
+                                {"reference.weight", &in.reference.weight},
+                                {"reference.bias", &in.reference.bias},
+                                {"kl_batch.policy.hidden", &kb.policy.hidden},
+                                {"kl_batch.policy.weight", &kb.policy.weight},
+                                {"kl_batch.policy.bias", &kb.policy.bias},
+                                {"kl_batch.targets", &kb.targets},
+                                {"kl_batch.reference.hidden", &kb.reference.hidden},
+                                {"kl_batch.reference.weight", &kb.reference.weight},
+                                {"kl_batch.reference.bias", &kb.reference.bias},
+                                {"grads.hidden", &grads.hidden},
+                                {"grads.weight", &grads.weight},
+                                {"grads.bias", &grads.bias}});
+    ws.require(plan.layout, who.c_str());
+    if (checked->kl_policy) ws.require(checked->kl_plan.layout, who.c_str());
+    check_values(obj, options_, ctx, device_scalars(plan, ws), in, *checked);
+  } catch (...) {
     if (!in.data_group) throw;
     rejected = std::current_exception();
   }
-  const std::int64_t s = c.call.sequences, per = c.call.unit_sequences, units = s / per;
-  // Rejected ranks, units, and tokens of the chosen sequences (the NLL term's divisor).
-  double counts[3] = {rejected ? 1.0 : 0.0, static_cast<double>(units), 0.0};
-  for (std::int64_t i = 0; i < s && !rejected; ++i)
-    if (is_chosen(c, i)) counts[2] += static_cast<double>(c.tokens[static_cast<std::size_t>(i)]);
-  group_sum(counts, 3);
+  // The exchange: on CUDA the workspace's first bytes (none of the call's passes is running
+  // when the ranks exchange), which a rank whose workspace cannot hold them cannot join.
+  CHUNKLOSS_CHECK(
+      !in.data_group || ctx.device() == Device::kCpu || ws.bytes() >= exchange_bytes(obj), who,
+      ": with a data group on CUDA the workspace needs at least ", exchange_bytes(obj),
+      " bytes, got ", ws.bytes());
+  const GroupSum group_sum{ctx, in.data_group, static_cast<double*>(ws.base())};
+  // Rejected ranks, units, tokens of the chosen sequences (the NLL term's divisor), and the
+  // call's kind and its square (equal on every rank iff their sums are K kind and K kind^2).
+  const double kind = call_kind(obj, options_, in, grads);
+  double counts[5] = {rejected ? 1.0 : 0.0, 0.0, 0.0, kind, kind * kind};
+  if (!rejected) {
+    const Checked& c = *checked;
+    counts[1] = static_cast<double>(c.call.sequences / c.call.unit_sequences);
+    for (std::int64_t i = 0; i < c.call.sequences; ++i)
+      if (is_chosen(c, i)) counts[2] += static_cast<double>(c.tokens[static_cast<std::size_t>(i)]);
+  }
+  group_sum(counts, 5);
   if (rejected) std::rethrow_exception(rejected);
   CHUNKLOSS_CHECK(counts[0] == 0, who, ": ", counts[0],
-                  " rank(s) of data_group rejected their inputs' values; this rank's were valid, "
-                  "and nothing was written");
-  const double all_units = counts[1], chosen_tokens = counts[2];
+                  " rank(s) of data_group rejected their calls; this rank's was valid, and "
+                  "nothing was written");
+  if (in.data_group) {
+    const double k = in.data_group->size();
+    CHUNKLOSS_CHECK(counts[3] == k * kind && counts[4] == k * kind * kind, who,
+                    ": the ranks of data_group make different kinds of calls (a KL batch, dW or db "
+                    "summed in the call, or the objective's metrics differ); nothing was written");
+  }
+  Checked& c = *checked;
+  const std::int64_t s = c.call.sequences, per = c.call.unit_sequences, units = s / per;
+  const double all_units = counts[1], inv_units = 1.0 / all_units, chosen_tokens = counts[2];
   const double nll_coef = chosen_tokens > 0 ? obj.nll_weight() / chosen_tokens : 0.0;
 
   PreferenceResult r;
@@ -582,9 +623,9 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
       SequenceStats st[2];
       const std::size_t m = unit_stats(c, sums, u, st);
       const auto ui = static_cast<std::size_t>(u);
-      const UnitResult& res = results[ui] =
-          obj.evaluate(std::span<const SequenceStats>(st, m), batch, extras[ui]);
       try {
+        const UnitResult& res = results[ui] =
+            obj.evaluate(std::span<const SequenceStats>(st, m), batch, extras[ui]);
         for (std::size_t k = 0; k < m; ++k) {
           CHUNKLOSS_CHECK(std::isfinite(res.loss) && std::isfinite(res.dlogp[k]), who,
                           ": the objective returned a non-finite loss or derivative for unit ", u,
@@ -594,10 +635,10 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
                                 "hold unspecified values"
                               : "");
           const auto seq = static_cast<std::size_t>(static_cast<std::int64_t>(k) * units + u);
-          coef[seq] = -res.dlogp[k] / all_units + (st[k].label == 1 ? nll_coef : 0.0);
+          coef[seq] = -res.dlogp[k] * inv_units + (st[k].label == 1 ? nll_coef : 0.0);
         }
         if (deferred && u == 0) check_deferred_pair(obj, c, coef);
-      } catch (const Error&) {
+      } catch (...) {
         if (!in.data_group) throw;
         if (!failed) failed = std::current_exception();
         for (std::size_t k = 0; k < m; ++k)
@@ -620,8 +661,8 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   std::vector<double> t = tally(obj, c, sums, r.rewards, results, extras, failed != nullptr);
   group_sum(t.data(), t.size());
   if (failed) std::rethrow_exception(failed);
-  CHUNKLOSS_CHECK(t[kFailed] == 0, who, ": the objective returned a non-finite value on ",
-                  t[kFailed],
+  CHUNKLOSS_CHECK(t[kFailed] == 0, who,
+                  ": the objective failed (threw or returned a non-finite value) on ", t[kFailed],
                   " other rank(s) of data_group; the gradient buffers hold unspecified values");
   set_results(r, obj, t, all_units, c.call.policy.vocab);
   return r;

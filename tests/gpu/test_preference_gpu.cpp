@@ -8,6 +8,7 @@
 
 #include <chunkloss/core/error.h>
 #include <chunkloss/dist/communicator.h>
+#include <chunkloss/dist/nccl.h>
 #include <chunkloss/gpu/context.h>
 #include <chunkloss/losses/preference.h>
 #include <chunkloss/losses/sequence.h>
@@ -620,9 +621,14 @@ void check_gpu_split(const PrefData& d, const SequenceLoss& loss, const PrefGrad
   for (std::size_t r = 0; r < split.ranks(); ++r) parts.push_back(split.part(d, r));
   dist::InProcessGroup group(static_cast<int>(split.ranks()));
   const std::vector<PrefRun> runs = on_threads(split.ranks(), [&](std::size_t r) {
-    return run_gpu(parts[r], loss,
-                   PrefGradBuffers(parts[r], g, std::numeric_limits<float>::quiet_NaN()), false,
-                   false, nullptr, &group.comm(static_cast<int>(r)));
+    try {
+      return run_gpu(parts[r], loss,
+                     PrefGradBuffers(parts[r], g, std::numeric_limits<float>::quiet_NaN()), false,
+                     false, nullptr, &group.comm(static_cast<int>(r)));
+    } catch (...) {  // a rank failing alone must not leave the others waiting
+      group.abort();
+      throw;
+    }
   });
   // Other GEMM shapes may take other cuBLAS algorithms: fp32 rounding, and one bf16 rounding
   // of the gradients.
@@ -666,6 +672,42 @@ TEST_CASE("gpu: data parallel: two ranks on one device match the unsplit call") 
     check_gpu_split(PrefData(ks), Kto(KtoOptions{}), g, DataSplit{{0, 4, 9}, {0, 1, ks.kl_s}},
                     false);
   }
+}
+
+TEST_CASE("gpu: data parallel: a bad target on one rank fails both; NCCL's exchange on one rank") {
+  if (!have_gpu()) return;
+  const PrefData d(gpu_spec());
+  const DataSplit split{{0, 1, 3}, {}};
+  std::vector<PrefData> parts = {split.part(d, 0), split.part(d, 1)};
+  parts[1].set_target(parts[1].rows() - 1, d.spec.v);
+  dist::InProcessGroup group(2);
+  const std::vector<std::string> e = on_threads(2, [&](std::size_t r) {
+    const PrefGradBuffers pristine(parts[r], {}, 3.25f);
+    std::string what;
+    const PrefRun run = run_gpu(parts[r], Dpo(DpoOptions{}), pristine, false, false, &what,
+                                &group.comm(static_cast<int>(r)));
+    CHECK_MESSAGE(run.grads.bitwise_equal(pristine), "a failed call wrote into the gradients");
+    return what;
+  });
+  INFO(e[0], " | ", e[1]);
+  CHECK(e[0].find("1 rank(s) of data_group rejected their calls") != std::string::npos);
+  CHECK(e[1].find("targets") != std::string::npos);
+
+  // NCCL reduces device memory only: the sums go through the workspace. With one rank the
+  // results are the call's alone, bit for bit.
+  auto comms = dist::NcclCommunicator::create_all({0});
+  PrefSpec ks = gpu_spec();
+  ks.s = 9;
+  ks.labels = true;
+  ks.kl_batch = true;
+  const PrefData kd(ks);
+  KtoOptions o;
+  o.engine.fp32_weight_grad_accumulator = true;
+  o.engine.reduce_weight_grad_over_data_group = true;
+  const PrefGradBuffers start(kd, {}, std::numeric_limits<float>::quiet_NaN());
+  const PrefRun alone = run_gpu(kd, Kto(o), start);
+  const PrefRun nccl = run_gpu(kd, Kto(o), start, false, false, nullptr, comms[0].get());
+  CHECK(runs_bitwise_equal(alone, nccl));
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <limits>
 #include <memory>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -33,7 +34,12 @@ std::vector<PrefRun> run_split(const PrefData& d, const SequenceLoss& loss,
   for (std::size_t r = 0; r < s.ranks(); ++r) parts.push_back(s.part(d, r));
   dist::InProcessGroup group(static_cast<int>(s.ranks()));
   return on_threads(s.ranks(), [&](std::size_t r) {
-    return run_library(parts[r], loss, g, 1, &group.comm(static_cast<int>(r)));
+    try {
+      return run_library(parts[r], loss, g, 1, &group.comm(static_cast<int>(r)));
+    } catch (...) {  // a rank failing alone must not leave the others waiting
+      group.abort();
+      throw;
+    }
   });
 }
 
@@ -163,7 +169,8 @@ TEST_CASE("data parallel: bf16, accumulation of a rank's share, and dW and db su
 TEST_CASE("data parallel: forward only gives the group's loss and metrics") {
   const PrefData d(pair_spec(RefMode::kNone, true));
   for (const DataSplit& s : splits_of(5, 0))
-    check_split(d, Orpo(OrpoOptions{}), PrefGradRequest::none(), s, false, 0.0);
+    check_split(d, Orpo(OrpoOptions{}), PrefGradRequest::none(), s, false,
+                tolerance(DType::kF32).chunking);
 }
 
 // Runs every rank of `parts` and returns each rank's error message ("" when it returned).
@@ -176,7 +183,13 @@ std::vector<std::string> errors_of(const std::vector<PrefData>& parts, const Seq
     PreferenceInputs in = parts[r].inputs();
     in.data_group = &group.comm(static_cast<int>(r));
     const PreferenceGrads grads = run.grads.views();
-    const AlignedBuffer block(loss.workspace_bytes(in, grads));
+    // A call whose plan fails still calls, with some workspace: the ranks must agree on it.
+    std::size_t bytes = std::size_t{1} << 20;
+    try {
+      bytes = loss.workspace_bytes(in, grads);
+    } catch (const Error&) {
+    }
+    const AlignedBuffer block(bytes);
     std::string error;
     try {
       run.result = loss.forward_backward(ctx, in, grads, block.workspace());
@@ -263,7 +276,72 @@ TEST_CASE("data parallel: a non-finite objective value on one rank makes every r
   INFO(e[0], " | ", e[1]);
   CHECK(e[0].find("non-finite loss or derivative for unit 1") != std::string::npos);
   CHECK(e[0].find("gradient buffers hold unspecified values") != std::string::npos);
-  CHECK(e[1].find("non-finite value on 1 other rank(s) of data_group") != std::string::npos);
+  CHECK(e[1].find("failed (threw or returned a non-finite value) on 1 other rank(s)") !=
+        std::string::npos);
+}
+
+// Throws std::runtime_error (not chunkloss::Error) where NanOnMarker returns NaN.
+class ThrowOnMarker final : public SequenceObjective {
+ public:
+  std::string_view name() const override { return "ThrowOnMarker"; }
+  Unit unit() const override { return Unit::kPair; }
+  bool uses_reference() const override { return true; }
+  UnitResult evaluate(std::span<const SequenceStats> s, const BatchConstants& b,
+                      std::span<double> e) const override {
+    if (s[0].ref_logp == kMarker) throw std::runtime_error("ThrowOnMarker: the marker");
+    return NanOnMarker().evaluate(s, b, e);
+  }
+};
+
+TEST_CASE("data parallel: an objective that throws on one rank makes every rank throw") {
+  const PrefData d(pair_spec(RefMode::kLogps, false));
+  std::vector<PrefData> parts = {data_part(d, 0, 2, 0, 0), data_part(d, 2, 5, 0, 0)};
+  parts[1].ref_logps[0] = kMarker;
+  const SequenceLoss loss(std::make_shared<ThrowOnMarker>());
+  dist::InProcessGroup group(2);
+  const std::vector<std::string> e = on_threads(2, [&](std::size_t r) {
+    CpuContext ctx(1);
+    PrefGradBuffers grads(parts[r], PrefGradRequest{});
+    PreferenceInputs in = parts[r].inputs();
+    in.data_group = &group.comm(static_cast<int>(r));
+    const AlignedBuffer ws(loss.workspace_bytes(in, grads.views()));
+    try {
+      loss.forward_backward(ctx, in, grads.views(), ws.workspace());
+    } catch (const std::exception& x) {
+      return std::string(x.what());
+    }
+    return std::string();
+  });
+  INFO(e[0], " | ", e[1]);
+  CHECK(e[0].find("failed (threw or returned a non-finite value) on 1 other rank(s)") !=
+        std::string::npos);
+  CHECK(e[1] == "ThrowOnMarker: the marker");
+}
+
+TEST_CASE(
+    "data parallel: a call one rank rejects, or calls of different kinds, fail on every rank") {
+  // Ranks may differ in S and T: a forced resident regime fits one rank's budget only.
+  PrefSpec long_spec = pair_spec(RefMode::kHead, false);
+  long_spec.s = 4;
+  long_spec.t = 101;
+  const PrefData long_pairs(long_spec), short_pairs(pair_spec(RefMode::kHead, false));
+  DpoOptions o;
+  o.engine.regime = Regime::kResident;
+  o.engine.memory_budget_bytes = std::size_t{24} << 10;
+  const std::vector<std::string> e = errors_of(
+      {short_pairs, long_pairs}, Dpo(o), [](std::size_t, PrefRun& run) { CHECK(untouched(run)); });
+  INFO(e[0], " | ", e[1]);
+  CHECK(e[0].find("1 rank(s) of data_group rejected their calls") != std::string::npos);
+  CHECK(e[1].find("regime resident") != std::string::npos);
+  // KTO with a KL batch on one rank and the KL point given on the other.
+  const PrefData kto(kto_spec(RefMode::kLogps, true));
+  std::vector<PrefData> parts = {data_part(kto, 0, 3, 0, 2), data_part(kto, 3, 7, 2, 5)};
+  parts[1].spec.kl_batch = false;
+  parts[1].spec.kl = 0.1;
+  const std::vector<std::string> k =
+      errors_of(parts, Kto(KtoOptions{}), [](std::size_t, PrefRun& run) { CHECK(untouched(run)); });
+  for (const std::string& m : k)
+    CHECK(m.find("make different kinds of calls") != std::string::npos);
 }
 
 }  // namespace

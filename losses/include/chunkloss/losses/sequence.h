@@ -140,11 +140,14 @@ struct PreferenceInputs {
   /// gradient: sum (do not average) dW and db over the group afterwards, or set
   /// SequenceOptions::reduce_weight_grad_over_data_group. The loss, the metrics and kl are the
   /// group's, equal on every rank; the per-sequence vectors (logps, rewards, unit_losses, ...)
-  /// are this rank's. Every rank must make the call. Invalid values on any rank (targets,
-  /// labels, reference_logps, a sequence without valid tokens, check_finite's findings) make
-  /// every rank throw before anything is written, and a non-finite value from the objective on
-  /// any rank makes every rank throw at the end of the call; shape and workspace errors are
-  /// thrown by the rank alone while the others wait for it. null: this call's sequences alone.
+  /// are this rank's. Every rank must make the call, of the same kind (a KL batch or not, dW and
+  /// db summed or not, the same objective): this is checked. A call that any rank rejects
+  /// (shapes, workspace, values such as targets, labels, reference_logps, a sequence without
+  /// valid tokens, check_finite's findings) makes every rank throw before anything is written,
+  /// and an objective that fails (throws, or returns a non-finite value) on any rank makes every
+  /// rank throw at the end of the call. Only a CUDA workspace too small for the exchange of the
+  /// sums (about 120 bytes, at its start) is thrown by the rank alone. plan() and
+  /// workspace_bytes() must see the same data_group. null: this call's sequences alone.
   dist::Communicator* data_group = nullptr;
 };
 
@@ -188,7 +191,8 @@ class SequenceLoss {
   const SequenceObjective& objective() const { return *objective_; }
   const SequenceOptions& options() const { return options_; }
 
-  /// The plan for a call (regime, groups, chunking, workspace layout); checks shapes only.
+  /// The plan for a call (regime, groups, chunking, workspace layout); checks shapes only. With
+  /// a data group and the dW sum, the layout holds an fp32 dW accumulator.
   Plan plan(const PreferenceInputs& in, const PreferenceGrads& grads = {}) const;
   std::size_t workspace_bytes(const PreferenceInputs& in, const PreferenceGrads& grads = {}) const;
 
