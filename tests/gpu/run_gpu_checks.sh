@@ -51,6 +51,9 @@ check memcheck_ce "${san[@]}" --tool memcheck "$ce" \
 check memcheck_pref "${san[@]}" --tool memcheck "$pref" \
   -tc='gpu: P = 1*,gpu: accumulate*,gpu: bad targets*,gpu: SequenceLogProbs*,gpu: check_finite*'
 check memcheck_pref_parallel "${san[@]}" --tool memcheck "$pref" -tc='gpu: data parallel*'
+# NCCL's initialisation fails API calls on purpose (kernel images it probes for): memory errors
+# only there.
+check memcheck_pref_nccl "${san[@]}" --tool memcheck --report-api-errors no "$pref" -tc='gpu: NCCL*'
 check memcheck_parallel "${san[@]}" --tool memcheck "$par" -tc='*in-process group*'
 check memcheck_deferred "${san[@]}" --tool memcheck "$pref" -tc='gpu: the deferred regime*'
 check memcheck_skipped "${san[@]}" --tool memcheck "$pref" -tc='gpu: skipped rows*'
