@@ -63,26 +63,8 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   CHUNKLOSS_CHECK(n > 0 && h > 0 && v > 0, kWho, ": empty problem: hidden ", in.hidden.str(),
                   ", weight ", in.weight.str());
   const VocabShard& shard = in.vocab_shard;
-  const std::int64_t v_total = shard.group ? shard.size : v;
+  const std::int64_t v_total = detail::check_vocab_shard(kWho, shard, v, in.weight, o.loop_order);
   CHUNKLOSS_CHECK(v_total <= INT32_MAX, kWho, ": vocab V=", v_total, " exceeds 2^31-1");
-  if (shard.group) {
-    // Rank r of K holds rows [V r / K, V (r + 1) / K): every rank can check its own shard, the
-    // shards tile the vocabulary, and every rank plans the same chunks (from ceil(V / K)).
-    const std::int64_t k = shard.group->size(), r = shard.group->rank();
-    CHUNKLOSS_CHECK(shard.size >= k, kWho, ": vocab_shard: a vocabulary of size ", shard.size,
-                    " cannot be split over ", k, " ranks");
-    const std::int64_t first = shard.size * r / k, end = shard.size * (r + 1) / k;
-    CHUNKLOSS_CHECK(shard.offset == first && v == end - first, kWho, ": vocab_shard: rank ", r,
-                    " of ", k, " must hold rows [", first, ", ", end,
-                    ") of the vocabulary of size ", shard.size,
-                    " (rank r: [V r / K, V (r + 1) / K)), got weight ", in.weight.str(),
-                    " at offset ", shard.offset);
-    CHUNKLOSS_CHECK(o.loop_order != LoopOrder::kVocabBlock, kWho,
-                    ": loop_order vocab_block is not available with vocab_shard");
-  } else {
-    CHUNKLOSS_CHECK(shard.offset == 0 && shard.size == 0, kWho, ": vocab_shard offset ",
-                    shard.offset, " and size ", shard.size, " are set without a group");
-  }
   check_view(kWho, "hidden", in.hidden, dev, {n, h}, kFloat);
   CHUNKLOSS_CHECK(in.weight.size(1) == h, kWho, ": weight ", in.weight.str(),
                   " does not match hidden ", in.hidden.str(), " (H differs)");

@@ -117,13 +117,14 @@ class CudaTokenBackend final : public TokenBackend {
     const std::int64_t h = c_.hidden;
     auto* dst =
         static_cast<unsigned char*>(c_.grad_x.data()) + r0 * h * dtype_size(c_.grad_x.dtype());
-    if (vp_.dh) {  // fp32 rows summed over the group, then rounded once into dH
+    if (vp_.dh) {  // fp32 rows summed over the group, then scaled (row scales) and rounded once
       grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), vp_.dh, DType::kF32, h,
                 uniform_alpha(), 0.0f);
       c_.vocab_group->all_reduce_sum(ctx_, vp_.dh, (r1 - r0) * h);
+      const float* scale = c_.row_scales ? p_.row.scale + r0 : gemm_scalar(kern::kOne);
       CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(
-          dst, elem(c_.grad_x.dtype()), h, vp_.dh, kern::Elem::kF32, h, gemm_scalar(kern::kOne),
-          r1 - r0, h, !first || c_.accumulate, stream_, 0));
+          dst, elem(c_.grad_x.dtype()), h, vp_.dh, kern::Elem::kF32, h, scale, r1 - r0, h,
+          !first || c_.accumulate, stream_, c_.row_scales ? 1 : 0));
       return;
     }
     if (dh_acc_) {

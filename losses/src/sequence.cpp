@@ -3,9 +3,11 @@
 #include "chunkloss/losses/sequence.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <exception>
 #include <string>
+#include <tuple>
 
 #include "chunkloss/core/error.h"
 #include "sequence_engine.h"
@@ -68,8 +70,10 @@ TensorView as_rows(const TensorView& x, std::int64_t n, std::int64_t h) {
 
 // A forward-only (or policy) token call of a head under the plain rule: row loss = -log p(y).
 // check_finite is done before the call on either device (check_finite_head), not by the backend.
+// With a vocabulary split the head is the rank's shard of a vocabulary of `v_total`.
 detail::TokenCall head_call(const Head& head, const HeadShape& hs, const TensorView& targets_rows,
-                            std::int64_t ignore_index) {
+                            std::int64_t ignore_index, const VocabShard& shard = {},
+                            std::int64_t v_total = 0) {
   detail::TokenCall k;
   k.rows = hs.n;
   k.hidden = hs.h;
@@ -79,16 +83,27 @@ detail::TokenCall head_call(const Head& head, const HeadShape& hs, const TensorV
   k.bias = head.bias;
   k.targets = targets_rows;
   k.ignore_index = ignore_index;
-  k.rule.cw_sum = static_cast<float>(hs.v);
+  if (shard.group && shard.group->size() > 1) {
+    k.vocab_group = shard.group;
+    k.vocab_offset = shard.offset;
+    k.vocab_total = v_total;
+  }
+  k.rule.cw_sum = static_cast<float>(k.total_vocab());
   k.scale = detail::RowScale::kSum;
   return k;
 }
 
-PlanRequest head_request(const HeadShape& hs, Device dev, const SequenceOptions& o) {
+// Every rank of a vocabulary split plans from the largest shard, so all plan the same chunks.
+PlanRequest head_request(const HeadShape& hs, Device dev, const SequenceOptions& o,
+                         const VocabShard& shard = {}, std::int64_t v_total = 0) {
   PlanRequest q;
   q.rows = hs.n;
   q.hidden = hs.h;
   q.vocab = hs.v;
+  if (shard.group && shard.group->size() > 1) {
+    q.vocab_ranks = shard.group->size();
+    q.vocab = (v_total + q.vocab_ranks - 1) / q.vocab_ranks;
+  }
   q.device = dev;
   q.input_dtype = hs.dtype;
   q.logits_dtype = o.logits_dtype;
@@ -184,6 +199,8 @@ struct Checked {
   std::int64_t kl_seq_len = 0, kl_sequences = 0;
   Plan kl_plan;
   dist::Communicator* data_group = nullptr;
+  std::int64_t v_total = 0;                   ///< the whole vocabulary
+  dist::Communicator* vocab_group = nullptr;  ///< split over more than one rank
 };
 
 Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Device dev,
@@ -240,7 +257,13 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
                                 in.targets.device_index());
   c.data_group = in.data_group;
   auto& k = c.call;
-  k.policy = head_call(in.policy, hs, targets_rows, o.ignore_index);
+  const VocabShard& shard = in.vocab_shard;
+  c.v_total = detail::check_vocab_shard(who, shard, v, in.policy.weight, o.loop_order);
+  CHUNKLOSS_CHECK(c.v_total <= INT32_MAX, who, ": vocab V=", c.v_total, " exceeds 2^31-1");
+  c.vocab_group = shard.group && shard.group->size() > 1 ? shard.group : nullptr;
+  CHUNKLOSS_CHECK(!c.vocab_group || o.regime != Regime::kDeferred, who,
+                  ": regime deferred is not available with vocab_shard");
+  k.policy = head_call(in.policy, hs, targets_rows, o.ignore_index, shard, c.v_total);
   k.policy.grad_x = gr.hidden;
   k.policy.grad_w = gr.weight;
   k.policy.grad_bias = gr.bias;
@@ -249,12 +272,13 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
   if (o.reduce_weight_grad_over_data_group) k.policy.weight_grad_group = in.data_group;
   // A bf16 gradient tile on CUDA keeps per-sequence coefficients out of its rounding.
   k.policy.row_scales = dev == Device::kCuda && hs.dtype == DType::kBF16;
-  if (ref_head) k.reference = head_call(in.reference, hs, targets_rows, o.ignore_index);
+  if (ref_head)
+    k.reference = head_call(in.reference, hs, targets_rows, o.ignore_index, shard, c.v_total);
   k.sequences = s;
   k.seq_len = t;
   k.unit_sequences = pairs ? 2 : 1;
 
-  c.request = head_request(hs, dev, o);
+  c.request = head_request(hs, dev, o, shard, c.v_total);
   c.request.grad_hidden = gr.hidden.defined();
   c.request.grad_weight = gr.weight.defined();
   c.request.grad_bias = gr.bias.defined();
@@ -267,8 +291,9 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
   c.layout.unit_sequences = k.unit_sequences;
   c.layout.reference_head = ref_head;
   c.layout.regime = o.regime;
-  c.layout.deferrable = pairs && obj.pair_antisymmetric() && obj.nll_weight() == 0 &&
-                        !gr.bias.defined() && !(gr.weight.defined() && gr.accumulate);
+  c.layout.deferrable = !c.vocab_group && pairs && obj.pair_antisymmetric() &&
+                        obj.nll_weight() == 0 && !gr.bias.defined() &&
+                        !(gr.weight.defined() && gr.accumulate);
 
   if (kl_batch) {
     const auto& kb = in.kl_batch;
@@ -284,15 +309,15 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
                     ": kl_batch needs exactly one of a reference head and reference_logps");
     const TensorView krows(kb.targets.data(), kb.targets.dtype(), {ks.n}, kb.targets.device(),
                            kb.targets.device_index());
-    c.kl_policy = head_call(kb.policy, ks, krows, o.ignore_index);
+    c.kl_policy = head_call(kb.policy, ks, krows, o.ignore_index, shard, c.v_total);
     if (kref_head) {
       const HeadShape kr =
           check_head(who, "kl_batch.reference", kb.reference, dev, c.kl_sequences, c.kl_seq_len);
       CHUNKLOSS_CHECK(kr.h == h && kr.v == v && kr.dtype == hs.dtype, who,
                       ": kl_batch.reference must match the policy head's H, V and dtype");
-      c.kl_reference = head_call(kb.reference, ks, krows, o.ignore_index);
+      c.kl_reference = head_call(kb.reference, ks, krows, o.ignore_index, shard, c.v_total);
     }
-    c.kl_plan = plan_token_objective(head_request(ks, dev, o));
+    c.kl_plan = plan_token_objective(head_request(ks, dev, o, shard, c.v_total));
   }
   return c;
 }
@@ -306,7 +331,7 @@ void check_values(const SequenceObjective& obj, const SequenceOptions& o, Contex
   const std::int64_t s = in.targets.size(0);
   const bool pairs = obj.unit() == Unit::kPair;
   auto& k = c.call;
-  HostTargets ht = read_targets(who, "targets", ctx, in.targets, k.policy.vocab, o.ignore_index);
+  HostTargets ht = read_targets(who, "targets", ctx, in.targets, c.v_total, o.ignore_index);
   for (std::int64_t i = 0; i < s; ++i)
     CHUNKLOSS_CHECK(ht.tokens[static_cast<std::size_t>(i)] > 0, who, ": sequence ", i,
                     " of targets ", in.targets.str(), " has no valid token (all ignore_index ",
@@ -335,7 +360,7 @@ void check_values(const SequenceObjective& obj, const SequenceOptions& o, Contex
   if (c.kl_policy) {
     const auto& kb = in.kl_batch;
     HostTargets kt =
-        read_targets(who, "kl_batch.targets", ctx, kb.targets, k.policy.vocab, o.ignore_index);
+        read_targets(who, "kl_batch.targets", ctx, kb.targets, c.v_total, o.ignore_index);
     c.kl_valid = std::move(kt.valid);
     if (kb.reference_logps.defined())
       c.kl_ref_logps = read_vector(who, "kl_batch.reference_logps", ctx, kb.reference_logps,
@@ -489,7 +514,7 @@ std::size_t exchange_bytes(const SequenceObjective& obj) {
 Plan call_plan(const SequenceObjective& obj, const Checked& c) {
   Plan p = plan_sequence_objective(c.request, c.layout);
   std::size_t floor = c.kl_policy ? c.kl_plan.workspace_bytes() : 0;
-  if (c.data_group && c.request.device == Device::kCuda)
+  if ((c.data_group || c.vocab_group) && c.request.device == Device::kCuda)
     floor = std::max(floor, exchange_bytes(obj));
   if (floor > p.workspace_bytes()) p.layout.add(floor - p.workspace_bytes());
   return p;
@@ -497,12 +522,38 @@ Plan call_plan(const SequenceObjective& obj, const Checked& c) {
 
 // What every rank of a data group must have alike for their collectives to match: the KL batch,
 // the sums of dW and db in the call, and the objective's extra metrics.
-double call_kind(const SequenceObjective& obj, const SequenceOptions& o, const PreferenceInputs& in,
-                 const PreferenceGrads& gr) {
+double data_call_kind(const SequenceObjective& obj, const SequenceOptions& o,
+                      const PreferenceInputs& in, const PreferenceGrads& gr) {
   const bool kl_batch = in.kl_batch.targets.defined() || in.kl_batch.policy.hidden.defined();
   const bool sum = o.reduce_weight_grad_over_data_group;
   return (kl_batch ? 1 : 0) + (sum && gr.weight.defined() ? 2 : 0) +
          (sum && gr.bias.defined() ? 4 : 0) + 8.0 * static_cast<double>(obj.extra_metrics().size());
+}
+
+// What every rank of a vocabulary split must have alike for their collectives (in the passes)
+// to match: the heads run, dH, and the plan's regime, chunks and groups.
+std::array<double, 3> vocab_call_kind(const Checked& c, const Plan& p) {
+  const auto& k = c.call.policy;
+  const double heads = (c.call.reference ? 1 : 0) + (c.kl_policy ? 2 : 0) +
+                       (c.kl_reference ? 4 : 0) + (k.grad_x.defined() ? 8 : 0) +
+                       (k.any_grad() ? 16 : 0) + 32.0 * static_cast<double>(p.regime);
+  return {heads, static_cast<double>(p.chunk_rows), static_cast<double>(p.group_units)};
+}
+
+// One exchange over `ranks` ranks (the first of a call): the ranks flagging `failed`, whether
+// every rank sent the same `kind` (each value's sum and sum of squares are `ranks` times its own
+// and its square), and `payload` summed in place. Returns {failed ranks, same kind}.
+std::pair<double, bool> first_exchange(const GroupSum& sum, int ranks, bool failed,
+                                       std::span<const double> kind, std::span<double> payload) {
+  std::vector<double> v = {failed ? 1.0 : 0.0};
+  for (double x : kind) v.insert(v.end(), {x, x * x});
+  v.insert(v.end(), payload.begin(), payload.end());
+  sum(v.data(), v.size());
+  bool same = true;
+  for (std::size_t i = 0; i < kind.size(); ++i)
+    same = same && v[1 + 2 * i] == ranks * kind[i] && v[2 + 2 * i] == ranks * kind[i] * kind[i];
+  std::copy(v.end() - static_cast<std::ptrdiff_t>(payload.size()), v.end(), payload.begin());
+  return {v[0], same};
 }
 
 }  // namespace
@@ -539,6 +590,8 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   // Everything checked before the first collective: with a data group the ranks first agree
   // whether any rank rejected its call and whether they all make the same kind of call, so that
   // all of them throw instead of the others waiting for one that threw.
+  dist::Communicator* vocab_group =
+      in.vocab_shard.group && in.vocab_shard.group->size() > 1 ? in.vocab_shard.group : nullptr;
   std::optional<Checked> checked;
   Plan plan;
   std::exception_ptr rejected;
@@ -570,40 +623,55 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
     if (checked->kl_policy) ws.require(checked->kl_plan.layout, who.c_str());
     check_values(obj, options_, ctx, device_scalars(plan, ws), in, *checked);
   } catch (...) {
-    if (!in.data_group) throw;
+    if (!in.data_group && !vocab_group) throw;
     rejected = std::current_exception();
   }
-  // The exchange: on CUDA the workspace's first bytes (none of the call's passes is running
-  // when the ranks exchange), which a rank whose workspace cannot hold them cannot join.
-  CHUNKLOSS_CHECK(
-      !in.data_group || ctx.device() == Device::kCpu || ws.bytes() >= exchange_bytes(obj), who,
-      ": with a data group on CUDA the workspace needs at least ", exchange_bytes(obj),
-      " bytes, got ", ws.bytes());
-  const GroupSum group_sum{ctx, in.data_group, static_cast<double*>(ws.base())};
-  // Rejected ranks, units, tokens of the chosen sequences (the NLL term's divisor), and the
-  // call's kind and its square (equal on every rank iff their sums are K kind and K kind^2).
-  const double kind = call_kind(obj, options_, in, grads);
-  double counts[5] = {rejected ? 1.0 : 0.0, 0.0, 0.0, kind, kind * kind};
+  // The exchanges: on CUDA through the workspace's first bytes (none of the call's passes is
+  // running when the ranks exchange), which a rank whose workspace cannot hold them cannot join.
+  CHUNKLOSS_CHECK(!(in.data_group || vocab_group) || ctx.device() == Device::kCpu ||
+                      ws.bytes() >= exchange_bytes(obj),
+                  who, ": with a data group or a vocabulary split on CUDA the workspace needs at ",
+                  "least ", exchange_bytes(obj), " bytes, got ", ws.bytes());
+  auto* exchange = static_cast<double*>(ws.base());
+  const GroupSum group_sum{ctx, in.data_group, exchange};
+  // First the vocabulary split's ranks, whose verdict the data group then shares (a grid's data
+  // group holds one rank of each vocabulary group).
+  double vocab_failed = 0;
+  bool vocab_same = true;
+  if (vocab_group) {
+    const std::array<double, 3> kind =
+        rejected ? std::array<double, 3>{} : vocab_call_kind(*checked, plan);
+    std::tie(vocab_failed, vocab_same) = first_exchange(
+        GroupSum{ctx, vocab_group, exchange}, vocab_group->size(), rejected != nullptr, kind, {});
+  }
+  // Units and tokens of the chosen sequences (the NLL term's divisor), summed over the data group.
+  double counts[2] = {0, 0};
   if (!rejected) {
     const Checked& c = *checked;
-    counts[1] = static_cast<double>(c.call.sequences / c.call.unit_sequences);
+    counts[0] = static_cast<double>(c.call.sequences / c.call.unit_sequences);
     for (std::int64_t i = 0; i < c.call.sequences; ++i)
-      if (is_chosen(c, i)) counts[2] += static_cast<double>(c.tokens[static_cast<std::size_t>(i)]);
+      if (is_chosen(c, i)) counts[1] += static_cast<double>(c.tokens[static_cast<std::size_t>(i)]);
   }
-  group_sum(counts, 5);
+  const double data_kind = data_call_kind(obj, options_, in, grads);
+  const auto [data_failed, data_same] =
+      first_exchange(group_sum, in.data_group ? in.data_group->size() : 1,
+                     rejected || vocab_failed > 0 || !vocab_same, {&data_kind, 1}, counts);
   if (rejected) std::rethrow_exception(rejected);
-  CHUNKLOSS_CHECK(counts[0] == 0, who, ": ", counts[0],
+  CHUNKLOSS_CHECK(vocab_failed == 0, who, ": ", vocab_failed,
+                  " rank(s) of vocab_shard.group rejected their calls; this rank's was valid, and "
+                  "nothing was written");
+  CHUNKLOSS_CHECK(vocab_same, who,
+                  ": the ranks of vocab_shard.group make different kinds of calls (a reference "
+                  "head, a KL batch or dH asked for, or their plans differ); nothing was written");
+  CHUNKLOSS_CHECK(data_failed == 0, who, ": ", data_failed,
                   " rank(s) of data_group rejected their calls; this rank's was valid, and "
                   "nothing was written");
-  if (in.data_group) {
-    const double k = in.data_group->size();
-    CHUNKLOSS_CHECK(counts[3] == k * kind && counts[4] == k * kind * kind, who,
-                    ": the ranks of data_group make different kinds of calls (a KL batch, dW or db "
-                    "summed in the call, or the objective's metrics differ); nothing was written");
-  }
+  CHUNKLOSS_CHECK(data_same, who,
+                  ": the ranks of data_group make different kinds of calls (a KL batch, dW or db "
+                  "summed in the call, or the objective's metrics differ); nothing was written");
   Checked& c = *checked;
   const std::int64_t s = c.call.sequences, per = c.call.unit_sequences, units = s / per;
-  const double all_units = counts[1], inv_units = 1.0 / all_units, chosen_tokens = counts[2];
+  const double all_units = counts[0], inv_units = 1.0 / all_units, chosen_tokens = counts[1];
   const double nll_coef = chosen_tokens > 0 ? obj.nll_weight() / chosen_tokens : 0.0;
 
   PreferenceResult r;
@@ -664,7 +732,7 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   CHUNKLOSS_CHECK(t[kFailed] == 0, who,
                   ": the objective failed (threw or returned a non-finite value) on ", t[kFailed],
                   " other rank(s) of data_group; the gradient buffers hold unspecified values");
-  set_results(r, obj, t, all_units, c.call.policy.vocab);
+  set_results(r, obj, t, all_units, c.v_total);
   return r;
 }
 

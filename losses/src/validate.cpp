@@ -90,6 +90,28 @@ void check_finite(Context& ctx, double* scalars, const char* who, const char* na
 #endif
 }
 
+std::int64_t check_vocab_shard(const char* who, const VocabShard& shard, std::int64_t v,
+                               const TensorView& weight, LoopOrder order) {
+  if (!shard.group) {
+    CHUNKLOSS_CHECK(shard.offset == 0 && shard.size == 0, who, ": vocab_shard offset ",
+                    shard.offset, " and size ", shard.size, " are set without a group");
+    return v;
+  }
+  // Rank r of K holds rows [V r / K, V (r + 1) / K): every rank can check its own shard, the
+  // shards tile the vocabulary, and every rank plans the same chunks (from ceil(V / K)).
+  const std::int64_t k = shard.group->size(), r = shard.group->rank();
+  CHUNKLOSS_CHECK(shard.size >= k, who, ": vocab_shard: a vocabulary of size ", shard.size,
+                  " cannot be split over ", k, " ranks");
+  const std::int64_t first = shard.size * r / k, end = shard.size * (r + 1) / k;
+  CHUNKLOSS_CHECK(shard.offset == first && v == end - first, who, ": vocab_shard: rank ", r, " of ",
+                  k, " must hold rows [", first, ", ", end, ") of the vocabulary of size ",
+                  shard.size, " (rank r: [V r / K, V (r + 1) / K)), got weight ", weight.str(),
+                  " at offset ", shard.offset);
+  CHUNKLOSS_CHECK(order != LoopOrder::kVocabBlock, who,
+                  ": loop_order vocab_block is not available with vocab_shard");
+  return shard.size;
+}
+
 void check_targets(const char* who, const TensorView& targets, std::int64_t vocab,
                    std::int64_t ignore_index) {
   const std::int64_t n = targets.numel();

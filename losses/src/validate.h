@@ -10,6 +10,8 @@
 #include "chunkloss/core/context.h"
 #include "chunkloss/core/tensor.h"
 #include "chunkloss/core/workspace.h"
+#include "chunkloss/losses/plan.h"
+#include "chunkloss/losses/vocab_shard.h"
 
 namespace chunkloss::detail {
 
@@ -29,6 +31,11 @@ void check_finite(const char* who, const char* name, const TensorView& t);
 /// there in `scalars` (a CUDA plan's scalars slice), which synchronises the stream.
 void check_finite(Context& ctx, double* scalars, const char* who, const char* name,
                   const TensorView& t);
+/// The whole vocabulary of a call whose weight has `v` rows, split by `shard`: rank r of K must
+/// hold rows [size r / K, size (r + 1) / K), and loop_order vocab_block is refused; without a
+/// group, offset and size must be 0 (the vocabulary is `v`).
+std::int64_t check_vocab_shard(const char* who, const VocabShard& shard, std::int64_t v,
+                               const TensorView& weight, LoopOrder order);
 /// Targets in [0, V) or equal to ignore_index (host memory only).
 void check_targets(const char* who, const TensorView& targets, std::int64_t vocab,
                    std::int64_t ignore_index);

@@ -50,7 +50,7 @@ check memcheck_ce "${san[@]}" --tool memcheck "$ce" \
   -tc='gpu: shapes*,gpu: all rows*,gpu: out-of-range*,gpu: results left*'
 check memcheck_pref "${san[@]}" --tool memcheck "$pref" \
   -tc='gpu: P = 1*,gpu: accumulate*,gpu: bad targets*,gpu: SequenceLogProbs*,gpu: check_finite*'
-check memcheck_pref_parallel "${san[@]}" --tool memcheck "$pref" -tc='gpu: data parallel*'
+check memcheck_pref_parallel "${san[@]}" --tool memcheck "$pref" -tc='gpu: data parallel*,gpu: vocab parallel*'
 # NCCL's initialisation fails API calls on purpose (kernel images it probes for): memory errors
 # only there.
 check memcheck_pref_nccl "${san[@]}" --tool memcheck --report-api-errors no "$pref" -tc='gpu: NCCL*'

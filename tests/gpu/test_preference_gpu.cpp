@@ -78,8 +78,9 @@ struct DeviceCopies {
 // A problem's inputs on the device; `host_vectors` leaves reference_logps and labels (and the
 // KL batch's reference_logps) on the host, which the API allows.
 struct DeviceInputs {
-  DeviceInputs(const PrefData& d, bool host_vectors = false) {
-    const PreferenceInputs h = d.inputs();
+  DeviceInputs(const PrefData& d, bool host_vectors = false)
+      : DeviceInputs(d.inputs(), host_vectors) {}
+  DeviceInputs(const PreferenceInputs& h, bool host_vectors) {
     in = h;
     in.policy = mem.put(h.policy);
     in.targets = mem.put(h.targets);
@@ -712,6 +713,93 @@ TEST_CASE("gpu: NCCL data group of one rank: the sums go through the device") {
   const PrefRun alone = run_gpu(kd, Kto(o), start);
   const PrefRun nccl = run_gpu(kd, Kto(o), start, false, false, nullptr, comms[0].get());
   CHECK(runs_bitwise_equal(alone, nccl));
+}
+
+// The heads split over `vocab` ranks of an in-process group on one device (rank r holding rows
+// [V r / K, V (r + 1) / K)), against the unsplit call on the device: every rank's loss, metrics,
+// per-sequence vectors and dH, and its shard's dW and db rows.
+void check_gpu_vocab_split(const PrefData& d, const SequenceLoss& loss, const PrefGradRequest& g,
+                           int vocab) {
+  const PrefRun full = run_gpu(d, loss, g);
+  std::vector<ShardRun> runs;
+  for (int r = 0; r < vocab; ++r)
+    runs.emplace_back(d, d.spec.v * r / vocab, d.spec.v * (r + 1) / vocab, g);
+  dist::InProcessGroup group(vocab);
+  on_threads(runs.size(), [&](std::size_t r) {
+    ShardRun& run = runs[r];
+    try {
+      DeviceInputs di(run.inputs(d), false);
+      di.in.vocab_shard = {&group.comm(static_cast<int>(r)), run.v0, d.spec.v};
+      PreferenceGrads host = run.grads.views_as<PreferenceGrads>(false);
+      DeviceCopies gmem;
+      PreferenceGrads dev;
+      dev.hidden = gmem.put(host.hidden);
+      dev.weight = gmem.put(host.weight);
+      dev.bias = gmem.put(host.bias);
+      const std::size_t bytes = loss.workspace_bytes(di.in, dev);
+      gpu::DeviceBuffer ws(std::max<std::size_t>(bytes, 256));
+      gpu::Context ctx(0);
+      const Workspace w(ws.data(), bytes, Device::kCuda);
+      run.result =
+          dev.any() ? loss.forward_backward(ctx, di.in, dev, w) : loss.forward(ctx, di.in, w);
+      for (auto [hv, dv] : {std::pair{host.hidden, dev.hidden}, std::pair{host.weight, dev.weight},
+                            std::pair{host.bias, dev.bias}})
+        if (hv.defined()) gpu::copy_to_host(hv.data(), dv.data(), hv.nbytes());
+    } catch (...) {  // a rank failing alone must not leave the others waiting
+      group.abort();
+      throw;
+    }
+    return 0;
+  });
+  const double tol = g.dtype == DType::kF32 && d.spec.dtype == DType::kF32 ? 2e-5 : 4e-3;
+  const std::int64_t h = d.spec.h;
+  const std::vector<double> full_w = full.grads.weight(), full_b = full.grads.bias();
+  for (const ShardRun& run : runs) {
+    CAPTURE(run.v0);
+    check_scalar("loss", run.result.loss, full.result.loss, 2e-5);
+    check_scalar("kl", run.result.kl, full.result.kl, 2e-5);
+    REQUIRE(run.result.metrics.size() == full.result.metrics.size());
+    for (std::size_t m = 0; m < run.result.metrics.size(); ++m)
+      check_scalar("metric " + run.result.metrics[m].first, run.result.metrics[m].second,
+                   full.result.metrics[m].second, 2e-5);
+    check_close("logps", run.result.logps, full.result.logps, 2e-5);
+    check_close("rewards", run.result.rewards, full.result.rewards, 2e-5);
+    if (run.grads.has_hidden())
+      check_close("grad_hidden", run.grads.hidden(), full.grads.hidden(), tol);
+    if (run.grads.has_weight())
+      check_close("grad_weight rows", run.grads.weight(),
+                  {full_w.begin() + run.v0 * h, full_w.begin() + run.v1 * h}, tol);
+    if (run.grads.has_bias())
+      check_close("grad_bias rows", run.grads.bias(),
+                  {full_b.begin() + run.v0, full_b.begin() + run.v1}, tol);
+  }
+}
+
+TEST_CASE("gpu: vocab parallel: two ranks on one device match the unsplit call") {
+  if (!have_gpu()) return;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    PrefSpec s = gpu_spec();  // V = 1031: shards of 515 and 516 rows
+    s.dtype = dtype;
+    const PrefData d(s);
+    PrefGradRequest g;
+    g.dtype = dtype;
+    for (Regime r : kRegimes) {
+      INFO("dtype=", dtype_name(dtype), " regime=", regime_name(r));
+      DpoOptions o;
+      o.engine.regime = r;
+      check_gpu_vocab_split(d, Dpo(o), g, 2);
+      OrpoOptions orpo;
+      orpo.engine.regime = r;
+      PrefSpec os = s;
+      os.ref = RefMode::kNone;
+      check_gpu_vocab_split(PrefData(os), Orpo(orpo), g, 2);
+    }
+    PrefSpec ks = s;
+    ks.s = 9;
+    ks.labels = true;
+    ks.kl_batch = true;
+    check_gpu_vocab_split(PrefData(ks), Kto(KtoOptions{}), g, 2);
+  }
 }
 
 }  // namespace

@@ -354,24 +354,60 @@ void check_against_oracle(const PrefRun& run, const reference::PrefResult& ref, 
 
 namespace {
 
-// The rank's entries of a per-sequence vector of the unsplit call (pairs: chosen then rejected
-// sequences of its units), or of its [S*T, H] rows with `width` = T * H.
+// Rows [v0, v1) of a [V, H] (or [V]) buffer.
 template <typename T>
-std::vector<T> rank_part(const std::vector<T>& v, const DataSplit& s, std::size_t r, bool pairs,
-                         std::int64_t width = 1) {
-  const std::int64_t units = s.units.back();
-  std::vector<T> out;
-  for (std::int64_t k = 0; k < (pairs ? 2 : 1); ++k)
-    append_rows(out, v, k * units + s.units[r], k * units + s.units[r + 1], width);
-  return out;
+std::vector<T> vocab_rows(const std::vector<T>& x, std::int64_t v0, std::int64_t v1,
+                          std::int64_t width) {
+  if (x.empty()) return {};
+  return {x.begin() + v0 * width, x.begin() + v1 * width};
+}
+
+}  // namespace
+
+ShardRun::ShardRun(const PrefData& d, std::int64_t first, std::int64_t end,
+                   const PrefGradRequest& g)
+    : v0(first),
+      v1(end),
+      w(vocab_rows(d.weight, first, end, d.spec.h)),
+      b(vocab_rows(d.bias, first, end, 1)),
+      rw(vocab_rows(d.ref_weight, first, end, d.spec.h)),
+      rb(vocab_rows(d.ref_bias, first, end, 1)),
+      wb(to_bf16(w)),
+      bb(to_bf16(b)),
+      rwb(to_bf16(rw)),
+      rbb(to_bf16(rb)),
+      grads(g.dtype, g.hidden, g.weight, g.bias && d.spec.bias, d.rows(), d.spec.h, end - first,
+            std::numeric_limits<float>::quiet_NaN()) {}
+
+PreferenceInputs ShardRun::inputs(const PrefData& d) const {
+  PreferenceInputs in = d.inputs();
+  const bool bf = d.spec.dtype == DType::kBF16;
+  const std::int64_t v = v1 - v0, h = d.spec.h;
+  const auto weight = [&](const std::vector<float>& f, const std::vector<BFloat16>& x) {
+    return bf ? TensorView::of(x.data(), {v, h}) : TensorView::of(f.data(), {v, h});
+  };
+  const auto bias = [&](const std::vector<float>& f, const std::vector<BFloat16>& x) {
+    return f.empty() ? TensorView{}
+           : bf      ? TensorView::of(x.data(), {v})
+                     : TensorView::of(f.data(), {v});
+  };
+  for (Head* head : {&in.policy, &in.kl_batch.policy}) {
+    if (!head->weight.defined()) continue;
+    head->weight = weight(w, wb);
+    head->bias = bias(b, bb);
+  }
+  for (Head* head : {&in.reference, &in.kl_batch.reference}) {
+    if (!head->weight.defined()) continue;
+    head->weight = weight(rw, rwb);
+    head->bias = bias(rb, rbb);
+  }
+  return in;
 }
 
 void add_to(std::vector<double>& sum, const std::vector<double>& x) {
   sum.resize(x.size(), 0.0);
   for (std::size_t i = 0; i < x.size(); ++i) sum[i] += x[i];
 }
-
-}  // namespace
 
 void check_split_runs(const PrefData& d, const PrefRun& full, const std::vector<PrefRun>& runs,
                       const DataSplit& s, const SplitTol& tol, bool reduced) {
@@ -389,17 +425,17 @@ void check_split_runs(const PrefData& d, const PrefRun& full, const std::vector<
       check_scalar("metric " + want.metrics[i].first, got.metrics[i].second, want.metrics[i].second,
                    tol.values);
     }
-    check_close("logps", got.logps, rank_part(want.logps, s, r, pairs), tol.values);
-    check_close("ref_logps", got.ref_logps, rank_part(want.ref_logps, s, r, pairs), tol.values);
-    check_close("rewards", got.rewards, rank_part(want.rewards, s, r, pairs), tol.values);
-    CHECK(got.tokens == rank_part(want.tokens, s, r, pairs));
+    check_close("logps", got.logps, s.rows(want.logps, r, pairs), tol.values);
+    check_close("ref_logps", got.ref_logps, s.rows(want.ref_logps, r, pairs), tol.values);
+    check_close("rewards", got.rewards, s.rows(want.rewards, r, pairs), tol.values);
+    CHECK(got.tokens == s.rows(want.tokens, r, pairs));
     std::vector<double> units;
     append_rows(units, want.unit_losses, s.units[r], s.units[r + 1], 1);
     check_close("unit_losses", got.unit_losses, units, tol.values);
     const PrefGradBuffers& g = runs[r].grads;
     if (g.has_hidden())
       check_close("grad_hidden rows", g.hidden(),
-                  rank_part(full.grads.hidden(), s, r, pairs, d.spec.t * d.spec.h), tol.grad);
+                  s.rows(full.grads.hidden(), r, pairs, d.spec.t * d.spec.h), tol.grad);
     if (reduced) {
       if (g.has_weight())
         check_close("grad_weight (summed in the call)", g.weight(), full.grads.weight(), tol.grad);

@@ -90,6 +90,18 @@ struct DataSplit {
   PrefData part(const PrefData& d, std::size_t r) const {
     return data_part(d, units[r], units[r + 1], kl.empty() ? 0 : kl[r], kl.empty() ? 0 : kl[r + 1]);
   }
+  /// Rank r's entries of a per-sequence vector of the unsplit call, or of its [S*T, H] rows
+  /// with `width` = T * H (pairs: chosen then rejected sequences of its units).
+  template <typename T>
+  std::vector<T> rows(const std::vector<T>& v, std::size_t r, bool pairs,
+                      std::int64_t width = 1) const {
+    const std::int64_t n = units.back();
+    std::vector<T> out;
+    for (std::int64_t k = 0; k < (pairs ? 2 : 1); ++k)
+      out.insert(out.end(), v.begin() + (k * n + units[r]) * width,
+                 v.begin() + (k * n + units[r + 1]) * width);
+    return out;
+  }
 };
 
 /// Which gradients a call asks for, in which dtype.
@@ -137,6 +149,24 @@ struct PrefTol {
 /// oracle's), the per-sequence vectors, the KL point and every requested gradient.
 void check_against_oracle(const PrefRun& run, const reference::PrefResult& ref, const PrefTol& tol,
                           bool paired);
+
+/// sum[i] += x[i] (sum grows to x's size, with zeros).
+void add_to(std::vector<double>& sum, const std::vector<double>& x);
+
+/// One rank's shard of a problem's heads over a vocabulary split: the policy's and the
+/// reference's weight and bias rows [v0, v1) (the KL batch's heads share them), gradient buffers
+/// of the shard's size, and the call's results.
+struct ShardRun {
+  ShardRun(const PrefData& d, std::int64_t first, std::int64_t end, const PrefGradRequest& g);
+  /// The problem's inputs with this shard's weights (vocab_shard left for the caller).
+  PreferenceInputs inputs(const PrefData& d) const;
+
+  std::int64_t v0, v1;
+  std::vector<float> w, b, rw, rb;
+  std::vector<BFloat16> wb, bb, rwb, rbb;
+  GradStorage grads;
+  PreferenceResult result;
+};
 
 /// Tolerances of a split against the unsplit call: the loss, metrics and per-sequence values,
 /// and the gradients.

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "preference_fixture.h"
+#include "support/bf16.h"
 #include "support/compare.h"
 #include "support/threads.h"
 #include "support/tolerance.h"
@@ -342,6 +343,196 @@ TEST_CASE(
       errors_of(parts, Kto(KtoOptions{}), [](std::size_t, PrefRun& run) { CHECK(untouched(run)); });
   for (const std::string& m : k)
     CHECK(m.find("make different kinds of calls") != std::string::npos);
+}
+
+// ---- vocabulary split ----------------------------------------------------------------------
+
+// The problem over a grid: `vocab` ranks per vocabulary group (rank r holding the heads' rows
+// [V r / K, V (r + 1) / K)) times the split's parts (one part: no data group); rank (p, r) gets
+// part p and shard r. The runs part-major.
+std::vector<ShardRun> run_grid(const PrefData& d, const SequenceLoss& loss,
+                               const PrefGradRequest& g, int vocab, const DataSplit& split) {
+  const auto parts = static_cast<int>(split.ranks());
+  std::vector<PrefData> data;
+  for (int p = 0; p < parts; ++p)
+    data.push_back(parts == 1 ? d : split.part(d, static_cast<std::size_t>(p)));
+  std::vector<ShardRun> runs;
+  for (int p = 0; p < parts; ++p)
+    for (int r = 0; r < vocab; ++r)
+      runs.emplace_back(data[static_cast<std::size_t>(p)], d.spec.v * r / vocab,
+                        d.spec.v * (r + 1) / vocab, g);
+  std::vector<std::unique_ptr<dist::InProcessGroup>> vocab_groups, data_groups;
+  for (int p = 0; p < parts; ++p)
+    vocab_groups.push_back(std::make_unique<dist::InProcessGroup>(vocab));
+  for (int r = 0; r < vocab; ++r)
+    data_groups.push_back(std::make_unique<dist::InProcessGroup>(parts));
+  on_threads(runs.size(), [&](std::size_t i) {
+    const auto p = i / static_cast<std::size_t>(vocab), r = i % static_cast<std::size_t>(vocab);
+    ShardRun& run = runs[i];
+    try {
+      CpuContext ctx(1);
+      PreferenceInputs in = run.inputs(data[p]);
+      in.vocab_shard = {&vocab_groups[p]->comm(static_cast<int>(r)), run.v0, d.spec.v};
+      if (parts > 1) in.data_group = &data_groups[r]->comm(static_cast<int>(p));
+      const PreferenceGrads grads = run.grads.views_as<PreferenceGrads>(false);
+      const AlignedBuffer ws(loss.workspace_bytes(in, grads));
+      run.result = grads.any() ? loss.forward_backward(ctx, in, grads, ws.workspace())
+                               : loss.forward(ctx, in, ws.workspace());
+    } catch (...) {  // a rank failing alone must not leave the others waiting
+      for (auto& x : vocab_groups) x->abort();
+      for (auto& x : data_groups) x->abort();
+      throw;
+    }
+    return 0;
+  });
+  return runs;
+}
+
+// Every rank of a grid against the unsplit call: the group's loss, metrics and KL point, the
+// part's per-sequence vectors and dH rows on every shard, and the shard's dW and db rows (summed
+// over the parts, unless the call summed them: `reduced`).
+void check_grid(const PrefData& d, const SequenceLoss& loss, const PrefGradRequest& g, int vocab,
+                const DataSplit& split, bool reduced, double tol) {
+  const bool pairs = !d.spec.labels;
+  const PrefRun full = run_library(d, loss, g);
+  const std::vector<ShardRun> runs = run_grid(d, loss, g, vocab, split);
+  const std::int64_t h = d.spec.h;
+  const std::vector<double> full_w = full.grads.weight(), full_b = full.grads.bias();
+  std::vector<std::vector<double>> dw(static_cast<std::size_t>(vocab)),
+      db(static_cast<std::size_t>(vocab));
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    const ShardRun& s = runs[i];
+    const std::size_t p = i / static_cast<std::size_t>(vocab),
+                      r = i % static_cast<std::size_t>(vocab);
+    CAPTURE(p);
+    CAPTURE(r);
+    const PreferenceResult& got = s.result;
+    const PreferenceResult& want = full.result;
+    check_scalar("loss", got.loss, want.loss, 1e-6);
+    check_scalar("kl", got.kl, want.kl, 1e-6);
+    REQUIRE(got.metrics.size() == want.metrics.size());
+    for (std::size_t m = 0; m < got.metrics.size(); ++m)
+      check_scalar("metric " + want.metrics[m].first, got.metrics[m].second, want.metrics[m].second,
+                   1e-6);
+    check_close("logps", got.logps, split.rows(want.logps, p, pairs), 1e-6);
+    check_close("rewards", got.rewards, split.rows(want.rewards, p, pairs), 1e-6);
+    check_close("unit_losses", got.unit_losses,
+                std::vector<double>(want.unit_losses.begin() + split.units[p],
+                                    want.unit_losses.begin() + split.units[p + 1]),
+                1e-6);
+    if (s.grads.has_hidden())
+      check_close("grad_hidden rows", s.grads.hidden(),
+                  split.rows(full.grads.hidden(), p, pairs, d.spec.t * h), tol);
+    if (s.grads.has_weight() && reduced)
+      check_close("grad_weight rows (summed in the call)", s.grads.weight(),
+                  {full_w.begin() + s.v0 * h, full_w.begin() + s.v1 * h}, tol);
+    if (s.grads.has_weight() && !reduced) add_to(dw[r], s.grads.weight());
+    if (s.grads.has_bias() && !reduced) add_to(db[r], s.grads.bias());
+  }
+  for (int r = 0; r < vocab; ++r) {
+    const ShardRun& s = runs[static_cast<std::size_t>(r)];
+    const auto ri = static_cast<std::size_t>(r);
+    if (!dw[ri].empty())
+      check_close("grad_weight rows summed over the parts", dw[ri],
+                  {full_w.begin() + s.v0 * h, full_w.begin() + s.v1 * h}, tol);
+    if (!db[ri].empty())
+      check_close("grad_bias rows summed over the parts", db[ri],
+                  {full_b.begin() + s.v0, full_b.begin() + s.v1}, tol);
+  }
+}
+
+const DataSplit kWhole{{0, 5}, {}};  // pair_spec's 5 pairs, one part
+
+TEST_CASE("vocab parallel: 2 and 3 uneven shards match the unsplit call, every loss") {
+  for (int vocab : {2, 3}) {
+    for (Regime regime : {Regime::kResident, Regime::kRecompute}) {
+      INFO("vocab ranks ", vocab, " regime ", regime_name(regime));
+      DpoOptions dpo;
+      dpo.engine.regime = regime;
+      check_grid(PrefData(pair_spec(RefMode::kHead, true)), Dpo(dpo), {}, vocab, kWhole, false,
+                 tolerance(DType::kF32).chunking);
+      OrpoOptions orpo;
+      orpo.engine.regime = regime;
+      orpo.engine.memory_budget_bytes = std::size_t{24} << 10;  // several groups or chunks
+      check_grid(PrefData(pair_spec(RefMode::kNone, true)), Orpo(orpo), {}, vocab, kWhole, false,
+                 tolerance(DType::kF32).chunking);
+      KtoOptions kto;
+      kto.engine.regime = regime;
+      const PrefData k(kto_spec(RefMode::kHead, true));
+      check_grid(k, Kto(kto), {}, vocab, DataSplit{{0, k.spec.s}, {}}, false,
+                 tolerance(DType::kF32).chunking);
+    }
+  }
+}
+
+TEST_CASE("vocab parallel: bf16, forward only, and a 2 x 2 grid with a data group") {
+  PrefSpec bf = pair_spec(RefMode::kHead, false);
+  bf.dtype = DType::kBF16;
+  PrefGradRequest g;
+  g.dtype = DType::kBF16;
+  DpoOptions o;
+  o.engine.fp32_weight_grad_accumulator = true;
+  check_grid(PrefData(bf), Dpo(o), g, 2, kWhole, false, tolerance(DType::kBF16).chunking);
+  check_grid(PrefData(pair_spec(RefMode::kNone, true)), Simpo(SimpoOptions{}),
+             PrefGradRequest::none(), 3, kWhole, false, 0.0);
+  const PrefData d(pair_spec(RefMode::kHead, true));
+  check_grid(d, Dpo(DpoOptions{}), {}, 2, DataSplit{{0, 2, 5}, {}}, false,
+             tolerance(DType::kF32).chunking);
+  DpoOptions sum;
+  sum.engine.reduce_weight_grad_over_data_group = true;
+  check_grid(d, Dpo(sum), {}, 2, DataSplit{{0, 2, 5}, {}}, true, tolerance(DType::kF32).chunking);
+}
+
+// Both ranks of a vocabulary split of `d`, rank 1 with `shard1`'s rows (rank 0 with the right
+// ones) and `nan1` put into its weight; each rank's error message ("" when it returned), after
+// checking that a failed call wrote nothing.
+std::vector<std::string> vocab_errors(const PrefData& d, const DpoOptions& o,
+                                      std::pair<std::int64_t, std::int64_t> shard1,
+                                      bool nan1 = false) {
+  std::vector<ShardRun> runs;
+  runs.emplace_back(d, 0, d.spec.v / 2, PrefGradRequest{});
+  runs.emplace_back(d, shard1.first, shard1.second, PrefGradRequest{});
+  if (nan1) runs[1].w[3] = std::numeric_limits<float>::quiet_NaN();
+  dist::InProcessGroup group(2);
+  return on_threads(2, [&](std::size_t r) {
+    ShardRun& run = runs[r];
+    PreferenceInputs in = run.inputs(d);
+    in.vocab_shard = {&group.comm(static_cast<int>(r)), run.v0, d.spec.v};
+    CpuContext ctx(1);
+    const PreferenceGrads grads = run.grads.views_as<PreferenceGrads>(false);
+    const AlignedBuffer ws(std::size_t{1} << 20);
+    std::string what;
+    try {
+      Dpo(o).forward_backward(ctx, in, grads, ws.workspace());
+    } catch (const Error& x) {
+      what = x.what();
+    }
+    if (!what.empty())
+      for (double v : run.grads.hidden()) CHECK(std::isnan(v));
+    return what;
+  });
+}
+
+TEST_CASE("vocab parallel: bad shards, the deferred regime, and a rank's bad values") {
+  const PrefData d(pair_spec(RefMode::kHead, false));  // V = 67: rank 1 of 2 holds [33, 67)
+  const std::pair<std::int64_t, std::int64_t> right{33, 67};
+  std::vector<std::string> e = vocab_errors(d, DpoOptions{}, {30, 67});
+  INFO(e[0], " | ", e[1]);
+  CHECK(e[0].find("1 rank(s) of vocab_shard.group rejected their calls") != std::string::npos);
+  CHECK(e[1].find("must hold rows [33, 67)") != std::string::npos);
+  DpoOptions def;
+  def.engine.regime = Regime::kDeferred;
+  e = vocab_errors(d, def, right);
+  for (const std::string& m : e)
+    CHECK(m.find("regime deferred is not available with vocab_shard") != std::string::npos);
+  DpoOptions checked;
+  checked.engine.check_finite = true;
+  e = vocab_errors(d, checked, right, true);
+  CHECK(e[0].find("1 rank(s) of vocab_shard.group rejected their calls") != std::string::npos);
+  CHECK(e[1].find("policy.weight") != std::string::npos);
+  e = vocab_errors(d, DpoOptions{}, right);
+  CHECK(e[0].empty());
+  CHECK(e[1].empty());
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "chunkloss/core/workspace.h"
 #include "chunkloss/dist/communicator.h"
 #include "chunkloss/losses/plan.h"
+#include "chunkloss/losses/vocab_shard.h"
 
 namespace chunkloss {
 
@@ -51,23 +52,6 @@ struct CrossEntropyOptions {
   bool copy_results_to_host = true;
 };
 
-/// Vocabulary parallelism (Megatron-style vocab-parallel cross-entropy): the lm_head is split by
-/// rows over the K ranks of `group`, rank r holding weight rows [offset, offset + V_local) =
-/// [size r / K, size (r + 1) / K) of a vocabulary of `size` (checked). Every rank calls with the
-/// same hidden, targets (ids in [0, size)), class weights ([size], whole), token weights and
-/// options, and its own weight (and bias) shard; every rank plans the same chunks. Each chunk's
-/// row statistics are all-gathered and merged in rank order and its dH rows all-reduced in
-/// fp32, so every rank gets the same loss, lse, predictions and dH; dW and db are the shard's.
-/// Every rank must make the call. On the CPU the ranks agree whether any rank's targets or
-/// check_finite values were rejected, and then all throw; other rejections (shapes, workspace)
-/// are thrown by the rank alone while the others wait for it. On CUDA, out-of-range targets and
-/// check_finite's findings are counted and thrown per rank (outputs.scalars[6]).
-struct VocabShard {
-  dist::Communicator* group = nullptr;  ///< null: the weight is the whole vocabulary
-  std::int64_t offset = 0;              ///< first vocabulary row of this rank's weight
-  std::int64_t size = 0;                ///< the whole vocabulary
-};
-
 /// Inputs. Shapes: hidden [N, H], weight [V, H] (same float dtype), bias [V] optional (same
 /// dtype), targets [N] i32 or i64 in [0, V) or ignore_index, class_weights [V] f32 optional,
 /// token_weights [N] f32 optional (scale each row's loss; not part of the mean's divisor),
@@ -81,7 +65,15 @@ struct CrossEntropyInputs {
   TensorView class_weights;
   TensorView token_weights;
   TensorView grad_output;
-  VocabShard vocab_shard;  ///< unset: not split
+  /// Vocabulary parallelism (Megatron-style vocab-parallel cross-entropy, see VocabShard): every
+  /// rank passes the same hidden, targets (ids in [0, size)), class weights ([size], whole),
+  /// token weights and options, and its own weight (and bias) shard. Every rank gets the same
+  /// loss, lse, predictions and dH; dW and db are the shard's. On the CPU the ranks agree whether
+  /// any rank's targets or check_finite values were rejected, and then all throw; other
+  /// rejections (shapes, workspace) are thrown by the rank alone while the others wait for it.
+  /// On CUDA, out-of-range targets and check_finite's findings are counted and thrown per rank
+  /// (outputs.scalars[6]). Unset: not split.
+  VocabShard vocab_shard;
   /// Data parallelism: the ranks of this group each call with their own rows (same weight);
   /// the mean's divisor (valid rows, or their class weights) is summed over the group, so each
   /// rank's gradients are its rows' share of the gradient of the group's mean, and the results

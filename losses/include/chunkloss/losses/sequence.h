@@ -21,6 +21,7 @@
 #include "chunkloss/core/workspace.h"
 #include "chunkloss/dist/communicator.h"
 #include "chunkloss/losses/plan.h"
+#include "chunkloss/losses/vocab_shard.h"
 
 namespace chunkloss {
 
@@ -132,6 +133,14 @@ struct PreferenceInputs {
     Head reference;              ///< the reference head on them, or
     TensorView reference_logps;  ///< [S'] their reference log-prob sums
   } kl_batch;
+  /// Vocabulary parallelism (see VocabShard): every head's weight (and bias) is this rank's
+  /// shard, at the same rows for the policy, the reference and the KL batch; every rank passes
+  /// the same hidden rows, targets (ids in [0, size)), labels, reference_logps and kl, and the
+  /// same options. Every rank gets the same loss, metrics, per-sequence vectors and dH, and the dW
+  /// and db of its shard. Not in the deferred regime nor in vocab-block order. Every rank must
+  /// make the same kind of call (a reference head, a KL batch, dH asked for, and the same plan:
+  /// checked); a call any rank rejects makes every rank throw before anything is written.
+  VocabShard vocab_shard;
   /// Data parallelism: the ranks of this group each call with their own sequences (S and T may
   /// differ; the heads' H, V, dtype, the options and the gradients asked for must not). The
   /// call then computes the group's loss: the mean over every rank's units, plus nll_weight
@@ -147,7 +156,8 @@ struct PreferenceInputs {
   /// and an objective that fails (throws, or returns a non-finite value) on any rank makes every
   /// rank throw at the end of the call. Only a CUDA workspace too small for the exchange of the
   /// sums (about 120 bytes, at its start) is thrown by the rank alone. plan() and
-  /// workspace_bytes() must see the same data_group. null: this call's sequences alone.
+  /// workspace_bytes() must see the same data_group. With vocab_shard too, the data group holds
+  /// the ranks at one vocabulary position. null: this call's sequences alone.
   dist::Communicator* data_group = nullptr;
 };
 
