@@ -436,7 +436,8 @@ class CudaTokenBackend final : public TokenBackend {
                                  c_.grad_x.defined());
     const bool vocab_order = plan_.order == LoopOrder::kVocabBlock;
     in_tile_ = c_.row_scales && !vocab_order &&
-               staging_fits_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype());
+               stages_in_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype(),
+                              c_.vocab_group ? c_.vocab_group->size() : 1);
     free_offset_ = tile_free_offset(c_.vocab);
     // The mean's alpha lives on the device; the other reductions' is 1 (uniform_alpha).
     const bool token_plain = !c_.row_scales && !vocab_order && c_.scale == RowScale::kMean;
@@ -455,6 +456,8 @@ class CudaTokenBackend final : public TokenBackend {
         s += static_cast<std::size_t>(rows) * x_row_bytes();
       }
     }
+    CHUNKLOSS_CHECK(!s || s <= end, "CUDA backend: the plan's staging (", bytes,
+                    " bytes) is smaller than this call's (internal error)");
     if (s && s < end) x_stage_ = s;
   }
   // dst rows (leading dimension dst_ld) = scale * X rows [r0, r1), in X's dtype.

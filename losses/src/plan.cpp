@@ -107,7 +107,8 @@ std::size_t staging_per_row(const PlanRequest& q, bool vocab_order) {
   if (q.device != Device::kCpu) {
     if (!q.row_scales) return vp;
     // Token-chunk rows stage in the logits tile's free halves when they fit (tile_staging.h).
-    if (!vocab_order && detail::staging_fits_tile(q.vocab, q.hidden, q.logits_dtype, q.input_dtype))
+    if (!vocab_order &&
+        detail::stages_in_tile(q.vocab, q.hidden, q.logits_dtype, q.input_dtype, q.vocab_ranks))
       return vp;
     std::size_t b = vp + (!vocab_order && q.grad_hidden ? row : 0);
     if (q.grad_weight) b += static_cast<std::size_t>(q.hidden) * dtype_size(q.input_dtype);
@@ -383,7 +384,7 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
       gemm_time(dm, nhv, static_cast<double>(rec.chunk_rows)) + epilogue_pass_time(q, dm);
   const double rec_token = rec.predicted_token_cost_s + pass1;
   const double rec_vocab = rec.predicted_vocab_cost_s;  // 0: not feasible
-  if (q.order == LoopOrder::kAuto && rec_vocab > 0) {
+  if (q.order == LoopOrder::kAuto && rec_vocab > 0 && q.vocab_ranks == 1) {
     PlanRequest forced = q;
     forced.order = rec_vocab < rec_token ? LoopOrder::kVocabBlock : LoopOrder::kTokenChunk;
     rec = plan_token_objective(forced);
@@ -399,8 +400,9 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   // rows) fit the budget. On CUDA a pair group's X rows are staged side by side for its one
   // dW GEMM (see the CUDA backend's grad_w_ranges).
   const auto x_stage = [&](std::int64_t g) -> std::size_t {
-    const bool stage = q.device == Device::kCuda && q.grad_weight && L.unit_sequences > 1 &&
-                       !detail::staging_fits_tile(q.vocab, q.hidden, q.logits_dtype, q.input_dtype);
+    const bool stage =
+        q.device == Device::kCuda && q.grad_weight && L.unit_sequences > 1 &&
+        !detail::stages_in_tile(q.vocab, q.hidden, q.logits_dtype, q.input_dtype, q.vocab_ranks);
     // (with row scales the staged rows are also scaled; one range uses the per-row staging)
     return stage ? static_cast<std::size_t>(g * t * L.unit_sequences * q.hidden) *
                        dtype_size(q.input_dtype)

@@ -530,14 +530,34 @@ double data_call_kind(const SequenceObjective& obj, const SequenceOptions& o,
          (sum && gr.bias.defined() ? 4 : 0) + 8.0 * static_cast<double>(obj.extra_metrics().size());
 }
 
+// A digest of which rows have a valid target, below 2^24 (so that sums of squares over the
+// ranks stay exact in double).
+double valid_digest(const std::vector<std::uint8_t>& valid) {
+  constexpr std::uint64_t kPrime = 16777213;  // the largest prime below 2^24
+  std::uint64_t h = 0;
+  for (const std::uint8_t v : valid) h = (h * 31 + v + 1) % kPrime;
+  return static_cast<double>(h);
+}
+
 // What every rank of a vocabulary split must have alike for their collectives (in the passes)
-// to match: the heads run, dH, and the plan's regime, chunks and groups.
-std::array<double, 3> vocab_call_kind(const Checked& c, const Plan& p) {
+// to match: the heads run, dH, the plans' regime, chunks and groups, the rows and which of them
+// count (the policy's and the KL batch's).
+std::array<double, 10> vocab_call_kind(const Checked& c, const Plan& p) {
   const auto& k = c.call.policy;
   const double heads = (c.call.reference ? 1 : 0) + (c.kl_policy ? 2 : 0) +
                        (c.kl_reference ? 4 : 0) + (k.grad_x.defined() ? 8 : 0) +
                        (k.any_grad() ? 16 : 0) + 32.0 * static_cast<double>(p.regime);
-  return {heads, static_cast<double>(p.chunk_rows), static_cast<double>(p.group_units)};
+  const auto d = [](std::int64_t x) { return static_cast<double>(x); };
+  return {heads,
+          d(p.chunk_rows),
+          d(p.group_units),
+          d(c.call.sequences),
+          d(c.call.seq_len),
+          d(c.kl_sequences),
+          d(c.kl_seq_len),
+          d(c.kl_plan.chunk_rows),
+          valid_digest(c.call.valid),
+          valid_digest(c.kl_valid)};
 }
 
 // One exchange over `ranks` ranks (the first of a call): the ranks flagging `failed`, whether
@@ -639,8 +659,8 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   double vocab_failed = 0;
   bool vocab_same = true;
   if (vocab_group) {
-    const std::array<double, 3> kind =
-        rejected ? std::array<double, 3>{} : vocab_call_kind(*checked, plan);
+    const std::array<double, 10> kind =
+        rejected ? std::array<double, 10>{} : vocab_call_kind(*checked, plan);
     std::tie(vocab_failed, vocab_same) = first_exchange(
         GroupSum{ctx, vocab_group, exchange}, vocab_group->size(), rejected != nullptr, kind, {});
   }
@@ -656,19 +676,27 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   const auto [data_failed, data_same] =
       first_exchange(group_sum, in.data_group ? in.data_group->size() : 1,
                      rejected || vocab_failed > 0 || !vocab_same, {&data_kind, 1}, counts);
+  // In a grid, a data group's verdict goes back over the vocabulary group, so that every rank of
+  // the grid has heard of any rank's failure.
+  double grid_failed = data_failed > 0 || !data_same ? 1 : 0;
+  if (vocab_group && in.data_group) GroupSum{ctx, vocab_group, exchange}(&grid_failed, 1);
   if (rejected) std::rethrow_exception(rejected);
   CHUNKLOSS_CHECK(vocab_failed == 0, who, ": ", vocab_failed,
                   " rank(s) of vocab_shard.group rejected their calls; this rank's was valid, and "
                   "nothing was written");
   CHUNKLOSS_CHECK(vocab_same, who,
                   ": the ranks of vocab_shard.group make different kinds of calls (a reference "
-                  "head, a KL batch or dH asked for, or their plans differ); nothing was written");
+                  "head, a KL batch, dH asked for, their rows or targets, or their plans differ); "
+                  "nothing was written");
   CHUNKLOSS_CHECK(data_failed == 0, who, ": ", data_failed,
                   " rank(s) of data_group rejected their calls; this rank's was valid, and "
                   "nothing was written");
   CHUNKLOSS_CHECK(data_same, who,
                   ": the ranks of data_group make different kinds of calls (a KL batch, dW or db "
                   "summed in the call, or the objective's metrics differ); nothing was written");
+  CHUNKLOSS_CHECK(grid_failed == 0, who,
+                  ": a data group of another rank of vocab_shard.group rejected its calls; "
+                  "nothing was written");
   Checked& c = *checked;
   const std::int64_t s = c.call.sequences, per = c.call.unit_sequences, units = s / per;
   const double all_units = counts[0], inv_units = 1.0 / all_units, chosen_tokens = counts[1];

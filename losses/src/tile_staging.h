@@ -24,4 +24,11 @@ inline bool staging_fits_tile(std::int64_t vocab, std::int64_t hidden, DType log
              tile_free_offset(vocab) + static_cast<std::size_t>(hidden) * 6;
 }
 
+/// Whether the backend stages in the tile: the staging fits and the vocabulary is not split
+/// (every rank of a split must reserve the same staging, and its shards differ by a row).
+inline bool stages_in_tile(std::int64_t vocab, std::int64_t hidden, DType logits, DType input,
+                           int vocab_ranks) {
+  return vocab_ranks == 1 && staging_fits_tile(vocab, hidden, logits, input);
+}
+
 }  // namespace chunkloss::detail

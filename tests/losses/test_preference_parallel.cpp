@@ -350,8 +350,12 @@ TEST_CASE(
 // The problem over a grid: `vocab` ranks per vocabulary group (rank r holding the heads' rows
 // [V r / K, V (r + 1) / K)) times the split's parts (one part: no data group); rank (p, r) gets
 // part p and shard r. The runs part-major.
+// With `errors`, each rank's chunkloss::Error is stored there instead ("" when it returned), and
+// `drop_bias` drops the bias gradient of the ranks it returns true for.
 std::vector<ShardRun> run_grid(const PrefData& d, const SequenceLoss& loss,
-                               const PrefGradRequest& g, int vocab, const DataSplit& split) {
+                               const PrefGradRequest& g, int vocab, const DataSplit& split,
+                               std::vector<std::string>* errors = nullptr,
+                               const std::function<bool(std::size_t)>& drop_bias = {}) {
   const auto parts = static_cast<int>(split.ranks());
   std::vector<PrefData> data;
   for (int p = 0; p < parts; ++p)
@@ -366,6 +370,7 @@ std::vector<ShardRun> run_grid(const PrefData& d, const SequenceLoss& loss,
     vocab_groups.push_back(std::make_unique<dist::InProcessGroup>(vocab));
   for (int r = 0; r < vocab; ++r)
     data_groups.push_back(std::make_unique<dist::InProcessGroup>(parts));
+  if (errors) errors->assign(runs.size(), "");
   on_threads(runs.size(), [&](std::size_t i) {
     const auto p = i / static_cast<std::size_t>(vocab), r = i % static_cast<std::size_t>(vocab);
     ShardRun& run = runs[i];
@@ -374,10 +379,18 @@ std::vector<ShardRun> run_grid(const PrefData& d, const SequenceLoss& loss,
       PreferenceInputs in = run.inputs(data[p]);
       in.vocab_shard = {&vocab_groups[p]->comm(static_cast<int>(r)), run.v0, d.spec.v};
       if (parts > 1) in.data_group = &data_groups[r]->comm(static_cast<int>(p));
-      const PreferenceGrads grads = run.grads.views_as<PreferenceGrads>(false);
+      PreferenceGrads grads = run.grads.views_as<PreferenceGrads>(false);
+      if (drop_bias && drop_bias(i)) grads.bias = {};
       const AlignedBuffer ws(loss.workspace_bytes(in, grads));
       run.result = grads.any() ? loss.forward_backward(ctx, in, grads, ws.workspace())
                                : loss.forward(ctx, in, ws.workspace());
+    } catch (const Error& e) {
+      if (!errors) {
+        for (auto& x : vocab_groups) x->abort();
+        for (auto& x : data_groups) x->abort();
+        throw;
+      }
+      (*errors)[i] = e.what();
     } catch (...) {  // a rank failing alone must not leave the others waiting
       for (auto& x : vocab_groups) x->abort();
       for (auto& x : data_groups) x->abort();
@@ -426,6 +439,9 @@ void check_grid(const PrefData& d, const SequenceLoss& loss, const PrefGradReque
     if (s.grads.has_weight() && reduced)
       check_close("grad_weight rows (summed in the call)", s.grads.weight(),
                   {full_w.begin() + s.v0 * h, full_w.begin() + s.v1 * h}, tol);
+    if (s.grads.has_bias() && reduced)
+      check_close("grad_bias rows (summed in the call)", s.grads.bias(),
+                  {full_b.begin() + s.v0, full_b.begin() + s.v1}, tol);
     if (s.grads.has_weight() && !reduced) add_to(dw[r], s.grads.weight());
     if (s.grads.has_bias() && !reduced) add_to(db[r], s.grads.bias());
   }
@@ -533,6 +549,32 @@ TEST_CASE("vocab parallel: bad shards, the deferred regime, and a rank's bad val
   e = vocab_errors(d, DpoOptions{}, right);
   CHECK(e[0].empty());
   CHECK(e[1].empty());
+}
+
+TEST_CASE("vocab parallel: the auto regime at a small budget plans token chunks on every rank") {
+  PrefSpec s = pair_spec(RefMode::kHead, true);
+  s.bias = false;
+  s.h = 64;  // the cost model would pick vocab-block order for a shard's plan here
+  DpoOptions o;
+  o.engine.memory_budget_bytes = std::size_t{24} << 10;
+  check_grid(PrefData(s), Dpo(o), {}, 2, kWhole, false, tolerance(DType::kF32).chunking);
+}
+
+TEST_CASE("vocab parallel: in a grid, one data group's mismatch fails every rank") {
+  // Rank (0, 0) sums no bias gradient over its data group, rank (1, 0) does: data group 0 fails;
+  // data group 1 agrees, and hears of it through the vocabulary groups.
+  const PrefData d(pair_spec(RefMode::kHead, true));
+  DpoOptions o;
+  o.engine.reduce_weight_grad_over_data_group = true;
+  std::vector<std::string> e;
+  run_grid(d, Dpo(o), {}, 2, DataSplit{{0, 2, 5}, {}}, &e, [](std::size_t i) { return i == 0; });
+  INFO(e[0], " | ", e[1], " | ", e[2], " | ", e[3]);
+  CHECK(e[0].find("data_group make different kinds of calls") != std::string::npos);
+  CHECK(e[2].find("data_group make different kinds of calls") != std::string::npos);
+  CHECK(e[1].find("a data group of another rank of vocab_shard.group rejected") !=
+        std::string::npos);
+  CHECK(e[3].find("a data group of another rank of vocab_shard.group rejected") !=
+        std::string::npos);
 }
 
 }  // namespace
