@@ -607,9 +607,9 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
                                                 const Workspace& ws) const {
   const SequenceObjective& obj = *objective_;
   const std::string who(obj.name());
-  // Everything checked before the first collective: with a data group the ranks first agree
-  // whether any rank rejected its call and whether they all make the same kind of call, so that
-  // all of them throw instead of the others waiting for one that threw.
+  // Everything checked before the first collective: with a data group or a vocabulary split the
+  // ranks first agree whether any rank rejected its call and whether they all make the same kind
+  // of call, so that all of them throw instead of the others waiting for one that threw.
   dist::Communicator* vocab_group =
       in.vocab_shard.group && in.vocab_shard.group->size() > 1 ? in.vocab_shard.group : nullptr;
   std::optional<Checked> checked;
@@ -710,7 +710,8 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   std::vector<std::vector<double>> extras(static_cast<std::size_t>(units),
                                           std::vector<double>(num_extras, 0.0));
   const bool deferred = plan.regime == Regime::kDeferred && c.call.policy.any_grad();
-  // With a data group the objective's failure is thrown at the end, once the ranks know of it.
+  // With a data group the objective's failure is thrown at the end, once the ranks know of it
+  // (the ranks of a vocabulary split see the same sums, so they all fail at once).
   std::exception_ptr failed;
 
   detail::UnitsFn on_units = [&](std::int64_t u0, std::int64_t u1, const detail::SequenceSums& sums,
