@@ -22,6 +22,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
@@ -278,41 +279,29 @@ void write_chart(const std::string& metrics, const std::string& chart, const std
 
 // fn(r) for each rank r of `group` (none: rank 0 alone), each on its own thread; a rank that
 // fails aborts the group, so that the others do not wait for it in a collective, and the first
-// rank's error is rethrown once every thread has ended.
+// rank to fail has its error rethrown once every thread has ended.
 template <typename Fn>
 void for_ranks(dist::InProcessGroup* group, Fn&& fn) {
   if (!group) {
     fn(0);
     return;
   }
-  const int n = group->size();
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
+  std::mutex mutex;
+  std::exception_ptr first;
   std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
+  for (int r = 0; r < group->size(); ++r)
     threads.emplace_back([&, r] {
       try {
         fn(r);
       } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
+        {
+          const std::lock_guard lock(mutex);
+          if (!first) first = std::current_exception();
+        }
         group->abort();
       }
     });
   for (std::thread& t : threads) t.join();
-  // The first error that is not another rank's abort.
-  std::exception_ptr first;
-  for (const std::exception_ptr& e : errors) {
-    if (!e) continue;
-    try {
-      std::rethrow_exception(e);
-    } catch (const Error& err) {
-      if (std::string_view(err.what()).find("was aborted") != std::string_view::npos) {
-        if (!first) first = e;
-        continue;
-      }
-    } catch (...) {
-    }
-    std::rethrow_exception(e);
-  }
   if (first) std::rethrow_exception(first);
 }
 

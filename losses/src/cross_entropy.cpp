@@ -116,11 +116,9 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   k.rows = n;
   k.hidden = h;
   k.vocab = v;
-  k.vocab_group = shard.group && shard.group->size() > 1 ? shard.group : nullptr;
-  k.vocab_offset = shard.offset;
+  detail::split_vocabulary(shard, v_total, k);
   k.data_group = in.data_group;
   if (o.reduce_weight_grad_over_data_group) k.weight_grad_group = in.data_group;
-  k.vocab_total = v_total;
   k.x = in.hidden;
   k.w = in.weight;
   k.bias = in.bias;
@@ -172,8 +170,7 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
       o.fp32_weight_grad_accumulator || (o.reduce_weight_grad_over_data_group && in.data_group);
   q.budget_bytes = o.memory_budget_bytes;
   q.order = o.loop_order;
-  q.vocab_ranks = k.vocab_group ? k.vocab_group->size() : 1;
-  if (k.vocab_group) q.vocab = (v_total + q.vocab_ranks - 1) / q.vocab_ranks;  // the largest shard
+  detail::split_vocabulary(shard, v_total, q);
   return c;
 }
 

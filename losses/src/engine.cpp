@@ -32,6 +32,23 @@ void read_to_host(Context& ctx, const TensorView& t, void* dst) {
 #endif
 }
 
+dist::Communicator* vocab_split_group(const VocabShard& shard) {
+  return shard.group && shard.group->size() > 1 ? shard.group : nullptr;
+}
+
+void split_vocabulary(const VocabShard& shard, std::int64_t v_total, TokenCall& k) {
+  k.vocab_group = vocab_split_group(shard);
+  if (!k.vocab_group) return;
+  k.vocab_offset = shard.offset;
+  k.vocab_total = v_total;
+}
+
+void split_vocabulary(const VocabShard& shard, std::int64_t v_total, PlanRequest& q) {
+  if (!vocab_split_group(shard)) return;
+  q.vocab_ranks = shard.group->size();
+  q.vocab = (v_total + q.vocab_ranks - 1) / q.vocab_ranks;
+}
+
 void all_reduce_host(Context& ctx, dist::Communicator& group, double* values, std::int64_t n,
                      double* device) {
   if (ctx.device() == Device::kCpu) {

@@ -12,6 +12,7 @@
 #include "chunkloss/dist/communicator.h"
 #include "chunkloss/kernels/row_math.h"
 #include "chunkloss/losses/plan.h"
+#include "chunkloss/losses/vocab_shard.h"
 
 namespace chunkloss::detail {
 
@@ -130,6 +131,15 @@ std::unique_ptr<TokenBackend> make_cpu_token_backend(Context& ctx, const TokenCa
 std::unique_ptr<TokenBackend> make_cuda_token_backend(Context& ctx, const TokenCall& call,
                                                       const Plan& plan, const Workspace& ws);
 #endif
+
+/// The group of a shard that splits the vocabulary (more than one rank), else null.
+dist::Communicator* vocab_split_group(const VocabShard& shard);
+/// A call on the rank's shard of a vocabulary of `v_total` (see VocabShard): the token call's
+/// group, offset and whole vocabulary (unchanged without a split) ...
+void split_vocabulary(const VocabShard& shard, std::int64_t v_total, TokenCall& k);
+/// ... and its plan request: every rank plans from the largest shard, ceil(V / K) rows, so that
+/// all of them plan the same chunks.
+void split_vocabulary(const VocabShard& shard, std::int64_t v_total, PlanRequest& q);
 
 /// Copies a view's elements to host memory `dst` (nbytes()); device views are read on the
 /// context's stream, which is synchronised.

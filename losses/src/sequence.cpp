@@ -83,27 +83,19 @@ detail::TokenCall head_call(const Head& head, const HeadShape& hs, const TensorV
   k.bias = head.bias;
   k.targets = targets_rows;
   k.ignore_index = ignore_index;
-  if (shard.group && shard.group->size() > 1) {
-    k.vocab_group = shard.group;
-    k.vocab_offset = shard.offset;
-    k.vocab_total = v_total;
-  }
+  detail::split_vocabulary(shard, v_total, k);
   k.rule.cw_sum = static_cast<float>(k.total_vocab());
   k.scale = detail::RowScale::kSum;
   return k;
 }
 
-// Every rank of a vocabulary split plans from the largest shard, so all plan the same chunks.
 PlanRequest head_request(const HeadShape& hs, Device dev, const SequenceOptions& o,
                          const VocabShard& shard = {}, std::int64_t v_total = 0) {
   PlanRequest q;
   q.rows = hs.n;
   q.hidden = hs.h;
   q.vocab = hs.v;
-  if (shard.group && shard.group->size() > 1) {
-    q.vocab_ranks = shard.group->size();
-    q.vocab = (v_total + q.vocab_ranks - 1) / q.vocab_ranks;
-  }
+  detail::split_vocabulary(shard, v_total, q);
   q.device = dev;
   q.input_dtype = hs.dtype;
   q.logits_dtype = o.logits_dtype;
@@ -260,7 +252,7 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
   const VocabShard& shard = in.vocab_shard;
   c.v_total = detail::check_vocab_shard(who, shard, v, in.policy.weight, o.loop_order);
   CHUNKLOSS_CHECK(c.v_total <= INT32_MAX, who, ": vocab V=", c.v_total, " exceeds 2^31-1");
-  c.vocab_group = shard.group && shard.group->size() > 1 ? shard.group : nullptr;
+  c.vocab_group = detail::vocab_split_group(shard);
   CHUNKLOSS_CHECK(!c.vocab_group || o.regime != Regime::kDeferred, who,
                   ": regime deferred is not available with vocab_shard");
   k.policy = head_call(in.policy, hs, targets_rows, o.ignore_index, shard, c.v_total);
@@ -610,8 +602,7 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   // Everything checked before the first collective: with a data group or a vocabulary split the
   // ranks first agree whether any rank rejected its call and whether they all make the same kind
   // of call, so that all of them throw instead of the others waiting for one that threw.
-  dist::Communicator* vocab_group =
-      in.vocab_shard.group && in.vocab_shard.group->size() > 1 ? in.vocab_shard.group : nullptr;
+  dist::Communicator* vocab_group = detail::vocab_split_group(in.vocab_shard);
   std::optional<Checked> checked;
   Plan plan;
   std::exception_ptr rejected;
