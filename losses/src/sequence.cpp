@@ -494,21 +494,36 @@ void check_deferred_pair(const SequenceObjective& obj, const Checked& c,
                   "); the gradient buffers hold unspecified values");
 }
 
-// Bytes at the start of the workspace through which a data group's ranks exchange their sums
-// on CUDA, between the passes (no pass is running then).
+// The values vocab_call_kind compares.
+constexpr std::size_t kVocabKind = 10;
+
+// The doubles one first_exchange sends: a flag, each of `kinds` values and its square, and
+// `payload` values.
+constexpr std::size_t first_exchange_size(std::size_t kinds, std::size_t payload) {
+  return 1 + 2 * kinds + payload;
+}
+
+// Bytes at the start of the workspace through which the ranks of a data group or a vocabulary
+// split exchange on CUDA, between the passes (no pass is running then): the first exchange over
+// the vocabulary split, or the tally.
 std::size_t exchange_bytes(const SequenceObjective& obj) {
-  return (kNumTally + obj.extra_metrics().size()) * sizeof(double);
+  return std::max(first_exchange_size(kVocabKind, 0), kNumTally + obj.extra_metrics().size()) *
+         sizeof(double);
+}
+
+// Extends `p`'s layout to at least `floor` bytes.
+void reserve(Plan& p, std::size_t floor) {
+  if (floor > p.workspace_bytes()) p.layout.add(floor - p.workspace_bytes());
 }
 
 // The call's plan; with a KL batch, whose passes run first from the start of the same block,
-// the layout is extended to hold their plan too, and on CUDA with a data group to hold the
-// exchange.
+// the layout is extended to hold their plan too, and on CUDA with a data group or a vocabulary
+// split to hold the exchange.
 Plan call_plan(const SequenceObjective& obj, const Checked& c) {
   Plan p = plan_sequence_objective(c.request, c.layout);
-  std::size_t floor = c.kl_policy ? c.kl_plan.workspace_bytes() : 0;
+  if (c.kl_policy) reserve(p, c.kl_plan.workspace_bytes());
   if ((c.data_group || c.vocab_group) && c.request.device == Device::kCuda)
-    floor = std::max(floor, exchange_bytes(obj));
-  if (floor > p.workspace_bytes()) p.layout.add(floor - p.workspace_bytes());
+    reserve(p, exchange_bytes(obj));
   return p;
 }
 
@@ -534,7 +549,7 @@ double valid_digest(const std::vector<std::uint8_t>& valid) {
 // What every rank of a vocabulary split must have alike for their collectives (in the passes)
 // to match: the heads run, dH, the plans' regime, chunks and groups, the rows and which of them
 // count (the policy's and the KL batch's).
-std::array<double, 10> vocab_call_kind(const Checked& c, const Plan& p) {
+std::array<double, kVocabKind> vocab_call_kind(const Checked& c, const Plan& p) {
   const auto& k = c.call.policy;
   const double heads = (c.call.reference ? 1 : 0) + (c.kl_policy ? 2 : 0) +
                        (c.kl_reference ? 4 : 0) + (k.grad_x.defined() ? 8 : 0) +
@@ -650,8 +665,8 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   double vocab_failed = 0;
   bool vocab_same = true;
   if (vocab_group) {
-    const std::array<double, 10> kind =
-        rejected ? std::array<double, 10>{} : vocab_call_kind(*checked, plan);
+    const std::array<double, kVocabKind> kind =
+        rejected ? std::array<double, kVocabKind>{} : vocab_call_kind(*checked, plan);
     std::tie(vocab_failed, vocab_same) = first_exchange(
         GroupSum{ctx, vocab_group, exchange}, vocab_group->size(), rejected != nullptr, kind, {});
   }
@@ -766,45 +781,102 @@ namespace {
 
 constexpr const char* kLogProbs = "SequenceLogProbs";
 
-std::pair<HeadShape, PlanRequest> check_log_probs(const SequenceOptions& o, Device dev,
-                                                  const Head& head, const TensorView& targets) {
+// A log-probs call, checked: the head's shape, the plan's request and the whole vocabulary.
+struct LogProbCall {
+  HeadShape hs;
+  PlanRequest request;
+  std::int64_t v_total = 0;
+};
+
+LogProbCall check_log_probs(const SequenceOptions& o, Device dev, const Head& head,
+                            const TensorView& targets, const VocabShard& shard) {
   check_targets_view(kLogProbs, "targets", targets, dev);
   const HeadShape hs = check_head(kLogProbs, "head", head, dev, targets.size(0), targets.size(1));
   CHUNKLOSS_CHECK(o.logits_dtype == DType::kF32 || hs.dtype == DType::kBF16, kLogProbs,
                   ": logits_dtype bf16 needs a bf16 head, got head.hidden ", head.hidden.str());
-  return {hs, head_request(hs, dev, o)};
+  const std::int64_t v_total =
+      detail::check_vocab_shard(kLogProbs, shard, hs.v, head.weight, o.loop_order);
+  CHUNKLOSS_CHECK(v_total <= INT32_MAX, kLogProbs, ": vocab V=", v_total, " exceeds 2^31-1");
+  return {hs, head_request(hs, dev, o, shard, v_total), v_total};
+}
+
+// What the ranks of a vocabulary split compare in their one exchange: the plan's chunks, S, T,
+// and which rows have valid targets.
+constexpr std::size_t kLogProbKind = 4;
+
+// The plan; on CUDA with a vocabulary split its workspace also holds that exchange.
+Plan log_probs_plan(const LogProbCall& c, const VocabShard& shard) {
+  Plan p = plan_token_objective(c.request);
+  if (detail::vocab_split_group(shard) && c.request.device == Device::kCuda)
+    reserve(p, first_exchange_size(kLogProbKind, 0) * sizeof(double));
+  return p;
 }
 
 }  // namespace
 
-Plan SequenceLogProbs::plan(const Head& head, const TensorView& targets) const {
+Plan SequenceLogProbs::plan(const Head& head, const TensorView& targets,
+                            const VocabShard& shard) const {
   const Device dev = head.hidden.defined() ? head.hidden.device() : Device::kCpu;
-  return plan_token_objective(check_log_probs(options_, dev, head, targets).second);
+  return log_probs_plan(check_log_probs(options_, dev, head, targets, shard), shard);
 }
 
-std::size_t SequenceLogProbs::workspace_bytes(const Head& head, const TensorView& targets) const {
-  return plan(head, targets).workspace_bytes();
+std::size_t SequenceLogProbs::workspace_bytes(const Head& head, const TensorView& targets,
+                                              const VocabShard& shard) const {
+  return plan(head, targets, shard).workspace_bytes();
 }
 
 SequenceLogProbResult SequenceLogProbs::compute(Context& ctx, const Head& head,
-                                                const TensorView& targets,
-                                                const Workspace& ws) const {
-  const auto [hs, q] = check_log_probs(options_, ctx.device(), head, targets);
-  const Plan plan = plan_token_objective(q);
-  CHUNKLOSS_CHECK(ws.device() == ctx.device(), kLogProbs, ": workspace is on ",
-                  device_name(ws.device()), ", the context on ", device_name(ctx.device()));
-  detail::check_device_index(kLogProbs, ctx, ws,
-                             {{"head.hidden", &head.hidden},
-                              {"head.weight", &head.weight},
-                              {"head.bias", &head.bias},
-                              {"targets", &targets}});
-  ws.require(plan.layout, kLogProbs);
-  HostTargets ht = read_targets(kLogProbs, "targets", ctx, targets, hs.v, options_.ignore_index);
-  if (options_.check_finite)
-    check_finite_head(ctx, device_scalars(plan, ws), kLogProbs, "head", head);
-  const TensorView rows(targets.data(), targets.dtype(), {hs.n}, targets.device(),
+                                                const TensorView& targets, const Workspace& ws,
+                                                const VocabShard& shard) const {
+  // With a vocabulary split, everything is checked before the ranks' one exchange, in which they
+  // agree whether any rank rejected its call, so that all of them throw.
+  dist::Communicator* group = detail::vocab_split_group(shard);
+  std::optional<LogProbCall> c;
+  Plan plan;
+  HostTargets ht;
+  std::exception_ptr rejected;
+  try {
+    c.emplace(check_log_probs(options_, ctx.device(), head, targets, shard));
+    plan = log_probs_plan(*c, shard);
+    CHUNKLOSS_CHECK(ws.device() == ctx.device(), kLogProbs, ": workspace is on ",
+                    device_name(ws.device()), ", the context on ", device_name(ctx.device()));
+    detail::check_device_index(kLogProbs, ctx, ws,
+                               {{"head.hidden", &head.hidden},
+                                {"head.weight", &head.weight},
+                                {"head.bias", &head.bias},
+                                {"targets", &targets}});
+    ws.require(plan.layout, kLogProbs);
+    ht = read_targets(kLogProbs, "targets", ctx, targets, c->v_total, options_.ignore_index);
+    if (options_.check_finite)
+      check_finite_head(ctx, device_scalars(plan, ws), kLogProbs, "head", head);
+  } catch (...) {
+    if (!group) throw;
+    rejected = std::current_exception();
+  }
+  if (group) {
+    const std::size_t bytes = first_exchange_size(kLogProbKind, 0) * sizeof(double);
+    CHUNKLOSS_CHECK(ctx.device() == Device::kCpu || ws.bytes() >= bytes, kLogProbs,
+                    ": with a vocabulary split on CUDA the workspace needs at least ", bytes,
+                    " bytes, got ", ws.bytes());
+    const auto d = [](std::int64_t x) { return static_cast<double>(x); };
+    const std::array<double, kLogProbKind> kind =
+        rejected ? std::array<double, kLogProbKind>{}
+                 : std::array<double, kLogProbKind>{d(plan.chunk_rows), d(targets.size(0)),
+                                                    d(targets.size(1)), valid_digest(ht.valid)};
+    const auto [failed, same] =
+        first_exchange(GroupSum{ctx, group, static_cast<double*>(ws.base())}, group->size(),
+                       rejected != nullptr, kind, {});
+    if (rejected) std::rethrow_exception(rejected);
+    CHUNKLOSS_CHECK(failed == 0, kLogProbs, ": ", failed,
+                    " rank(s) of vocab_shard.group rejected their calls; this rank's was valid");
+    CHUNKLOSS_CHECK(same, kLogProbs,
+                    ": the ranks of vocab_shard.group make different calls (their rows, which "
+                    "targets are valid, or their plans differ)");
+  }
+  const TensorView rows(targets.data(), targets.dtype(), {c->hs.n}, targets.device(),
                         targets.device_index());
-  const detail::TokenCall call = head_call(head, hs, rows, options_.ignore_index);
+  const detail::TokenCall call =
+      head_call(head, c->hs, rows, options_.ignore_index, shard, c->v_total);
   SequenceLogProbResult r;
   r.logps = detail::sequence_log_probs(ctx, call, plan, ws, targets.size(1), ht.valid);
   r.tokens = std::move(ht.tokens);

@@ -2,8 +2,9 @@
 // the float64 oracle) and against the oracle, on the same generated problems: every DPO loss
 // type, ORPO, SimPO, CPO, KTO (KL given and computed), fp32 and bf16, resident and recompute (and
 // deferred for the pair-antisymmetric losses), several budgets, accumulation, forward only,
-// SequenceLogProbs, bitwise run-to-run equality, host-side per-sequence vectors, data groups of
-// two ranks on one device, and bad input. Skips itself, with a message, without a device.
+// SequenceLogProbs, bitwise run-to-run equality, host-side per-sequence vectors, data groups and
+// vocabulary splits (SequenceLogProbs's too) of two ranks on one device, and bad input. Skips
+// itself, with a message, without a device.
 #include <doctest/doctest.h>
 
 #include <chunkloss/core/error.h>
@@ -803,6 +804,119 @@ TEST_CASE("gpu: vocab parallel: two ranks on one device match the unsplit call")
     // and not the other's (so neither stages in the tile); KTO's dW GEMMs mix mantissas.
     ks.v = 583;
     check_gpu_vocab_split(PrefData(ks), Kto(KtoOptions{}), g, 2);
+  }
+}
+
+// SequenceLogProbs of `d`'s policy head split over two ranks of an in-process group on one
+// device (with `nan1`, a NaN in rank 1's weight): each rank's result, or its chunkloss::Error
+// in `errors`.
+std::vector<SequenceLogProbResult> gpu_log_probs_split(const PrefData& d, const SequenceOptions& o,
+                                                       std::vector<std::string>& errors,
+                                                       bool nan1 = false) {
+  std::vector<ShardRun> runs;
+  for (int r = 0; r < 2; ++r)
+    runs.emplace_back(d, d.spec.v * r / 2, d.spec.v * (r + 1) / 2, PrefGradRequest::none());
+  if (nan1) {
+    runs[1].w[5] = std::numeric_limits<float>::quiet_NaN();
+    runs[1].wb[5] = BFloat16(std::numeric_limits<float>::quiet_NaN());
+  }
+  dist::InProcessGroup group(2);
+  errors.assign(2, "");
+  return on_threads(runs.size(), [&](std::size_t r) {
+    const SequenceLogProbs lp(o);
+    DeviceCopies mem;
+    const PreferenceInputs host = runs[r].inputs(d);
+    const Head head = mem.put(host.policy);
+    const TensorView y = mem.put(host.targets);
+    const VocabShard shard{&group.comm(static_cast<int>(r)), runs[r].v0, d.spec.v};
+    try {
+      const std::size_t bytes = lp.workspace_bytes(head, y, shard);
+      gpu::DeviceBuffer ws(bytes);
+      gpu::Context ctx(0);
+      return lp.compute(ctx, head, y, Workspace(ws.data(), bytes, Device::kCuda), shard);
+    } catch (const Error& e) {
+      errors[r] = e.what();
+    } catch (...) {  // a rank failing alone must not leave the other waiting
+      group.abort();
+      throw;
+    }
+    return SequenceLogProbResult{};
+  });
+}
+
+TEST_CASE("gpu: vocab parallel: SequenceLogProbs over two ranks matches the unsplit call") {
+  if (!have_gpu()) return;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    PrefSpec s = gpu_spec();  // V = 1031: shards of 515 and 516 rows
+    s.dtype = dtype;
+    PrefData d(s);
+    for (std::int64_t j = 0; j < s.t; ++j) d.set_target(2 * s.t + j, s.ignore_index);
+    for (std::size_t budget : {std::size_t{0}, std::size_t{1} << 20}) {
+      CAPTURE(dtype_name(dtype));
+      CAPTURE(budget);
+      SequenceOptions o;
+      o.memory_budget_bytes = budget;
+      const SequenceLogProbs lp(o);
+      DeviceCopies mem;
+      const Head head = mem.put(d.policy_head());
+      const TensorView y = mem.put(d.targets_view());
+      const std::size_t bytes = lp.workspace_bytes(head, y);
+      gpu::DeviceBuffer ws(bytes);
+      gpu::Context ctx(0);
+      const auto want = lp.compute(ctx, head, y, Workspace(ws.data(), bytes, Device::kCuda));
+      std::vector<std::string> errors;
+      const auto got = gpu_log_probs_split(d, o, errors);
+      for (std::size_t r = 0; r < got.size(); ++r) {
+        CHECK(errors[r].empty());
+        check_close("logps", got[r].logps, want.logps, dtype == DType::kF32 ? 1e-6 : 1e-5);
+        CHECK(got[r].tokens == want.tokens);
+        CHECK(got[r].logps[2] == 0.0);
+        CHECK(got[r].logps == got[0].logps);
+      }
+    }
+  }
+  // check_finite: a NaN in one rank's shard makes both ranks throw.
+  SequenceOptions checked;
+  checked.check_finite = true;
+  std::vector<std::string> e;
+  gpu_log_probs_split(PrefData(gpu_spec()), checked, e, true);
+  INFO(e[0], " | ", e[1]);
+  CHECK(e[0].find("1 rank(s) of vocab_shard.group rejected their calls") != std::string::npos);
+  CHECK(e[1].find("head.weight") != std::string::npos);
+}
+
+TEST_CASE("gpu: vocab parallel: a workspace too small for the exchange is refused, not overrun") {
+  if (!have_gpu()) return;
+  // The first exchange of a split sends 21 doubles for a sequence loss and 9 for
+  // SequenceLogProbs, from the workspace's start; a rank with fewer bytes throws (alone).
+  const PrefData d(gpu_spec());
+  std::vector<ShardRun> runs;
+  for (int r = 0; r < 2; ++r)
+    runs.emplace_back(d, d.spec.v * r / 2, d.spec.v * (r + 1) / 2, PrefGradRequest::none());
+  dist::InProcessGroup group(2);
+  const auto errors = on_threads(2, [&](std::size_t r) {
+    DeviceInputs di(runs[r].inputs(d), false);
+    di.in.vocab_shard = {&group.comm(static_cast<int>(r)), runs[r].v0, d.spec.v};
+    gpu::DeviceBuffer ws(256);
+    gpu::Context ctx(0);
+    std::string dpo, lp;
+    try {
+      Dpo(DpoOptions{}).forward(ctx, di.in, Workspace(ws.data(), 160, Device::kCuda));
+    } catch (const Error& e) {
+      dpo = e.what();
+    }
+    try {
+      SequenceLogProbs().compute(ctx, di.in.policy, di.in.targets,
+                                 Workspace(ws.data(), 64, Device::kCuda), di.in.vocab_shard);
+    } catch (const Error& e) {
+      lp = e.what();
+    }
+    return std::pair{dpo, lp};
+  });
+  for (const auto& [dpo, lp] : errors) {
+    INFO(dpo, " | ", lp);
+    CHECK(dpo.find("the workspace needs at least 168 bytes, got 160") != std::string::npos);
+    CHECK(lp.find("the workspace needs at least 72 bytes, got 64") != std::string::npos);
   }
 }
 

@@ -2,6 +2,8 @@
 // an in-process group (ranks as threads) against the unsplit call, for every loss, regime and
 // reference mode, KTO's KL batch split too; bf16, accumulation and the dW sum inside the call;
 // forward only; and the errors every rank raises when one rank's values or objective fail.
+// Vocabulary splits of every loss's heads, alone and in a grid with a data group, and of
+// SequenceLogProbs.
 #include <doctest/doctest.h>
 
 #include <chunkloss/core/error.h>
@@ -14,9 +16,11 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "preference_fixture.h"
@@ -575,6 +579,110 @@ TEST_CASE("vocab parallel: in a grid, one data group's mismatch fails every rank
         std::string::npos);
   CHECK(e[3].find("a data group of another rank of vocab_shard.group rejected") !=
         std::string::npos);
+}
+
+// ---- SequenceLogProbs over a vocabulary split ----------------------------------------------
+
+// SequenceLogProbs of `d`'s policy head split into `vocab` shards (rank r: rows [V r / K,
+// V (r + 1) / K), or `shard1` for rank 1 when given), each rank with options `opts(r)`; `nan1`
+// puts a NaN into rank 1's weight. Each rank's result, or with `errors` its chunkloss::Error
+// there ("" when it returned; the workspace is then 1 MiB, not workspace_bytes()).
+std::vector<SequenceLogProbResult> log_probs_split(
+    const PrefData& d, int vocab, const std::function<SequenceOptions(std::size_t)>& opts,
+    std::vector<std::string>* errors = nullptr,
+    std::optional<std::pair<std::int64_t, std::int64_t>> shard1 = {}, bool nan1 = false) {
+  std::vector<ShardRun> runs;
+  for (int r = 0; r < vocab; ++r) {
+    const bool moved = r == 1 && shard1;
+    runs.emplace_back(d, moved ? shard1->first : d.spec.v * r / vocab,
+                      moved ? shard1->second : d.spec.v * (r + 1) / vocab,
+                      PrefGradRequest::none());
+  }
+  if (nan1) {
+    runs[1].w[3] = std::numeric_limits<float>::quiet_NaN();
+    runs[1].wb[3] = BFloat16(std::numeric_limits<float>::quiet_NaN());
+  }
+  dist::InProcessGroup group(vocab);
+  if (errors) errors->assign(runs.size(), "");
+  return on_threads(runs.size(), [&](std::size_t r) {
+    const SequenceLogProbs lp(opts(r));
+    const PreferenceInputs in = runs[r].inputs(d);
+    const VocabShard shard{&group.comm(static_cast<int>(r)), runs[r].v0, d.spec.v};
+    CpuContext ctx(1);
+    try {  // a rank that gets workspace_bytes() wrong must still make the call
+      const AlignedBuffer ws(errors ? std::size_t{1} << 20
+                                    : lp.workspace_bytes(in.policy, in.targets, shard));
+      return lp.compute(ctx, in.policy, in.targets, ws.workspace(), shard);
+    } catch (const Error& e) {
+      if (!errors) {
+        group.abort();
+        throw;
+      }
+      (*errors)[r] = e.what();
+    } catch (...) {  // a rank failing alone must not leave the others waiting
+      group.abort();
+      throw;
+    }
+    return SequenceLogProbResult{};
+  });
+}
+
+TEST_CASE("vocab parallel: SequenceLogProbs over 2 and 3 uneven shards matches the unsplit call") {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    PrefSpec spec = pair_spec(RefMode::kNone, true);
+    spec.dtype = dtype;
+    PrefData d(spec);
+    for (std::int64_t j = 0; j < spec.t; ++j) d.set_target(2 * spec.t + j, spec.ignore_index);
+    for (std::size_t budget : {std::size_t{0}, std::size_t{16} << 10}) {
+      SequenceOptions o;
+      o.memory_budget_bytes = budget;
+      const SequenceLogProbs lp(o);
+      const Head head = d.policy_head();
+      const AlignedBuffer ws(lp.workspace_bytes(head, d.targets_view()));
+      CpuContext ctx(1);
+      const SequenceLogProbResult want = lp.compute(ctx, head, d.targets_view(), ws.workspace());
+      CHECK(want.tokens[2] == 0);
+      for (int vocab : {2, 3}) {
+        INFO(dtype_name(dtype), " budget ", budget, " vocab ranks ", vocab);
+        const auto got = log_probs_split(d, vocab, [&](std::size_t) { return o; });
+        for (const SequenceLogProbResult& r : got) {
+          check_close("logps", r.logps, want.logps, 1e-6);
+          CHECK(r.tokens == want.tokens);
+          CHECK(r.logps[2] == 0.0);
+          CHECK(r.logps == got[0].logps);  // every rank the same values
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("vocab parallel: SequenceLogProbs fails on every rank when one rank's call is bad") {
+  const PrefData d(pair_spec(RefMode::kNone, false));  // V = 67: rank 1 of 2 holds [33, 67)
+  const auto plain = [](std::size_t) { return SequenceOptions{}; };
+  std::vector<std::string> e;
+  log_probs_split(d, 2, plain, &e, std::pair<std::int64_t, std::int64_t>{30, 67});
+  INFO(e[0], " | ", e[1]);
+  CHECK(e[0].find("1 rank(s) of vocab_shard.group rejected their calls") != std::string::npos);
+  CHECK(e[1].find("must hold rows [33, 67)") != std::string::npos);
+  SequenceOptions checked;
+  checked.check_finite = true;
+  log_probs_split(d, 2, [&](std::size_t) { return checked; }, &e, {}, true);
+  CHECK(e[0].find("1 rank(s) of vocab_shard.group rejected their calls") != std::string::npos);
+  CHECK(e[1].find("head.weight") != std::string::npos);
+  // Budgets that give the ranks different chunks.
+  log_probs_split(
+      d, 2,
+      [](std::size_t r) {
+        SequenceOptions o;
+        o.memory_budget_bytes = r == 0 ? 0 : std::size_t{16} << 10;
+        return o;
+      },
+      &e);
+  for (const std::string& m : e)
+    CHECK(m.find("vocab_shard.group make different calls") != std::string::npos);
+  log_probs_split(d, 2, plain, &e);
+  CHECK(e[0].empty());
+  CHECK(e[1].empty());
 }
 
 }  // namespace

@@ -155,7 +155,7 @@ struct PreferenceInputs {
   /// valid tokens, check_finite's findings) makes every rank throw before anything is written,
   /// and an objective that fails (throws, or returns a non-finite value) on any rank makes every
   /// rank throw at the end of the call. Only a CUDA workspace too small for the exchange of the
-  /// sums (about 120 bytes, at its start) is thrown by the rank alone. plan() and
+  /// sums (about 170 bytes, at its start) is thrown by the rank alone. plan() and
   /// workspace_bytes() must see the same data_group. With vocab_shard too, the data group holds
   /// the ranks at one vocabulary position. null: this call's sequences alone.
   dist::Communicator* data_group = nullptr;
@@ -237,11 +237,17 @@ struct SequenceLogProbResult {
 class SequenceLogProbs {
  public:
   explicit SequenceLogProbs(const SequenceOptions& options = {});
-  Plan plan(const Head& head, const TensorView& targets) const;
-  std::size_t workspace_bytes(const Head& head, const TensorView& targets) const;
+  /// `shard`: the head's weight (and bias) is this rank's rows of a vocabulary split, as in
+  /// PreferenceInputs::vocab_shard; every rank of the group makes the call with the same hidden
+  /// rows and targets (ids in [0, V)) and gets every sequence's log-prob. Any rank's rejected
+  /// call (shapes, shard, targets, check_finite, a different plan or rows) makes every rank
+  /// throw. plan() and workspace_bytes() must see the same shard.
+  Plan plan(const Head& head, const TensorView& targets, const VocabShard& shard = {}) const;
+  std::size_t workspace_bytes(const Head& head, const TensorView& targets,
+                              const VocabShard& shard = {}) const;
   /// Sequences without valid tokens get logp 0 and tokens 0.
   SequenceLogProbResult compute(Context& ctx, const Head& head, const TensorView& targets,
-                                const Workspace& workspace) const;
+                                const Workspace& workspace, const VocabShard& shard = {}) const;
 
  private:
   SequenceOptions options_;
