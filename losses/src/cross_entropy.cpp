@@ -2,10 +2,13 @@
 // into the shared token engine.
 #include "chunkloss/losses/cross_entropy.h"
 
+#include <array>
 #include <cmath>
 #include <exception>
 #include <limits>
+#include <optional>
 
+#include "agreement.h"
 #include "chunkloss/core/error.h"
 #include "engine.h"
 #include "validate.h"
@@ -32,22 +35,7 @@ constexpr std::initializer_list<DType> kFloat = {DType::kF32, DType::kBF16};
 struct Checked {
   detail::TokenCall call;
   PlanRequest request;
-  std::exception_ptr rejected;  ///< this rank's rejected values (CPU, with groups)
 };
-
-// The CPU checks the values (targets, check_finite) of each rank's own data. With groups, the
-// ranks first agree whether any rank's were rejected, so that every rank throws instead of the
-// others waiting in the call's collectives for the one that threw.
-void agree_on_values(const Context& ctx, const Checked& c, const CrossEntropyInputs& in) {
-  if (ctx.device() != Device::kCpu || (!in.vocab_shard.group && !in.data_group)) return;
-  double rejected = c.rejected ? 1.0 : 0.0;
-  if (in.vocab_shard.group) in.vocab_shard.group->all_reduce_sum(ctx, &rejected, 1);
-  if (in.data_group) in.data_group->all_reduce_sum(ctx, &rejected, 1);
-  if (c.rejected) std::rethrow_exception(c.rejected);
-  CHUNKLOSS_CHECK(rejected == 0, kWho, ": ", rejected,
-                  " rank(s) of the call's groups rejected their targets or check_finite values; "
-                  "this rank's were valid, and nothing was written");
-}
 
 // `calling`: also check the outputs and the values (targets' range, finiteness); plan() checks
 // shapes and dtypes only and reads no data.
@@ -98,20 +86,15 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   check_optional(kWho, "outputs.scalars", out.scalars, dev, {7}, {DType::kF32});
   CHUNKLOSS_CHECK(!calling || o.copy_results_to_host || out.scalars.defined(), kWho,
                   ": copy_results_to_host = false needs outputs.scalars [7] f32");
-  Checked c;
   if (calling && dev == Device::kCpu) {
-    try {
-      detail::check_targets(kWho, in.targets, v_total, o.ignore_index);
-      if (o.check_finite) {
-        detail::check_finite(kWho, "hidden", in.hidden);
-        detail::check_finite(kWho, "weight", in.weight);
-        detail::check_finite(kWho, "bias", in.bias);
-      }
-    } catch (const Error&) {  // with groups, thrown once the ranks agree (agree_on_values)
-      if (!shard.group && !in.data_group) throw;
-      c.rejected = std::current_exception();
+    detail::check_targets(kWho, in.targets, v_total, o.ignore_index);
+    if (o.check_finite) {
+      detail::check_finite(kWho, "hidden", in.hidden);
+      detail::check_finite(kWho, "weight", in.weight);
+      detail::check_finite(kWho, "bias", in.bias);
     }
   }
+  Checked c;
   auto& k = c.call;
   k.rows = n;
   k.hidden = h;
@@ -174,6 +157,19 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   return c;
 }
 
+// What the ranks of the call's groups compare before the first collective: over a vocabulary
+// split the rows, the plan's chunks and whether dH is asked for (its rows are summed per chunk);
+// over a data group whether dW and db are summed in the call.
+constexpr std::size_t kVocabKind = 3, kDataKind = 2;
+
+// The plan; on CUDA with groups its workspace also holds the ranks' first exchange.
+Plan call_plan(const Checked& c, const CrossEntropyInputs& in) {
+  Plan p = plan_token_objective(c.request);
+  if ((c.call.vocab_group || in.data_group) && c.request.device == Device::kCuda)
+    detail::reserve_workspace(p, detail::first_exchange_bytes(kVocabKind, kDataKind, 0));
+  return p;
+}
+
 }  // namespace
 
 LinearCrossEntropy::LinearCrossEntropy(const CrossEntropyOptions& o) : options_(o) {
@@ -190,7 +186,7 @@ LinearCrossEntropy::LinearCrossEntropy(const CrossEntropyOptions& o) : options_(
 
 Plan LinearCrossEntropy::plan(const CrossEntropyInputs& in, const CrossEntropyGrads& grads) const {
   const Device dev = in.hidden.defined() ? in.hidden.device() : Device::kCpu;
-  return plan_token_objective(check_call(options_, dev, in, grads, {}, false).request);
+  return call_plan(check_call(options_, dev, in, grads, {}, false), in);
 }
 
 std::size_t LinearCrossEntropy::workspace_bytes(const CrossEntropyInputs& in,
@@ -202,28 +198,62 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
                                                         const CrossEntropyGrads& grads,
                                                         const CrossEntropyOutputs& out,
                                                         const Workspace& ws) const {
-  const Checked c = check_call(options_, ctx.device(), in, grads, out, true);
-  agree_on_values(ctx, c, in);
-  const Plan plan = plan_token_objective(c.request);
-  CHUNKLOSS_CHECK(ws.device() == ctx.device(), kWho, ": workspace is on ", device_name(ws.device()),
-                  ", the context on ", device_name(ctx.device()));
-  detail::check_device_index(kWho, ctx, ws,
-                             {{"hidden", &in.hidden},
-                              {"weight", &in.weight},
-                              {"bias", &in.bias},
-                              {"targets", &in.targets},
-                              {"class_weights", &in.class_weights},
-                              {"token_weights", &in.token_weights},
-                              {"grad_output", &in.grad_output},
-                              {"grad_hidden", &grads.hidden},
-                              {"grad_weight", &grads.weight},
-                              {"grad_bias", &grads.bias},
-                              {"outputs.row_loss", &out.row_loss},
-                              {"outputs.lse", &out.lse},
-                              {"outputs.predictions", &out.predictions},
-                              {"outputs.scalars", &out.scalars}});
-  ws.require(plan.layout, kWho);
-  const detail::TokenTotals t = detail::run_token_objective(ctx, c.call, plan, ws);
+  // With groups, everything checked before the call's first collective is agreed on by the
+  // ranks: any rank's rejection, or calls whose collectives would not match, make every rank
+  // throw instead of the others waiting for the one that threw.
+  dist::Communicator* vocab_group = detail::vocab_split_group(in.vocab_shard);
+  std::optional<Checked> c;
+  Plan plan;
+  std::exception_ptr rejected;
+  try {
+    c.emplace(check_call(options_, ctx.device(), in, grads, out, true));
+    plan = call_plan(*c, in);
+    CHUNKLOSS_CHECK(ws.device() == ctx.device(), kWho, ": workspace is on ",
+                    device_name(ws.device()), ", the context on ", device_name(ctx.device()));
+    detail::check_device_index(kWho, ctx, ws,
+                               {{"hidden", &in.hidden},
+                                {"weight", &in.weight},
+                                {"bias", &in.bias},
+                                {"targets", &in.targets},
+                                {"class_weights", &in.class_weights},
+                                {"token_weights", &in.token_weights},
+                                {"grad_output", &in.grad_output},
+                                {"grad_hidden", &grads.hidden},
+                                {"grad_weight", &grads.weight},
+                                {"grad_bias", &grads.bias},
+                                {"outputs.row_loss", &out.row_loss},
+                                {"outputs.lse", &out.lse},
+                                {"outputs.predictions", &out.predictions},
+                                {"outputs.scalars", &out.scalars}});
+    ws.require(plan.layout, kWho);
+  } catch (...) {
+    if (!vocab_group && !in.data_group) throw;
+    rejected = std::current_exception();
+  }
+  if (vocab_group || in.data_group) {
+    // On CUDA through the workspace's first bytes, before any pass uses them.
+    const std::size_t bytes = detail::first_exchange_bytes(kVocabKind, kDataKind, 0);
+    CHUNKLOSS_CHECK(ctx.device() == Device::kCpu || ws.bytes() >= bytes, kWho,
+                    ": with vocab_shard or data_group on CUDA the workspace needs at least ", bytes,
+                    " bytes, got ", ws.bytes());
+    std::array<double, kVocabKind> vocab_kind{};
+    std::array<double, kDataKind> data_kind{};
+    if (!rejected) {
+      const detail::TokenCall& k = c->call;
+      const bool sum = k.weight_grad_group != nullptr;
+      vocab_kind = {static_cast<double>(k.rows), static_cast<double>(plan.chunk_rows),
+                    k.grad_x.defined() ? 1.0 : 0.0};
+      data_kind = {sum && k.grad_w.defined() ? 1.0 : 0.0, sum && k.grad_bias.defined() ? 1.0 : 0.0};
+    }
+    detail::agree_on_call(ctx, kWho, vocab_group, in.data_group, static_cast<double*>(ws.base()),
+                          rejected,
+                          {vocab_kind,
+                           data_kind,
+                           {},
+                           "their rows, plans, or grad_hidden asked for",
+                           "grad_weight or grad_bias summed in the call"});
+  }
+  const detail::TokenTotals t = detail::run_token_objective(ctx, c->call, plan, ws);
   CrossEntropyResult r;
   if (!options_.copy_results_to_host) {
     const double nan = std::numeric_limits<double>::quiet_NaN();

@@ -49,6 +49,10 @@ void split_vocabulary(const VocabShard& shard, std::int64_t v_total, PlanRequest
   q.vocab = (v_total + q.vocab_ranks - 1) / q.vocab_ranks;
 }
 
+void reserve_workspace(Plan& p, std::size_t bytes) {
+  if (bytes > p.workspace_bytes()) p.layout.add(bytes - p.workspace_bytes());
+}
+
 void all_reduce_host(Context& ctx, dist::Communicator& group, double* values, std::int64_t n,
                      double* device) {
   if (ctx.device() == Device::kCpu) {

@@ -141,6 +141,9 @@ void split_vocabulary(const VocabShard& shard, std::int64_t v_total, TokenCall& 
 /// all of them plan the same chunks.
 void split_vocabulary(const VocabShard& shard, std::int64_t v_total, PlanRequest& q);
 
+/// Extends a plan's layout so that its workspace is at least `bytes`.
+void reserve_workspace(Plan& p, std::size_t bytes);
+
 /// Copies a view's elements to host memory `dst` (nbytes()); device views are read on the
 /// context's stream, which is synchronised.
 void read_to_host(Context& ctx, const TensorView& t, void* dst);

@@ -7,8 +7,8 @@
 #include <cmath>
 #include <exception>
 #include <string>
-#include <tuple>
 
+#include "agreement.h"
 #include "chunkloss/core/error.h"
 #include "sequence_engine.h"
 #include "validate.h"
@@ -455,20 +455,10 @@ void set_results(PreferenceResult& r, const SequenceObjective& obj, const std::v
   if (obj.uses_kl()) m.emplace_back("kl", r.kl);
 }
 
-// Sums host values over the data group's ranks (none: unchanged), through `device` (device
-// memory) on CUDA.
-struct GroupSum {
-  Context& ctx;
-  dist::Communicator* group;
-  double* device;
-  void operator()(double* values, std::size_t n) const {
-    if (group) detail::all_reduce_host(ctx, *group, values, static_cast<std::int64_t>(n), device);
-  }
-};
-
 // KTO's KL reference point from the mismatched batch (every rank's, with a data group):
 // max(0, mean(policy - reference)).
-double kl_from_batch(Context& ctx, const Checked& c, const Workspace& ws, const GroupSum& sum) {
+double kl_from_batch(Context& ctx, const Checked& c, const Workspace& ws,
+                     const detail::GroupSum& sum) {
   const std::vector<double> pol =
       detail::sequence_log_probs(ctx, *c.kl_policy, c.kl_plan, ws, c.kl_seq_len, c.kl_valid);
   const std::vector<double> ref = c.kl_reference
@@ -494,26 +484,16 @@ void check_deferred_pair(const SequenceObjective& obj, const Checked& c,
                   "); the gradient buffers hold unspecified values");
 }
 
-// The values vocab_call_kind compares.
-constexpr std::size_t kVocabKind = 10;
-
-// The doubles one first_exchange sends: a flag, each of `kinds` values and its square, and
-// `payload` values.
-constexpr std::size_t first_exchange_size(std::size_t kinds, std::size_t payload) {
-  return 1 + 2 * kinds + payload;
-}
+// The values vocab_call_kind compares, and data_call_kind's one value and the two sums (units
+// and chosen tokens) of the data group's first exchange.
+constexpr std::size_t kVocabKind = 10, kDataKind = 1, kDataSums = 2;
 
 // Bytes at the start of the workspace through which the ranks of a data group or a vocabulary
-// split exchange on CUDA, between the passes (no pass is running then): the first exchange over
-// the vocabulary split, or the tally.
+// split exchange on CUDA, between the passes (no pass is running then): the first exchange, or
+// the tally.
 std::size_t exchange_bytes(const SequenceObjective& obj) {
-  return std::max(first_exchange_size(kVocabKind, 0), kNumTally + obj.extra_metrics().size()) *
-         sizeof(double);
-}
-
-// Extends `p`'s layout to at least `floor` bytes.
-void reserve(Plan& p, std::size_t floor) {
-  if (floor > p.workspace_bytes()) p.layout.add(floor - p.workspace_bytes());
+  return std::max(detail::first_exchange_bytes(kVocabKind, kDataKind, kDataSums),
+                  (kNumTally + obj.extra_metrics().size()) * sizeof(double));
 }
 
 // The call's plan; with a KL batch, whose passes run first from the start of the same block,
@@ -521,9 +501,9 @@ void reserve(Plan& p, std::size_t floor) {
 // split to hold the exchange.
 Plan call_plan(const SequenceObjective& obj, const Checked& c) {
   Plan p = plan_sequence_objective(c.request, c.layout);
-  if (c.kl_policy) reserve(p, c.kl_plan.workspace_bytes());
+  if (c.kl_policy) detail::reserve_workspace(p, c.kl_plan.workspace_bytes());
   if ((c.data_group || c.vocab_group) && c.request.device == Device::kCuda)
-    reserve(p, exchange_bytes(obj));
+    detail::reserve_workspace(p, exchange_bytes(obj));
   return p;
 }
 
@@ -565,22 +545,6 @@ std::array<double, kVocabKind> vocab_call_kind(const Checked& c, const Plan& p) 
           d(c.kl_plan.chunk_rows),
           valid_digest(c.call.valid),
           valid_digest(c.kl_valid)};
-}
-
-// One exchange over `ranks` ranks (the first of a call): the ranks flagging `failed`, whether
-// every rank sent the same `kind` (each value's sum and sum of squares are `ranks` times its own
-// and its square), and `payload` summed in place. Returns {failed ranks, same kind}.
-std::pair<double, bool> first_exchange(const GroupSum& sum, int ranks, bool failed,
-                                       std::span<const double> kind, std::span<double> payload) {
-  std::vector<double> v = {failed ? 1.0 : 0.0};
-  for (double x : kind) v.insert(v.end(), {x, x * x});
-  v.insert(v.end(), payload.begin(), payload.end());
-  sum(v.data(), v.size());
-  bool same = true;
-  for (std::size_t i = 0; i < kind.size(); ++i)
-    same = same && v[1 + 2 * i] == ranks * kind[i] && v[2 + 2 * i] == ranks * kind[i] * kind[i];
-  std::copy(v.end() - static_cast<std::ptrdiff_t>(payload.size()), v.end(), payload.begin());
-  return {v[0], same};
 }
 
 }  // namespace
@@ -659,50 +623,25 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
                   who, ": with a data group or a vocabulary split on CUDA the workspace needs at ",
                   "least ", exchange_bytes(obj), " bytes, got ", ws.bytes());
   auto* exchange = static_cast<double*>(ws.base());
-  const GroupSum group_sum{ctx, in.data_group, exchange};
-  // First the vocabulary split's ranks, whose verdict the data group then shares (a grid's data
-  // group holds one rank of each vocabulary group).
-  double vocab_failed = 0;
-  bool vocab_same = true;
-  if (vocab_group) {
-    const std::array<double, kVocabKind> kind =
-        rejected ? std::array<double, kVocabKind>{} : vocab_call_kind(*checked, plan);
-    std::tie(vocab_failed, vocab_same) = first_exchange(
-        GroupSum{ctx, vocab_group, exchange}, vocab_group->size(), rejected != nullptr, kind, {});
-  }
   // Units and tokens of the chosen sequences (the NLL term's divisor), summed over the data group.
-  double counts[2] = {0, 0};
+  double counts[kDataSums] = {0, 0};
+  std::array<double, kVocabKind> vocab_kind{};
   if (!rejected) {
     const Checked& c = *checked;
     counts[0] = static_cast<double>(c.call.sequences / c.call.unit_sequences);
     for (std::int64_t i = 0; i < c.call.sequences; ++i)
       if (is_chosen(c, i)) counts[1] += static_cast<double>(c.tokens[static_cast<std::size_t>(i)]);
+    vocab_kind = vocab_call_kind(c, plan);
   }
   const double data_kind = data_call_kind(obj, options_, in, grads);
-  const auto [data_failed, data_same] =
-      first_exchange(group_sum, in.data_group ? in.data_group->size() : 1,
-                     rejected || vocab_failed > 0 || !vocab_same, {&data_kind, 1}, counts);
-  // In a grid, a data group's verdict goes back over the vocabulary group, so that every rank of
-  // the grid has heard of any rank's failure.
-  double grid_failed = data_failed > 0 || !data_same ? 1 : 0;
-  if (vocab_group && in.data_group) GroupSum{ctx, vocab_group, exchange}(&grid_failed, 1);
-  if (rejected) std::rethrow_exception(rejected);
-  CHUNKLOSS_CHECK(vocab_failed == 0, who, ": ", vocab_failed,
-                  " rank(s) of vocab_shard.group rejected their calls; this rank's was valid, and "
-                  "nothing was written");
-  CHUNKLOSS_CHECK(vocab_same, who,
-                  ": the ranks of vocab_shard.group make different kinds of calls (a reference "
-                  "head, a KL batch, dH asked for, their rows or targets, or their plans differ); "
-                  "nothing was written");
-  CHUNKLOSS_CHECK(data_failed == 0, who, ": ", data_failed,
-                  " rank(s) of data_group rejected their calls; this rank's was valid, and "
-                  "nothing was written");
-  CHUNKLOSS_CHECK(data_same, who,
-                  ": the ranks of data_group make different kinds of calls (a KL batch, dW or db "
-                  "summed in the call, or the objective's metrics differ); nothing was written");
-  CHUNKLOSS_CHECK(grid_failed == 0, who,
-                  ": a data group of another rank of vocab_shard.group rejected its calls; "
-                  "nothing was written");
+  detail::agree_on_call(
+      ctx, who.c_str(), vocab_group, in.data_group, exchange, rejected,
+      {vocab_kind,
+       {&data_kind, kDataKind},
+       counts,
+       "a reference head, a KL batch, dH asked for, their rows or targets, or their plans",
+       "a KL batch, dW or db summed in the call, or the objective's metrics"});
+  const detail::GroupSum group_sum{ctx, in.data_group, exchange};
   Checked& c = *checked;
   const std::int64_t s = c.call.sequences, per = c.call.unit_sequences, units = s / per;
   const double all_units = counts[0], inv_units = 1.0 / all_units, chosen_tokens = counts[1];
@@ -808,7 +747,7 @@ constexpr std::size_t kLogProbKind = 4;
 Plan log_probs_plan(const LogProbCall& c, const VocabShard& shard) {
   Plan p = plan_token_objective(c.request);
   if (detail::vocab_split_group(shard) && c.request.device == Device::kCuda)
-    reserve(p, first_exchange_size(kLogProbKind, 0) * sizeof(double));
+    detail::reserve_workspace(p, detail::first_exchange_bytes(kLogProbKind, 0, 0));
   return p;
 }
 
@@ -854,24 +793,17 @@ SequenceLogProbResult SequenceLogProbs::compute(Context& ctx, const Head& head,
     rejected = std::current_exception();
   }
   if (group) {
-    const std::size_t bytes = first_exchange_size(kLogProbKind, 0) * sizeof(double);
+    const std::size_t bytes = detail::first_exchange_bytes(kLogProbKind, 0, 0);
     CHUNKLOSS_CHECK(ctx.device() == Device::kCpu || ws.bytes() >= bytes, kLogProbs,
                     ": with a vocabulary split on CUDA the workspace needs at least ", bytes,
                     " bytes, got ", ws.bytes());
     const auto d = [](std::int64_t x) { return static_cast<double>(x); };
-    const std::array<double, kLogProbKind> kind =
-        rejected ? std::array<double, kLogProbKind>{}
-                 : std::array<double, kLogProbKind>{d(plan.chunk_rows), d(targets.size(0)),
-                                                    d(targets.size(1)), valid_digest(ht.valid)};
-    const auto [failed, same] =
-        first_exchange(GroupSum{ctx, group, static_cast<double*>(ws.base())}, group->size(),
-                       rejected != nullptr, kind, {});
-    if (rejected) std::rethrow_exception(rejected);
-    CHUNKLOSS_CHECK(failed == 0, kLogProbs, ": ", failed,
-                    " rank(s) of vocab_shard.group rejected their calls; this rank's was valid");
-    CHUNKLOSS_CHECK(same, kLogProbs,
-                    ": the ranks of vocab_shard.group make different calls (their rows, which "
-                    "targets are valid, or their plans differ)");
+    std::array<double, kLogProbKind> kind{};
+    if (!rejected)
+      kind = {d(plan.chunk_rows), d(targets.size(0)), d(targets.size(1)), valid_digest(ht.valid)};
+    detail::agree_on_call(
+        ctx, kLogProbs, group, nullptr, static_cast<double*>(ws.base()), rejected,
+        {kind, {}, {}, "their rows, which targets are valid, or their plans", ""});
   }
   const TensorView rows(targets.data(), targets.dtype(), {c->hs.n}, targets.device(),
                         targets.device_index());

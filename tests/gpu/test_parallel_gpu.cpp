@@ -3,8 +3,9 @@
 // with the same data. Ranks on one device through the in-process group (the CUDA backend's
 // exchange path: statistics kernel, merge kernel, fp32 dH rows; the data group's divisor and
 // totals), a single-rank NCCL communicator's collectives, and with two or more devices the
-// vocabulary split through NCCL, including bitwise run-to-run equality. Skips itself, with a
-// message, without a device (or, for the NCCL split, a second one).
+// vocabulary split through NCCL, including bitwise run-to-run equality; a call one rank rejects,
+// or calls whose collectives differ, fail on every rank. Skips itself, with a message, without a
+// device (or, for the NCCL split, a second one).
 #include <doctest/doctest.h>
 
 #include <chunkloss/core/error.h>
@@ -138,6 +139,8 @@ struct Part {
   dist::Communicator* vocab = nullptr;
   dist::Communicator* data = nullptr;
   int device = 0;
+  /// Changes the rank's call before it is made (a bad call among good ones).
+  std::function<void(CrossEntropyInputs&, CrossEntropyOptions&)> tweak = {};
 };
 
 // One call; gradient buffers hold 0.25 before it with accumulate.
@@ -162,7 +165,7 @@ Result call(const Case& c, const Data& d, const Part& pt) {
   Buffer gb = Buffer::floats(dev, fill_b.data(), d.b.empty() ? 0 : fill_b.size(), t);
   Buffer lse(dev, sz(n) * 4, nullptr), loss(dev, sz(n) * 4, nullptr), pred(dev, sz(n) * 4, nullptr);
 
-  const CrossEntropyOptions o = options_of(c);
+  CrossEntropyOptions o = options_of(c);
   const int index = std::max(pt.device, 0);
   CrossEntropyInputs in;
   in.hidden = TensorView(x.ptr(), t, {n, h}, dev, index);
@@ -187,8 +190,10 @@ Result call(const Case& c, const Data& d, const Part& pt) {
   out.row_loss = TensorView(loss.ptr(), DType::kF32, {n}, dev, index);
   out.predictions = TensorView(pred.ptr(), DType::kI32, {n}, dev, index);
 
+  if (pt.tweak) pt.tweak(in, o);
   const LinearCrossEntropy ce(o);
-  const std::size_t wsb = ce.workspace_bytes(in, gr);
+  // A tweaked rank's workspace_bytes() may throw: it still makes the call, as the others do.
+  const std::size_t wsb = pt.tweak ? std::size_t{16} << 20 : ce.workspace_bytes(in, gr);
   Result res;
   if (gctx) {
     gpu::DeviceBuffer ws(wsb);
@@ -382,6 +387,57 @@ TEST_CASE(
         {{0, 131, 0, c.v, nullptr, &g.comm(0), 0}, {131, c.n, 0, c.v, nullptr, &g.comm(1), 0}});
     check_data_split(c, rows, split, call(c, d, whole(c, 0)), grad_tolerance(c));
   }
+}
+
+TEST_CASE(
+    "vocab and data parallel on CUDA: a call one rank rejects, or calls whose collectives "
+    "differ, fail on every rank") {
+  if (!have_gpu()) return;
+  Case c;
+  const Data d = make_data(c, 11);
+  // Each rank's error ("" when it returned), with rank 1's call changed by `tweak`.
+  const auto errors =
+      [&](bool vocab, const std::function<void(CrossEntropyInputs&, CrossEntropyOptions&)>& tweak) {
+        dist::InProcessGroup g(2);
+        std::vector<Part> parts =
+            vocab ? vocab_parts(c, [&](int r) -> dist::Communicator& { return g.comm(r); }, {0, 0})
+                  : std::vector<Part>{{0, 131, 0, c.v, nullptr, &g.comm(0), 0},
+                                      {131, c.n, 0, c.v, nullptr, &g.comm(1), 0}};
+        parts[1].tweak = tweak;
+        parts[0].tweak = [](CrossEntropyInputs&, CrossEntropyOptions&) {};
+        return on_threads(2, [&](std::size_t r) {
+          try {
+            call(c, d, parts[r]);
+          } catch (const Error& e) {
+            return std::string(e.what());
+          }
+          return std::string();
+        });
+      };
+  std::vector<std::string> e = errors(
+      true, [](CrossEntropyInputs& in, CrossEntropyOptions&) { in.vocab_shard.offset += 3; });
+  INFO(e[0], " | ", e[1]);
+  CHECK(e[0].find("1 rank(s) of vocab_shard.group rejected their calls") != std::string::npos);
+  CHECK(e[1].find("rank 1 of 2 must hold rows [501, 1003)") != std::string::npos);
+  e = errors(true, [](CrossEntropyInputs&, CrossEntropyOptions& o) {
+    o.memory_budget_bytes = std::size_t{1} << 20;  // other chunks
+  });
+  for (const std::string& m : e)
+    CHECK(m.find("vocab_shard.group make different kinds of calls") != std::string::npos);
+  e = errors(false, [](CrossEntropyInputs& in, CrossEntropyOptions&) {
+    in.targets =
+        TensorView(in.targets.data(), in.targets.dtype(), {in.targets.size(0) - 1}, Device::kCuda);
+  });
+  CHECK(e[0].find("1 rank(s) of data_group rejected their calls") != std::string::npos);
+  CHECK(e[1].find("targets") != std::string::npos);
+  e = errors(false, [](CrossEntropyInputs&, CrossEntropyOptions& o) {
+    o.reduce_weight_grad_over_data_group = true;
+  });
+  for (const std::string& m : e)
+    CHECK(m.find("data_group make different kinds of calls") != std::string::npos);
+  e = errors(true, [](CrossEntropyInputs&, CrossEntropyOptions&) {});
+  CHECK(e[0].empty());
+  CHECK(e[1].empty());
 }
 
 TEST_CASE(

@@ -2,7 +2,8 @@
 // over the ranks of a vocabulary group and/or the rows split over a data group (in-process groups,
 // a thread per rank), against the unsplit call on the same data: every option, fp32 and bf16,
 // several chunks, accumulation, uneven shards, a 2 x 2 grid of both; the ranks agree bitwise;
-// bad shards and calls are rejected before anything is written.
+// bad shards and calls are rejected before anything is written, and a call one rank rejects, or
+// calls whose collectives would not match, fail on every rank.
 #include <doctest/doctest.h>
 
 #include <chunkloss/core/error.h>
@@ -10,6 +11,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -421,8 +423,94 @@ TEST_CASE("bad values on one rank: every rank of the groups throws") {
       }
       return {};
     });
-    CHECK(errors[0].find("1 rank(s) of the call's groups rejected") != std::string::npos);
+    CHECK(errors[0].find(vocab ? "1 rank(s) of vocab_shard.group rejected their calls"
+                               : "1 rank(s) of data_group rejected their calls") !=
+          std::string::npos);
     CHECK(errors[1].find(vocab ? "non-finite" : "is outside [0, V=507)") != std::string::npos);
+  }
+}
+
+// The two ranks of a vocabulary split (`vocab`) or a data group of spec_of(f32, 91), each making
+// its call after `tweak(rank, inputs, grads, options)`, with a 4 MiB workspace (not
+// workspace_bytes(), which a rank's bad call throws from); each rank's error ("" when it
+// returned), after checking that a rank that threw wrote nothing.
+using Tweak =
+    std::function<void(std::size_t, CrossEntropyInputs&, CrossEntropyGrads&, CrossEntropyOptions&)>;
+std::vector<std::string> pair_errors(bool vocab, const Tweak& tweak) {
+  const CeSpec spec = spec_of(DType::kF32, 91);
+  const CeData d(spec);
+  dist::InProcessGroup group(2);
+  return on_threads(2, [&](std::size_t r) {
+    const std::int64_t v0 = vocab ? 253 * static_cast<std::int64_t>(r) : 0,
+                       v = vocab ? 253 + static_cast<std::int64_t>(r) : spec.v;
+    const std::int64_t n0 = vocab ? 0 : 75 * static_cast<std::int64_t>(r), n = vocab ? 150 : 75;
+    CrossEntropyInputs in = d.inputs({});
+    in.hidden = TensorView::of(d.hidden.data() + n0 * spec.h, {n, spec.h});
+    in.targets = TensorView::of(d.targets32.data() + n0, {n});
+    in.weight = TensorView::of(d.weight.data() + v0 * spec.h, {v, spec.h});
+    dist::Communicator* comm = &group.comm(static_cast<int>(r));
+    if (vocab) in.vocab_shard = {comm, v0, spec.v};
+    if (!vocab) in.data_group = comm;
+    GradStorage buffers(DType::kF32, true, true, false, n, spec.h, v, NAN);
+    CrossEntropyGrads grads = buffers.views_as<CrossEntropyGrads>(false);
+    CrossEntropyOptions o;
+    tweak(r, in, grads, o);
+    CpuContext ctx(1);
+    const AlignedBuffer ws(std::size_t{4} << 20);
+    try {
+      LinearCrossEntropy(o).forward_backward(ctx, in, grads, {}, ws.workspace());
+    } catch (const Error& e) {
+      for (double x : buffers.hidden()) CHECK(std::isnan(x));
+      for (double x : buffers.weight()) CHECK(std::isnan(x));
+      return std::string(e.what());
+    }
+    return std::string();
+  });
+}
+
+TEST_CASE("a call one rank rejects, or calls whose collectives differ, fail on every rank") {
+  // A rank whose shard is not its own.
+  std::vector<std::string> e = pair_errors(
+      true, [](std::size_t r, CrossEntropyInputs& in, CrossEntropyGrads&, CrossEntropyOptions&) {
+        if (r == 1) in.vocab_shard.offset = 250;
+      });
+  INFO(e[0], " | ", e[1]);
+  CHECK(e[0].find("1 rank(s) of vocab_shard.group rejected their calls") != std::string::npos);
+  CHECK(e[1].find("rank 1 of 2 must hold rows [253, 507)") != std::string::npos);
+  // Budgets that give the ranks of a split different chunks; dH asked for on one rank only.
+  e = pair_errors(
+      true, [](std::size_t r, CrossEntropyInputs&, CrossEntropyGrads&, CrossEntropyOptions& o) {
+        if (r == 1) o.memory_budget_bytes = std::size_t{64} << 10;
+      });
+  for (const std::string& m : e)
+    CHECK(m.find("vocab_shard.group make different kinds of calls") != std::string::npos);
+  e = pair_errors(
+      true, [](std::size_t r, CrossEntropyInputs&, CrossEntropyGrads& g, CrossEntropyOptions&) {
+        if (r == 0) g.hidden = {};
+      });
+  for (const std::string& m : e)
+    CHECK(m.find("vocab_shard.group make different kinds of calls") != std::string::npos);
+  // A data group's rank with a gradient buffer of the wrong shape.
+  e = pair_errors(
+      false, [](std::size_t r, CrossEntropyInputs&, CrossEntropyGrads& g, CrossEntropyOptions&) {
+        if (r == 1)
+          g.hidden = TensorView(g.hidden.data(), g.hidden.dtype(), {74, g.hidden.size(1)});
+      });
+  CHECK(e[0].find("1 rank(s) of data_group rejected their calls") != std::string::npos);
+  CHECK(e[1].find("grad_hidden") != std::string::npos);
+  // dW summed in the call on one rank only.
+  e = pair_errors(
+      false, [](std::size_t r, CrossEntropyInputs&, CrossEntropyGrads&, CrossEntropyOptions& o) {
+        o.reduce_weight_grad_over_data_group = r == 0;
+      });
+  for (const std::string& m : e)
+    CHECK(m.find("data_group make different kinds of calls") != std::string::npos);
+  // The same calls, agreed: both return.
+  for (const bool vocab : {true, false}) {
+    e = pair_errors(
+        vocab, [](std::size_t, CrossEntropyInputs&, CrossEntropyGrads&, CrossEntropyOptions&) {});
+    CHECK(e[0].empty());
+    CHECK(e[1].empty());
   }
 }
 

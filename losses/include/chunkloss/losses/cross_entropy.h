@@ -47,8 +47,9 @@ struct CrossEntropyOptions {
   /// Check hidden, weight and bias for NaN/Inf before computing (one extra read of each).
   bool check_finite = false;
   /// Copy the scalar results to the host at the end of the call (the call's one host
-  /// synchronisation on CUDA). false: no synchronisation at all; the CrossEntropyResult fields
-  /// are NaN and the results are read from outputs.scalars, which is then required.
+  /// synchronisation on CUDA, with a second one up front when the call has groups). false: no
+  /// synchronisation at all without groups; the CrossEntropyResult fields are NaN and the
+  /// results are read from outputs.scalars, which is then required.
   bool copy_results_to_host = true;
 };
 
@@ -68,11 +69,13 @@ struct CrossEntropyInputs {
   /// Vocabulary parallelism (Megatron-style vocab-parallel cross-entropy, see VocabShard): every
   /// rank passes the same hidden, targets (ids in [0, size)), class weights ([size], whole),
   /// token weights and options, and its own weight (and bias) shard. Every rank gets the same
-  /// loss, lse, predictions and dH; dW and db are the shard's. On the CPU the ranks agree whether
-  /// any rank's targets or check_finite values were rejected, and then all throw; other
-  /// rejections (shapes, workspace) are thrown by the rank alone while the others wait for it.
-  /// On CUDA, out-of-range targets and check_finite's findings are counted and thrown per rank
-  /// (outputs.scalars[6]). Unset: not split.
+  /// loss, lse, predictions and dH; dW and db are the shard's. With groups, the ranks first agree
+  /// whether any rank rejected its call (shapes, shard, plan, workspace; on the CPU also targets
+  /// and check_finite's values) or makes a call whose collectives differ (rows, chunks, dH asked
+  /// for; over data_group, dW and db summed or not), and then all throw. On CUDA that exchange
+  /// passes through the workspace's first 56 bytes and waits for the stream once; a smaller
+  /// workspace is thrown by its rank alone. On CUDA, out-of-range targets and check_finite's
+  /// findings are counted and thrown per rank at the end (outputs.scalars[6]). Unset: not split.
   VocabShard vocab_shard;
   /// Data parallelism: the ranks of this group each call with their own rows (same weight);
   /// the mean's divisor (valid rows, or their class weights) is summed over the group, so each

@@ -1,0 +1,80 @@
+// The first exchange of a call with groups (agreement.h).
+#include "agreement.h"
+
+#include <algorithm>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "chunkloss/core/error.h"
+#include "engine.h"
+
+namespace chunkloss::detail {
+namespace {
+
+// The doubles one exchange sends: a flag, each of `kinds` values and its square, and `sums`.
+std::size_t exchange_size(std::size_t kinds, std::size_t sums) { return 1 + 2 * kinds + sums; }
+
+// One exchange over the group of `sum`: the ranks flagging `failed`, whether every rank sent the
+// same `kind` (each value's sum and sum of squares are the ranks' count times its own and its
+// square), and `sums` summed in place. Returns {failed ranks, same kind}.
+std::pair<double, bool> exchange(const GroupSum& sum, bool failed, std::span<const double> kind,
+                                 std::span<double> sums) {
+  const double ranks = sum.group ? sum.group->size() : 1;
+  std::vector<double> v = {failed ? 1.0 : 0.0};
+  for (double x : kind) v.insert(v.end(), {x, x * x});
+  v.insert(v.end(), sums.begin(), sums.end());
+  sum(v.data(), v.size());
+  bool same = true;
+  for (std::size_t i = 0; i < kind.size(); ++i)
+    same = same && v[1 + 2 * i] == ranks * kind[i] && v[2 + 2 * i] == ranks * kind[i] * kind[i];
+  std::copy(v.end() - static_cast<std::ptrdiff_t>(sums.size()), v.end(), sums.begin());
+  return {v[0], same};
+}
+
+}  // namespace
+
+std::size_t first_exchange_bytes(std::size_t vocab_kind, std::size_t data_kind,
+                                 std::size_t data_sums) {
+  return std::max(exchange_size(vocab_kind, 0), exchange_size(data_kind, data_sums)) *
+         sizeof(double);
+}
+
+void GroupSum::operator()(double* values, std::size_t n) const {
+  if (group) all_reduce_host(ctx, *group, values, static_cast<std::int64_t>(n), device);
+}
+
+void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_group,
+                   dist::Communicator* data_group, double* device, std::exception_ptr rejected,
+                   const FirstExchange& x) {
+  double vocab_failed = 0;
+  bool vocab_same = true;
+  if (vocab_group)
+    std::tie(vocab_failed, vocab_same) =
+        exchange(GroupSum{ctx, vocab_group, device}, rejected != nullptr, x.vocab_kind, {});
+  double data_failed = 0;
+  bool data_same = true;
+  if (data_group)
+    std::tie(data_failed, data_same) =
+        exchange(GroupSum{ctx, data_group, device}, rejected || vocab_failed > 0 || !vocab_same,
+                 x.data_kind, x.data_sums);
+  double grid_failed = data_failed > 0 || !data_same ? 1 : 0;
+  if (vocab_group && data_group) GroupSum{ctx, vocab_group, device}(&grid_failed, 1);
+  if (rejected) std::rethrow_exception(rejected);
+  CHUNKLOSS_CHECK(vocab_failed == 0, who, ": ", vocab_failed,
+                  " rank(s) of vocab_shard.group rejected their calls; this rank's was valid, and "
+                  "nothing was written");
+  CHUNKLOSS_CHECK(vocab_same, who,
+                  ": the ranks of vocab_shard.group make different kinds of calls (",
+                  x.vocab_differs, " differ); nothing was written");
+  CHUNKLOSS_CHECK(data_failed == 0, who, ": ", data_failed,
+                  " rank(s) of data_group rejected their calls; this rank's was valid, and "
+                  "nothing was written");
+  CHUNKLOSS_CHECK(data_same, who, ": the ranks of data_group make different kinds of calls (",
+                  x.data_differs, " differ); nothing was written");
+  CHUNKLOSS_CHECK(grid_failed == 0, who,
+                  ": a data group of another rank of vocab_shard.group rejected its calls; "
+                  "nothing was written");
+}
+
+}  // namespace chunkloss::detail

@@ -1,0 +1,47 @@
+// The first exchange of a call with groups of ranks: before any of the call's collectives, its
+// ranks agree whether any of them rejected its call and whether they all make the same kind of
+// call, so that every rank throws instead of the others waiting for one that threw.
+#pragma once
+
+#include <cstddef>
+#include <exception>
+#include <span>
+
+#include "chunkloss/core/context.h"
+#include "chunkloss/dist/communicator.h"
+
+namespace chunkloss::detail {
+
+/// What the ranks compare and sum in their first exchange.
+struct FirstExchange {
+  std::span<const double> vocab_kind;  ///< must be equal on every rank of the vocabulary group
+  std::span<const double> data_kind;   ///< must be equal on every rank of the data group
+  std::span<double> data_sums;         ///< summed in place over the data group
+  const char* vocab_differs = "";      ///< for the message: what the vocab kind holds
+  const char* data_differs = "";       ///< ... and the data kind
+};
+
+/// The device memory (bytes) an exchange of kinds and sums of these sizes passes through on CUDA.
+std::size_t first_exchange_bytes(std::size_t vocab_kind, std::size_t data_kind,
+                                 std::size_t data_sums);
+
+/// Sums host values over a group's ranks (a null group: unchanged), through `device` (device
+/// memory) on CUDA.
+struct GroupSum {
+  Context& ctx;
+  dist::Communicator* group;
+  double* device;
+  void operator()(double* values, std::size_t n) const;
+};
+
+/// The ranks of `vocab_group`, then of `data_group` (either may be null; both: a grid, whose
+/// data groups each hold one rank of every vocabulary group), exchange whether they `rejected`
+/// their call and their kinds; in a grid the data group's verdict then goes back over the
+/// vocabulary group. On CUDA the values pass through `device` (first_exchange_bytes()). Then
+/// rethrows `rejected`, or throws when any rank of the groups rejected its call or the kinds
+/// differ, naming the group; else returns with x.data_sums summed over the data group.
+void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_group,
+                   dist::Communicator* data_group, double* device, std::exception_ptr rejected,
+                   const FirstExchange& x);
+
+}  // namespace chunkloss::detail
