@@ -390,8 +390,8 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "vocab and data parallel on CUDA: a call one rank rejects, or calls whose collectives "
-    "differ, fail on every rank") {
+    "vocab and data parallel on CUDA (in-process group): a call one rank rejects, or calls "
+    "whose collectives differ, fail on every rank") {
   if (!have_gpu()) return;
   Case c;
   const Data d = make_data(c, 11);
