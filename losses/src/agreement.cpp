@@ -44,9 +44,25 @@ void GroupSum::operator()(double* values, std::size_t n) const {
   if (group) all_reduce_host(ctx, *group, values, static_cast<std::int64_t>(n), device);
 }
 
+double* exchange_memory(const Context& ctx, const Workspace& ws) {
+  return ctx.device() == Device::kCpu ? nullptr : static_cast<double*>(ws.base());
+}
+
 void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_group,
-                   dist::Communicator* data_group, double* device, std::exception_ptr rejected,
-                   const FirstExchange& x) {
+                   dist::Communicator* data_group, const Workspace& ws, std::size_t device_bytes,
+                   std::exception_ptr rejected, const FirstExchange& x) {
+  if (!vocab_group && !data_group) {
+    if (rejected) std::rethrow_exception(rejected);
+    return;
+  }
+  CHUNKLOSS_CHECK(ctx.device() == Device::kCpu ||
+                      (ws.device() == ctx.device() && ws.device_index() == ctx.device_index() &&
+                       ws.bytes() >= device_bytes),
+                  who, ": with vocab_shard or data_group on CUDA the ranks exchange through the ",
+                  "workspace, which must be on the context's device (", device_name(ctx.device()),
+                  ":", ctx.device_index(), ") and hold at least ", device_bytes, " bytes; got ",
+                  ws.bytes(), " bytes on ", device_name(ws.device()), ":", ws.device_index());
+  double* device = exchange_memory(ctx, ws);
   double vocab_failed = 0;
   bool vocab_same = true;
   if (vocab_group)

@@ -231,11 +231,6 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
     rejected = std::current_exception();
   }
   if (vocab_group || in.data_group) {
-    // On CUDA through the workspace's first bytes, before any pass uses them.
-    const std::size_t bytes = detail::first_exchange_bytes(kVocabKind, kDataKind, 0);
-    CHUNKLOSS_CHECK(ctx.device() == Device::kCpu || ws.bytes() >= bytes, kWho,
-                    ": with vocab_shard or data_group on CUDA the workspace needs at least ", bytes,
-                    " bytes, got ", ws.bytes());
     std::array<double, kVocabKind> vocab_kind{};
     std::array<double, kDataKind> data_kind{};
     if (!rejected) {
@@ -245,8 +240,9 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
                     k.grad_x.defined() ? 1.0 : 0.0};
       data_kind = {sum && k.grad_w.defined() ? 1.0 : 0.0, sum && k.grad_bias.defined() ? 1.0 : 0.0};
     }
-    detail::agree_on_call(ctx, kWho, vocab_group, in.data_group, static_cast<double*>(ws.base()),
-                          rejected,
+    // On CUDA through the workspace's first bytes, before any pass uses them.
+    detail::agree_on_call(ctx, kWho, vocab_group, in.data_group, ws,
+                          detail::first_exchange_bytes(kVocabKind, kDataKind, 0), rejected,
                           {vocab_kind,
                            data_kind,
                            {},

@@ -617,12 +617,8 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
     rejected = std::current_exception();
   }
   // The exchanges: on CUDA through the workspace's first bytes (none of the call's passes is
-  // running when the ranks exchange), which a rank whose workspace cannot hold them cannot join.
-  CHUNKLOSS_CHECK(!(in.data_group || vocab_group) || ctx.device() == Device::kCpu ||
-                      ws.bytes() >= exchange_bytes(obj),
-                  who, ": with a data group or a vocabulary split on CUDA the workspace needs at ",
-                  "least ", exchange_bytes(obj), " bytes, got ", ws.bytes());
-  auto* exchange = static_cast<double*>(ws.base());
+  // running when the ranks exchange).
+  double* exchange = detail::exchange_memory(ctx, ws);
   // Units and tokens of the chosen sequences (the NLL term's divisor), summed over the data group.
   double counts[kDataSums] = {0, 0};
   std::array<double, kVocabKind> vocab_kind{};
@@ -635,7 +631,7 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   }
   const double data_kind = data_call_kind(obj, options_, in, grads);
   detail::agree_on_call(
-      ctx, who.c_str(), vocab_group, in.data_group, exchange, rejected,
+      ctx, who.c_str(), vocab_group, in.data_group, ws, exchange_bytes(obj), rejected,
       {vocab_kind,
        {&data_kind, kDataKind},
        counts,
@@ -793,17 +789,13 @@ SequenceLogProbResult SequenceLogProbs::compute(Context& ctx, const Head& head,
     rejected = std::current_exception();
   }
   if (group) {
-    const std::size_t bytes = detail::first_exchange_bytes(kLogProbKind, 0, 0);
-    CHUNKLOSS_CHECK(ctx.device() == Device::kCpu || ws.bytes() >= bytes, kLogProbs,
-                    ": with a vocabulary split on CUDA the workspace needs at least ", bytes,
-                    " bytes, got ", ws.bytes());
     const auto d = [](std::int64_t x) { return static_cast<double>(x); };
     std::array<double, kLogProbKind> kind{};
     if (!rejected)
       kind = {d(plan.chunk_rows), d(targets.size(0)), d(targets.size(1)), valid_digest(ht.valid)};
     detail::agree_on_call(
-        ctx, kLogProbs, group, nullptr, static_cast<double*>(ws.base()), rejected,
-        {kind, {}, {}, "their rows, which targets are valid, or their plans", ""});
+        ctx, kLogProbs, group, nullptr, ws, detail::first_exchange_bytes(kLogProbKind, 0, 0),
+        rejected, {kind, {}, {}, "their rows, which targets are valid, or their plans", ""});
   }
   const TensorView rows(targets.data(), targets.dtype(), {c->hs.n}, targets.device(),
                         targets.device_index());

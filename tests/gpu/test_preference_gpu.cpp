@@ -15,6 +15,7 @@
 #include <chunkloss/losses/sequence.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -885,7 +886,8 @@ TEST_CASE("gpu: vocab parallel: SequenceLogProbs over two ranks matches the unsp
   CHECK(e[1].find("head.weight") != std::string::npos);
 }
 
-TEST_CASE("gpu: vocab parallel: a workspace too small for the exchange is refused, not overrun") {
+TEST_CASE(
+    "gpu: vocab parallel: a workspace too small for the exchange, or on the host, is refused") {
   if (!have_gpu()) return;
   // The first exchange of a split sends 21 doubles for a sequence loss and 9 for
   // SequenceLogProbs, from the workspace's start; a rank with fewer bytes throws (alone).
@@ -911,12 +913,21 @@ TEST_CASE("gpu: vocab parallel: a workspace too small for the exchange is refuse
     } catch (const Error& e) {
       lp = e.what();
     }
-    return std::pair{dpo, lp};
+    std::string host;  // a host workspace of the right size
+    const AlignedBuffer hws(std::size_t{16} << 20);
+    try {
+      Dpo(DpoOptions{}).forward(ctx, di.in, hws.workspace());
+    } catch (const Error& e) {
+      host = e.what();
+    }
+    return std::array<std::string, 3>{dpo, lp, host};
   });
-  for (const auto& [dpo, lp] : errors) {
-    INFO(dpo, " | ", lp);
-    CHECK(dpo.find("the workspace needs at least 168 bytes, got 160") != std::string::npos);
-    CHECK(lp.find("the workspace needs at least 72 bytes, got 64") != std::string::npos);
+  for (const auto& [dpo, lp, host] : errors) {
+    INFO(dpo, " | ", lp, " | ", host);
+    CHECK(dpo.find("hold at least 168 bytes; got 160 bytes on cuda:0") != std::string::npos);
+    CHECK(lp.find("hold at least 72 bytes; got 64 bytes on cuda:0") != std::string::npos);
+    CHECK(host.find("must be on the context's device (cuda:0)") != std::string::npos);
+    CHECK(host.find("bytes on cpu:0") != std::string::npos);
   }
 }
 

@@ -73,9 +73,10 @@ struct CrossEntropyInputs {
   /// whether any rank rejected its call (shapes, shard, plan, workspace; on the CPU also targets
   /// and check_finite's values) or makes a call whose collectives differ (rows, chunks, dH asked
   /// for; over data_group, dW and db summed or not), and then all throw. On CUDA that exchange
-  /// passes through the workspace's first 56 bytes and waits for the stream once; a smaller
-  /// workspace is thrown by its rank alone. On CUDA, out-of-range targets and check_finite's
-  /// findings are counted and thrown per rank at the end (outputs.scalars[6]). Unset: not split.
+  /// passes through the workspace's first 56 bytes and waits for the stream once; a workspace
+  /// that is smaller or on another device is thrown by its rank alone. On CUDA, out-of-range
+  /// targets and check_finite's findings are counted and thrown per rank at the end
+  /// (outputs.scalars[6]). Unset: not split.
   VocabShard vocab_shard;
   /// Data parallelism: the ranks of this group each call with their own rows (same weight);
   /// the mean's divisor (valid rows, or their class weights) is summed over the group, so each
