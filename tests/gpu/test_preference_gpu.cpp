@@ -529,6 +529,18 @@ TEST_CASE("gpu: accumulate, forward only, and per-sequence vectors on the host")
   }
 }
 
+// SequenceLogProbs of `d`'s policy head on the device, unsplit.
+SequenceLogProbResult gpu_log_probs(const PrefData& d, const SequenceOptions& o) {
+  const SequenceLogProbs lp(o);
+  DeviceCopies mem;
+  const Head head = mem.put(d.policy_head());
+  const TensorView y = mem.put(d.targets_view());
+  const std::size_t bytes = lp.workspace_bytes(head, y);
+  gpu::DeviceBuffer ws(bytes);
+  gpu::Context ctx(0);
+  return lp.compute(ctx, head, y, Workspace(ws.data(), bytes, Device::kCuda));
+}
+
 TEST_CASE("gpu: SequenceLogProbs matches the CPU path and the oracle") {
   if (!have_gpu()) return;
   for (DType dtype : {DType::kF32, DType::kBF16}) {
@@ -542,13 +554,7 @@ TEST_CASE("gpu: SequenceLogProbs matches the CPU path and the oracle") {
       SequenceOptions o;
       o.memory_budget_bytes = budget;
       const SequenceLogProbs lp(o);
-      DeviceCopies mem;
-      const Head head = mem.put(d.policy_head());
-      const TensorView y = mem.put(d.targets_view());
-      const std::size_t bytes = lp.workspace_bytes(head, y);
-      gpu::DeviceBuffer ws(std::max<std::size_t>(bytes, 256));
-      gpu::Context ctx(0);
-      const auto r = lp.compute(ctx, head, y, Workspace(ws.data(), bytes, Device::kCuda));
+      const auto r = gpu_log_probs(d, o);
       AlignedBuffer hws(lp.workspace_bytes(d.policy_head(), d.targets_view()));
       CpuContext cctx;
       const auto c = lp.compute(cctx, d.policy_head(), d.targets_view(), hws.workspace());
@@ -857,14 +863,7 @@ TEST_CASE("gpu: vocab parallel: SequenceLogProbs over two ranks matches the unsp
       CAPTURE(budget);
       SequenceOptions o;
       o.memory_budget_bytes = budget;
-      const SequenceLogProbs lp(o);
-      DeviceCopies mem;
-      const Head head = mem.put(d.policy_head());
-      const TensorView y = mem.put(d.targets_view());
-      const std::size_t bytes = lp.workspace_bytes(head, y);
-      gpu::DeviceBuffer ws(bytes);
-      gpu::Context ctx(0);
-      const auto want = lp.compute(ctx, head, y, Workspace(ws.data(), bytes, Device::kCuda));
+      const auto want = gpu_log_probs(d, o);
       std::vector<std::string> errors;
       const auto got = gpu_log_probs_split(d, o, errors);
       for (std::size_t r = 0; r < got.size(); ++r) {
