@@ -158,9 +158,9 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
 }
 
 // What the ranks of the call's groups compare before the first collective: over a vocabulary
-// split the rows, the plan's chunks and whether dH is asked for (its rows are summed per chunk);
-// over a data group whether dW and db are summed in the call.
-constexpr std::size_t kVocabKind = 3, kDataKind = 2;
+// split the rows, the plan's chunks, H and whether dH is asked for (its rows are summed per
+// chunk); over a data group H, V and whether dW and db are summed in the call.
+constexpr std::size_t kVocabKind = 4, kDataKind = 4;
 
 // The plan; on CUDA with groups its workspace also holds the ranks' first exchange.
 Plan call_plan(const Checked& c, const CrossEntropyInputs& in) {
@@ -236,9 +236,10 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
     if (!rejected) {
       const detail::TokenCall& k = c->call;
       const bool sum = k.weight_grad_group != nullptr;
-      vocab_kind = {static_cast<double>(k.rows), static_cast<double>(plan.chunk_rows),
-                    k.grad_x.defined() ? 1.0 : 0.0};
-      data_kind = {sum && k.grad_w.defined() ? 1.0 : 0.0, sum && k.grad_bias.defined() ? 1.0 : 0.0};
+      const auto d = [](std::int64_t x) { return static_cast<double>(x); };
+      vocab_kind = {d(k.rows), d(plan.chunk_rows), d(k.hidden), k.grad_x.defined() ? 1.0 : 0.0};
+      data_kind = {d(k.hidden), d(k.vocab), sum && k.grad_w.defined() ? 1.0 : 0.0,
+                   sum && k.grad_bias.defined() ? 1.0 : 0.0};
     }
     // On CUDA through the workspace's first bytes, before any pass uses them.
     detail::agree_on_call(ctx, kWho, vocab_group, in.data_group, ws,
@@ -246,8 +247,8 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
                           {vocab_kind,
                            data_kind,
                            {},
-                           "their rows, plans, or grad_hidden asked for",
-                           "grad_weight or grad_bias summed in the call"});
+                           "their rows, plans, H, or grad_hidden asked for",
+                           "H, V, or grad_weight or grad_bias summed in the call"});
   }
   const detail::TokenTotals t = detail::run_token_objective(ctx, c->call, plan, ws);
   CrossEntropyResult r;

@@ -484,9 +484,9 @@ void check_deferred_pair(const SequenceObjective& obj, const Checked& c,
                   "); the gradient buffers hold unspecified values");
 }
 
-// The values vocab_call_kind compares, and data_call_kind's one value and the two sums (units
-// and chosen tokens) of the data group's first exchange.
-constexpr std::size_t kVocabKind = 10, kDataKind = 1, kDataSums = 2;
+// The values vocab_call_kind and data_call_kind compare, and the two sums (units and chosen
+// tokens) of the data group's first exchange.
+constexpr std::size_t kVocabKind = 11, kDataKind = 3, kDataSums = 2;
 
 // Bytes at the start of the workspace through which the ranks of a data group or a vocabulary
 // split exchange on CUDA, between the passes (no pass is running then): the first exchange, or
@@ -508,27 +508,28 @@ Plan call_plan(const SequenceObjective& obj, const Checked& c) {
 }
 
 // What every rank of a data group must have alike for their collectives to match: the KL batch,
-// the sums of dW and db in the call, and the objective's extra metrics.
-double data_call_kind(const SequenceObjective& obj, const SequenceOptions& o,
-                      const PreferenceInputs& in, const PreferenceGrads& gr) {
-  const bool kl_batch = in.kl_batch.targets.defined() || in.kl_batch.policy.hidden.defined();
-  const bool sum = o.reduce_weight_grad_over_data_group;
-  return (kl_batch ? 1 : 0) + (sum && gr.weight.defined() ? 2 : 0) +
-         (sum && gr.bias.defined() ? 4 : 0) + 8.0 * static_cast<double>(obj.extra_metrics().size());
+// the sums of dW and db in the call, the objective's extra metrics, and the heads' H and V.
+std::array<double, kDataKind> data_call_kind(const SequenceObjective& obj, const Checked& c) {
+  const auto& k = c.call.policy;
+  const bool sum = k.weight_grad_group != nullptr;
+  return {(c.kl_policy ? 1 : 0) + (sum && k.grad_w.defined() ? 2 : 0) +
+              (sum && k.grad_bias.defined() ? 4 : 0) +
+              8.0 * static_cast<double>(obj.extra_metrics().size()),
+          static_cast<double>(k.hidden), static_cast<double>(k.vocab)};
 }
 
-// A digest of which rows have a valid target, below 2^24 (so that sums of squares over the
-// ranks stay exact in double).
+// A digest of which rows have a valid target, below 2^20 (so that sums of its squares over up
+// to 8192 ranks stay exact in double).
 double valid_digest(const std::vector<std::uint8_t>& valid) {
-  constexpr std::uint64_t kPrime = 16777213;  // the largest prime below 2^24
+  constexpr std::uint64_t kPrime = 1048573;  // the largest prime below 2^20
   std::uint64_t h = 0;
   for (const std::uint8_t v : valid) h = (h * 31 + v + 1) % kPrime;
   return static_cast<double>(h);
 }
 
 // What every rank of a vocabulary split must have alike for their collectives (in the passes)
-// to match: the heads run, dH, the plans' regime, chunks and groups, the rows and which of them
-// count (the policy's and the KL batch's).
+// to match: the heads run, dH, the plans' regime, chunks and groups, H, the rows and which of
+// them count (the policy's and the KL batch's).
 std::array<double, kVocabKind> vocab_call_kind(const Checked& c, const Plan& p) {
   const auto& k = c.call.policy;
   const double heads = (c.call.reference ? 1 : 0) + (c.kl_policy ? 2 : 0) +
@@ -543,6 +544,7 @@ std::array<double, kVocabKind> vocab_call_kind(const Checked& c, const Plan& p) 
           d(c.kl_sequences),
           d(c.kl_seq_len),
           d(c.kl_plan.chunk_rows),
+          d(k.hidden),
           valid_digest(c.call.valid),
           valid_digest(c.kl_valid)};
 }
@@ -622,21 +624,20 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   // Units and tokens of the chosen sequences (the NLL term's divisor), summed over the data group.
   double counts[kDataSums] = {0, 0};
   std::array<double, kVocabKind> vocab_kind{};
+  std::array<double, kDataKind> data_kind{};
   if (!rejected) {
     const Checked& c = *checked;
     counts[0] = static_cast<double>(c.call.sequences / c.call.unit_sequences);
     for (std::int64_t i = 0; i < c.call.sequences; ++i)
       if (is_chosen(c, i)) counts[1] += static_cast<double>(c.tokens[static_cast<std::size_t>(i)]);
     vocab_kind = vocab_call_kind(c, plan);
+    data_kind = data_call_kind(obj, c);
   }
-  const double data_kind = data_call_kind(obj, options_, in, grads);
   detail::agree_on_call(
       ctx, who.c_str(), vocab_group, in.data_group, ws, exchange_bytes(obj), rejected,
-      {vocab_kind,
-       {&data_kind, kDataKind},
-       counts,
-       "a reference head, a KL batch, dH asked for, their rows or targets, or their plans",
-       "a KL batch, dW or db summed in the call, or the objective's metrics"});
+      {vocab_kind, data_kind, counts,
+       "a reference head, a KL batch, dH asked for, H, their rows or targets, or their plans",
+       "a KL batch, dW or db summed in the call, the objective's metrics, or H or V"});
   const detail::GroupSum group_sum{ctx, in.data_group, exchange};
   Checked& c = *checked;
   const std::int64_t s = c.call.sequences, per = c.call.unit_sequences, units = s / per;
@@ -736,8 +737,8 @@ LogProbCall check_log_probs(const SequenceOptions& o, Device dev, const Head& he
 }
 
 // What the ranks of a vocabulary split compare in their one exchange: the plan's chunks, S, T,
-// and which rows have valid targets.
-constexpr std::size_t kLogProbKind = 4;
+// H, and which rows have valid targets.
+constexpr std::size_t kLogProbKind = 5;
 
 // The plan; on CUDA with a vocabulary split its workspace also holds that exchange.
 Plan log_probs_plan(const LogProbCall& c, const VocabShard& shard) {
@@ -792,10 +793,11 @@ SequenceLogProbResult SequenceLogProbs::compute(Context& ctx, const Head& head,
     const auto d = [](std::int64_t x) { return static_cast<double>(x); };
     std::array<double, kLogProbKind> kind{};
     if (!rejected)
-      kind = {d(plan.chunk_rows), d(targets.size(0)), d(targets.size(1)), valid_digest(ht.valid)};
+      kind = {d(plan.chunk_rows), d(targets.size(0)), d(targets.size(1)), d(c->hs.h),
+              valid_digest(ht.valid)};
     detail::agree_on_call(
         ctx, kLogProbs, group, nullptr, ws, detail::first_exchange_bytes(kLogProbKind, 0, 0),
-        rejected, {kind, {}, {}, "their rows, which targets are valid, or their plans", ""});
+        rejected, {kind, {}, {}, "their rows, H, which targets are valid, or their plans", ""});
   }
   const TensorView rows(targets.data(), targets.dtype(), {c->hs.n}, targets.device(),
                         targets.device_index());

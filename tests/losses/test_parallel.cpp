@@ -490,6 +490,22 @@ TEST_CASE("a call one rank rejects, or calls whose collectives differ, fail on e
       });
   for (const std::string& m : e)
     CHECK(m.find("vocab_shard.group make different kinds of calls") != std::string::npos);
+  // One rank with H one smaller (its dH sums would have another size), in either group.
+  const auto narrower = [](std::size_t r, CrossEntropyInputs& in, CrossEntropyGrads& g,
+                           CrossEntropyOptions&) {
+    if (r != 1) return;
+    const auto less = [](const TensorView& t) {
+      return TensorView(t.data(), t.dtype(), {t.size(0), t.size(1) - 1});
+    };
+    in.hidden = less(in.hidden);
+    in.weight = less(in.weight);
+    g.hidden = less(g.hidden);
+    g.weight = less(g.weight);
+  };
+  for (const bool vocab : {true, false})
+    for (const std::string& m : pair_errors(vocab, narrower))
+      CHECK(m.find(vocab ? "vocab_shard.group make different kinds of calls"
+                         : "data_group make different kinds of calls") != std::string::npos);
   // A data group's rank with a gradient buffer of the wrong shape.
   e = pair_errors(
       false, [](std::size_t r, CrossEntropyInputs&, CrossEntropyGrads& g, CrossEntropyOptions&) {

@@ -347,6 +347,16 @@ TEST_CASE(
       errors_of(parts, Kto(KtoOptions{}), [](std::size_t, PrefRun& run) { CHECK(untouched(run)); });
   for (const std::string& m : k)
     CHECK(m.find("make different kinds of calls") != std::string::npos);
+  // Heads of another H on one rank (its dW sum would have another size).
+  PrefSpec wide = pair_spec(RefMode::kHead, false);
+  wide.h += 1;
+  DpoOptions sum;
+  sum.engine.reduce_weight_grad_over_data_group = true;
+  const std::vector<std::string> h =
+      errors_of({short_pairs, PrefData(wide)}, Dpo(sum),
+                [](std::size_t, PrefRun& run) { CHECK(untouched(run)); });
+  for (const std::string& m : h)
+    CHECK(m.find("data_group make different kinds of calls") != std::string::npos);
 }
 
 // ---- vocabulary split ----------------------------------------------------------------------
