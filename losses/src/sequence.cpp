@@ -6,6 +6,8 @@
 #include <array>
 #include <cmath>
 #include <exception>
+#include <span>
+#include <sstream>
 #include <string>
 
 #include "agreement.h"
@@ -486,7 +488,7 @@ void check_deferred_pair(const SequenceObjective& obj, const Checked& c,
 
 // The values vocab_call_kind and data_call_kind compare, and the two sums (units and chosen
 // tokens) of the data group's first exchange.
-constexpr std::size_t kVocabKind = 11, kDataKind = 3, kDataSums = 2;
+constexpr std::size_t kVocabKind = 11, kDataKind = 4, kDataSums = 2;
 
 // Bytes at the start of the workspace through which the ranks of a data group or a vocabulary
 // split exchange on CUDA, between the passes (no pass is running then): the first exchange, or
@@ -507,24 +509,38 @@ Plan call_plan(const SequenceObjective& obj, const Checked& c) {
   return p;
 }
 
-// What every rank of a data group must have alike for their collectives to match: the KL batch,
-// the sums of dW and db in the call, the objective's extra metrics, and the heads' H and V.
+// A digest of bytes, below 2^20 (so that sums of its squares over up to 8192 ranks stay exact
+// in double).
+double digest(std::span<const std::uint8_t> bytes) {
+  constexpr std::uint64_t kPrime = 1048573;  // the largest prime below 2^20
+  std::uint64_t h = 0;
+  for (const std::uint8_t b : bytes) h = (h * 257 + b + 1) % kPrime;
+  return static_cast<double>(h);
+}
+
+// Which rows have a valid target.
+double valid_digest(const std::vector<std::uint8_t>& valid) { return digest(valid); }
+
+// The objective as far as the library can see it: its name, unit, averaging, NLL weight, use of
+// the KL point and extra metrics (not its own options, such as beta).
+double objective_digest(const SequenceObjective& obj) {
+  std::ostringstream s;
+  s << obj.name() << '|' << static_cast<int>(obj.unit()) << '|' << obj.averages_log_probs() << '|'
+    << obj.nll_weight() << '|' << obj.uses_kl();
+  for (const std::string& m : obj.extra_metrics()) s << '|' << m;
+  const std::string t = s.str();
+  return digest({reinterpret_cast<const std::uint8_t*>(t.data()), t.size()});
+}
+
+// What every rank of a data group must have alike for their collectives to match or for their
+// sums to mean one loss: the KL batch, the sums of dW and db in the call, the heads' H and V,
+// and the objective.
 std::array<double, kDataKind> data_call_kind(const SequenceObjective& obj, const Checked& c) {
   const auto& k = c.call.policy;
   const bool sum = k.weight_grad_group != nullptr;
-  return {(c.kl_policy ? 1 : 0) + (sum && k.grad_w.defined() ? 2 : 0) +
-              (sum && k.grad_bias.defined() ? 4 : 0) +
-              8.0 * static_cast<double>(obj.extra_metrics().size()),
-          static_cast<double>(k.hidden), static_cast<double>(k.vocab)};
-}
-
-// A digest of which rows have a valid target, below 2^20 (so that sums of its squares over up
-// to 8192 ranks stay exact in double).
-double valid_digest(const std::vector<std::uint8_t>& valid) {
-  constexpr std::uint64_t kPrime = 1048573;  // the largest prime below 2^20
-  std::uint64_t h = 0;
-  for (const std::uint8_t v : valid) h = (h * 31 + v + 1) % kPrime;
-  return static_cast<double>(h);
+  return {(c.kl_policy ? 1.0 : 0.0) + (sum && k.grad_w.defined() ? 2.0 : 0.0) +
+              (sum && k.grad_bias.defined() ? 4.0 : 0.0),
+          static_cast<double>(k.hidden), static_cast<double>(k.vocab), objective_digest(obj)};
 }
 
 // What every rank of a vocabulary split must have alike for their collectives (in the passes)
@@ -637,7 +653,7 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
       ctx, who.c_str(), vocab_group, in.data_group, ws, exchange_bytes(obj), rejected,
       {vocab_kind, data_kind, counts,
        "a reference head, a KL batch, dH asked for, H, their rows or targets, or their plans",
-       "a KL batch, dW or db summed in the call, the objective's metrics, or H or V"});
+       "a KL batch, dW or db summed in the call, H or V, or the objective"});
   const detail::GroupSum group_sum{ctx, in.data_group, exchange};
   Checked& c = *checked;
   const std::int64_t s = c.call.sequences, per = c.call.unit_sequences, units = s / per;

@@ -178,11 +178,14 @@ TEST_CASE("data parallel: forward only gives the group's loss and metrics") {
                 tolerance(DType::kF32).chunking);
 }
 
-// Runs every rank of `parts` and returns each rank's error message ("" when it returned).
-std::vector<std::string> errors_of(const std::vector<PrefData>& parts, const SequenceLoss& loss,
-                                   const std::function<void(std::size_t, PrefRun&)>& check) {
+// Runs every rank of `parts` (rank 1 with `loss1` when given) and returns each rank's error
+// message ("" when it returned).
+std::vector<std::string> errors_of(const std::vector<PrefData>& parts, const SequenceLoss& loss0,
+                                   const std::function<void(std::size_t, PrefRun&)>& check,
+                                   const SequenceLoss* loss1 = nullptr) {
   dist::InProcessGroup group(static_cast<int>(parts.size()));
   return on_threads(parts.size(), [&](std::size_t r) {
+    const SequenceLoss& loss = r == 1 && loss1 ? *loss1 : loss0;
     CpuContext ctx(1);
     PrefRun run{{}, {}, PrefGradBuffers(parts[r], PrefGradRequest{}, 7.0f)};
     PreferenceInputs in = parts[r].inputs();
@@ -357,6 +360,20 @@ TEST_CASE(
                 [](std::size_t, PrefRun& run) { CHECK(untouched(run)); });
   for (const std::string& m : h)
     CHECK(m.find("data_group make different kinds of calls") != std::string::npos);
+  // Another objective on one rank, and the same objective with another NLL weight.
+  const PrefData free_pairs(pair_spec(RefMode::kNone, false));
+  const Simpo simpo{SimpoOptions{}};
+  CpoOptions half;
+  half.alpha = 0.5f;
+  const Cpo other_alpha(half);
+  for (const SequenceLoss* other :
+       {static_cast<const SequenceLoss*>(&simpo), static_cast<const SequenceLoss*>(&other_alpha)})
+    for (const std::string& m : errors_of(
+             {free_pairs, free_pairs}, Cpo(CpoOptions{}),
+             [](std::size_t, PrefRun& run) { CHECK(untouched(run)); }, other)) {
+      INFO(m);
+      CHECK(m.find("data_group make different kinds of calls") != std::string::npos);
+    }
 }
 
 // ---- vocabulary split ----------------------------------------------------------------------
