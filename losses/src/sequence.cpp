@@ -488,7 +488,7 @@ void check_deferred_pair(const SequenceObjective& obj, const Checked& c,
 
 // The values vocab_call_kind and data_call_kind compare, and the two sums (units and chosen
 // tokens) of the data group's first exchange.
-constexpr std::size_t kVocabKind = 11, kDataKind = 4, kDataSums = 2;
+constexpr std::size_t kVocabKind = 12, kDataKind = 4, kDataSums = 2;
 
 // Bytes at the start of the workspace through which the ranks of a data group or a vocabulary
 // split exchange on CUDA, between the passes (no pass is running then): the first exchange, or
@@ -544,9 +544,11 @@ std::array<double, kDataKind> data_call_kind(const SequenceObjective& obj, const
 }
 
 // What every rank of a vocabulary split must have alike for their collectives (in the passes)
-// to match: the heads run, dH, the plans' regime, chunks and groups, H, the rows and which of
-// them count (the policy's and the KL batch's).
-std::array<double, kVocabKind> vocab_call_kind(const Checked& c, const Plan& p) {
+// to match, and for their coefficients to be the same: the heads run, dH, the plans' regime,
+// chunks and groups, H, the rows and which of them count (the policy's and the KL batch's), and
+// the objective.
+std::array<double, kVocabKind> vocab_call_kind(const SequenceObjective& obj, const Checked& c,
+                                               const Plan& p) {
   const auto& k = c.call.policy;
   const double heads = (c.call.reference ? 1 : 0) + (c.kl_policy ? 2 : 0) +
                        (c.kl_reference ? 4 : 0) + (k.grad_x.defined() ? 8 : 0) +
@@ -562,7 +564,8 @@ std::array<double, kVocabKind> vocab_call_kind(const Checked& c, const Plan& p) 
           d(c.kl_plan.chunk_rows),
           d(k.hidden),
           valid_digest(c.call.valid),
-          valid_digest(c.kl_valid)};
+          valid_digest(c.kl_valid),
+          objective_digest(obj)};
 }
 
 }  // namespace
@@ -646,13 +649,14 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
     counts[0] = static_cast<double>(c.call.sequences / c.call.unit_sequences);
     for (std::int64_t i = 0; i < c.call.sequences; ++i)
       if (is_chosen(c, i)) counts[1] += static_cast<double>(c.tokens[static_cast<std::size_t>(i)]);
-    vocab_kind = vocab_call_kind(c, plan);
+    vocab_kind = vocab_call_kind(obj, c, plan);
     data_kind = data_call_kind(obj, c);
   }
   detail::agree_on_call(
       ctx, who.c_str(), vocab_group, in.data_group, ws, exchange_bytes(obj), rejected,
       {vocab_kind, data_kind, counts,
-       "a reference head, a KL batch, dH asked for, H, their rows or targets, or their plans",
+       "a reference head, a KL batch, dH asked for, H, their rows or targets, their plans, or the "
+       "objective",
        "a KL batch, dW or db summed in the call, H or V, or the objective"});
   const detail::GroupSum group_sum{ctx, in.data_group, exchange};
   Checked& c = *checked;

@@ -531,11 +531,11 @@ TEST_CASE("vocab parallel: bf16, forward only, and a 2 x 2 grid with a data grou
 }
 
 // Both ranks of a vocabulary split of `d`, rank 1 with `shard1`'s rows (rank 0 with the right
-// ones) and `nan1` put into its weight; each rank's error message ("" when it returned), after
-// checking that a failed call wrote nothing.
+// ones), `nan1` put into its weight and options `o1` when given; each rank's error message (""
+// when it returned), after checking that a failed call wrote nothing.
 std::vector<std::string> vocab_errors(const PrefData& d, const DpoOptions& o,
                                       std::pair<std::int64_t, std::int64_t> shard1,
-                                      bool nan1 = false) {
+                                      bool nan1 = false, const DpoOptions* o1 = nullptr) {
   std::vector<ShardRun> runs;
   runs.emplace_back(d, 0, d.spec.v / 2, PrefGradRequest{});
   runs.emplace_back(d, shard1.first, shard1.second, PrefGradRequest{});
@@ -550,7 +550,7 @@ std::vector<std::string> vocab_errors(const PrefData& d, const DpoOptions& o,
     const AlignedBuffer ws(std::size_t{1} << 20);
     std::string what;
     try {
-      Dpo(o).forward_backward(ctx, in, grads, ws.workspace());
+      Dpo(r == 1 && o1 ? *o1 : o).forward_backward(ctx, in, grads, ws.workspace());
     } catch (const Error& x) {
       what = x.what();
     }
@@ -577,6 +577,11 @@ TEST_CASE("vocab parallel: bad shards, the deferred regime, and a rank's bad val
   e = vocab_errors(d, checked, right, true);
   CHECK(e[0].find("1 rank(s) of vocab_shard.group rejected their calls") != std::string::npos);
   CHECK(e[1].find("policy.weight") != std::string::npos);
+  DpoOptions rpo;  // another objective on rank 1: DPO with an NLL term
+  rpo.nll = true;
+  e = vocab_errors(d, DpoOptions{}, right, false, &rpo);
+  for (const std::string& m : e)
+    CHECK(m.find("vocab_shard.group make different kinds of calls") != std::string::npos);
   e = vocab_errors(d, DpoOptions{}, right);
   CHECK(e[0].empty());
   CHECK(e[1].empty());

@@ -155,7 +155,7 @@ struct PreferenceInputs {
   /// valid tokens, check_finite's findings) makes every rank throw before anything is written,
   /// and an objective that fails (throws, or returns a non-finite value) on any rank makes every
   /// rank throw at the end of the call. Only a CUDA workspace too small for the exchange of the
-  /// sums (about 190 bytes, at its start) or on another device is thrown by the rank alone. plan()
+  /// sums (about 200 bytes, at its start) or on another device is thrown by the rank alone. plan()
   /// and workspace_bytes() must see the same data_group. With vocab_shard too, the data group holds
   /// the ranks at one vocabulary position. null: this call's sequences alone.
   dist::Communicator* data_group = nullptr;
