@@ -2,6 +2,7 @@
 #include "agreement.h"
 
 #include <algorithm>
+#include <cmath>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -17,17 +18,25 @@ std::size_t exchange_size(std::size_t kinds, std::size_t sums) { return 1 + 2 * 
 
 // One exchange over the group of `sum`: the ranks flagging `failed`, whether every rank sent the
 // same `kind` (each value's sum and sum of squares are the ranks' count times its own and its
-// square), and `sums` summed in place. Returns {failed ranks, same kind}.
+// square), and `sums` summed in place. Returns {failed ranks, same kind}. The kind's values
+// (counts, sizes, flags, digests: integers >= 0) are compared modulo a prime below 2^20, so that
+// the sums of squares stay exact in double over up to 8192 ranks.
 std::pair<double, bool> exchange(const GroupSum& sum, bool failed, std::span<const double> kind,
                                  std::span<double> sums) {
+  constexpr double kPrime = 1048573;  // the largest prime below 2^20
   const double ranks = sum.group ? sum.group->size() : 1;
+  std::vector<double> reduced(kind.size());
+  std::transform(kind.begin(), kind.end(), reduced.begin(),
+                 [](double x) { return std::fmod(x, kPrime); });
   std::vector<double> v = {failed ? 1.0 : 0.0};
-  for (double x : kind) v.insert(v.end(), {x, x * x});
+  for (double x : reduced) v.insert(v.end(), {x, x * x});
   v.insert(v.end(), sums.begin(), sums.end());
   sum(v.data(), v.size());
   bool same = true;
-  for (std::size_t i = 0; i < kind.size(); ++i)
-    same = same && v[1 + 2 * i] == ranks * kind[i] && v[2 + 2 * i] == ranks * kind[i] * kind[i];
+  for (std::size_t i = 0; i < reduced.size(); ++i) {
+    const double x = reduced[i];
+    same = same && v[1 + 2 * i] == ranks * x && v[2 + 2 * i] == ranks * x * x;
+  }
   std::copy(v.end() - static_cast<std::ptrdiff_t>(sums.size()), v.end(), sums.begin());
   return {v[0], same};
 }

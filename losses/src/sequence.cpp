@@ -509,8 +509,7 @@ Plan call_plan(const SequenceObjective& obj, const Checked& c) {
   return p;
 }
 
-// A digest of bytes, below 2^20 (so that sums of its squares over up to 8192 ranks stay exact
-// in double).
+// A digest of bytes, below 2^20 (as the exchange compares kinds).
 double digest(std::span<const std::uint8_t> bytes) {
   constexpr std::uint64_t kPrime = 1048573;  // the largest prime below 2^20
   std::uint64_t h = 0;
