@@ -51,6 +51,7 @@ struct Settings {
   bool measured_gemms = false;
   int threads = 1;
   int data_parallel = 1;
+  int vocab_parallel = 1;
   std::string init, resume, save, metrics, chart;
   std::int64_t steps = 0, batch_size = 0, grad_accum = 1, log_every = 0, save_every = 0;
   model::LrSchedule schedule;
@@ -87,6 +88,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("gemm-selection", po::value<std::string>()->default_value("default"), "with --device cuda: default (cuBLAS's own algorithm for each GEMM shape, the same bits in every run) | measured (cuBLAS's and cuBLASLt's candidates timed on each shape's first calls, the fastest kept: faster on large heads, exact, but bits may differ between runs)")
     ("threads", po::value<int>()->default_value(1), "CPU threads for the model and the loss (0: all cores; the bundled model is too small to gain from more than 1)")
     ("data-parallel", po::value<int>()->default_value(1), "ranks of a data group, threads of this process: each holds a model replica and takes its part of every micro-batch; their loss calls share the library's data group (the loss, metrics and gradients of the whole micro-batch) and the gradients are summed over them before each optimizer step; --threads is split between them; an epoch's last short micro-batch is dropped; with --device cuda every rank's loss runs on device 0")
+    ("vocab-parallel", po::value<int>()->default_value(1), "ranks of a vocabulary split, threads of this process: each holds a model replica, steps on the same examples and passes its rows [V r / K, V (r + 1) / K) of the lm_head to the loss calls, which share the library's vocabulary split (vocab_shard); rank 0 runs the model's backward, the others add their rows' lm_head gradient; with --data-parallel D the D x K ranks form a grid; with --device cuda every rank's loss runs on device 0")
     ("seed", po::value<std::uint64_t>()->default_value(0), "seed of the model init and the data order");
   po::options_description data_opts("Data");
   data_opts.add_options()
@@ -170,6 +172,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     throw apps::UsageError("--gemm-selection measured is for --device cuda");
   s.threads = in_range<int>(vm, "threads", 0, 4096);
   s.data_parallel = in_range<int>(vm, "data-parallel", 1, 256);
+  s.vocab_parallel = in_range<int>(vm, "vocab-parallel", 1, 256);
   s.seed = vm["seed"].as<std::uint64_t>();
 
   s.data.file = vm["train-file"].as<std::string>();
@@ -277,33 +280,64 @@ void write_chart(const std::string& metrics, const std::string& chart, const std
   apps::write_file_atomic(chart, apps::svg_chart(title, "optimizer step", {loss, acc}));
 }
 
-// fn(r) for each rank r of `group` (none: rank 0 alone), each on its own thread; a rank that
-// fails aborts the group, so that the others do not wait for it in a collective, and the first
-// rank to fail has its error rethrown once every thread has ended.
-template <typename Fn>
-void for_ranks(dist::InProcessGroup* group, Fn&& fn) {
-  if (!group) {
-    fn(0);
-    return;
+// The ranks of --data-parallel D x --vocab-parallel K, threads of this process: rank i holds data
+// part i / K and vocabulary position i % K, in the vocabulary group of its part and the data
+// group of its position (each only when split that way).
+class Ranks {
+ public:
+  Ranks(int data, int vocab) : size_(data * vocab), vocab_(vocab) {
+    for (int d = 0; vocab > 1 && d < data; ++d)
+      vocab_groups_.push_back(std::make_unique<dist::InProcessGroup>(vocab));
+    for (int v = 0; data > 1 && v < vocab; ++v)
+      data_groups_.push_back(std::make_unique<dist::InProcessGroup>(data));
   }
-  std::mutex mutex;
-  std::exception_ptr first;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < group->size(); ++r)
-    threads.emplace_back([&, r] {
-      try {
-        fn(r);
-      } catch (...) {
-        {
-          const std::lock_guard lock(mutex);
-          if (!first) first = std::current_exception();
+  int size() const { return size_; }
+  dist::Communicator* vocab_group(int i) {
+    return vocab_groups_.empty()
+               ? nullptr
+               : &vocab_groups_[static_cast<std::size_t>(i / vocab_)]->comm(i % vocab_);
+  }
+  dist::Communicator* data_group(int i) {
+    return data_groups_.empty()
+               ? nullptr
+               : &data_groups_[static_cast<std::size_t>(i % vocab_)]->comm(i / vocab_);
+  }
+  /// Whether rank i is rank 0 of its vocabulary group (the one that counts its part's tokens).
+  bool first_of_vocab_group(int i) const { return i % vocab_ == 0; }
+
+  /// fn(i) for each rank, each on its own thread (one rank: on this one). A rank that fails
+  /// aborts every group, so that the others do not wait for it in a collective, and the first
+  /// rank to fail has its error rethrown once every thread has ended.
+  template <typename Fn>
+  void run(Fn&& fn) {
+    if (size_ == 1) {
+      fn(0);
+      return;
+    }
+    std::mutex mutex;
+    std::exception_ptr first;
+    std::vector<std::thread> threads;
+    for (int i = 0; i < size_; ++i)
+      threads.emplace_back([&, i] {
+        try {
+          fn(i);
+        } catch (...) {
+          {
+            const std::lock_guard lock(mutex);
+            if (!first) first = std::current_exception();
+          }
+          for (auto& g : vocab_groups_) g->abort();
+          for (auto& g : data_groups_) g->abort();
         }
-        group->abort();
-      }
-    });
-  for (std::thread& t : threads) t.join();
-  if (first) std::rethrow_exception(first);
-}
+      });
+    for (std::thread& t : threads) t.join();
+    if (first) std::rethrow_exception(first);
+  }
+
+ private:
+  int size_, vocab_;
+  std::vector<std::unique_ptr<dist::InProcessGroup>> vocab_groups_, data_groups_;
+};
 
 int run(const Settings& s, const std::string& invocation) {
   if (s.threads > 0) omp_set_num_threads(s.threads);
@@ -335,6 +369,8 @@ int run(const Settings& s, const std::string& invocation) {
     expect("device", s.device);
     if (!st.strings.count("data_parallel")) st.strings["data_parallel"] = "1";
     expect("data_parallel", std::to_string(s.data_parallel));
+    if (!st.strings.count("vocab_parallel")) st.strings["vocab_parallel"] = "1";
+    expect("vocab_parallel", std::to_string(s.vocab_parallel));
     if (init.empty() && st.strings.count("init")) init = st.strings.at("init");
     start = st.global_step;
   } else if (!init.empty()) {
@@ -350,13 +386,12 @@ int run(const Settings& s, const std::string& invocation) {
   }
 
   std::fprintf(stderr, "%s: %s\n", kProg, policy->summary().c_str());
-  // Per rank of the data group (one rank: no group): a loss device, a trainer and a model replica
+  // Per rank of the grid (one rank: no groups): a loss device, a trainer and a model replica
   // (rank 0's is the policy; the others copy its parameters after each optimizer step).
-  const int ranks = s.data_parallel;
+  Ranks grid(s.data_parallel, s.vocab_parallel);
+  const int ranks = grid.size();
   const int all_threads = s.threads > 0 ? s.threads : omp_get_max_threads();
   const int rank_threads = ranks == 1 ? s.threads : std::max(1, all_threads / ranks);
-  std::optional<dist::InProcessGroup> group;
-  if (ranks > 1) group.emplace(ranks);
   std::vector<std::unique_ptr<LossDevice>> devices;
   std::vector<std::unique_ptr<Trainer>> trainers;
   std::vector<model::LlamaModel> replicas;
@@ -364,7 +399,8 @@ int run(const Settings& s, const std::string& invocation) {
     devices.push_back(std::make_unique<LossDevice>(s.device, rank_threads, s.measured_gemms));
     trainers.push_back(
         make_trainer(s, *devices.back(), r + 1 < ranks ? reference : std::move(reference)));
-    if (group) trainers.back()->set_data_group(&group->comm(r));
+    trainers.back()->set_data_group(grid.data_group(r));
+    trainers.back()->set_vocab_group(grid.vocab_group(r));
     if (r > 0) replicas.push_back(*policy);
   }
   const auto model_of = [&](int r) -> model::LlamaModel& {
@@ -372,7 +408,7 @@ int run(const Settings& s, const std::string& invocation) {
   };
   const std::unique_ptr<Trainer>& trainer = trainers.front();
   const data::BatchSampler sampler(trainer->size(), static_cast<std::size_t>(s.batch_size), s.seed,
-                                   true, ranks > 1);
+                                   true, s.data_parallel > 1);
   const std::int64_t per_epoch = static_cast<std::int64_t>(sampler.batches_per_epoch());
   std::fprintf(
       stderr,
@@ -397,6 +433,7 @@ int run(const Settings& s, const std::string& invocation) {
                    {"steps", std::to_string(s.steps)},
                    {"device", s.device},
                    {"data_parallel", std::to_string(s.data_parallel)},
+                   {"vocab_parallel", std::to_string(s.vocab_parallel)},
                    {"command", invocation}};
   if (!init.empty()) state.strings["init"] = init;
   const auto save = [&](std::int64_t step, const std::string& dir) {
@@ -419,26 +456,29 @@ int run(const Settings& s, const std::string& invocation) {
       }
       micro_batches.push_back(epoch_batches[static_cast<std::size_t>(m % per_epoch)]);
     }
-    // Each rank steps on its part of every micro-batch; the ranks' gradients are summed before
-    // the optimizer step (each is its share of the whole's).
+    // Each rank steps on its part of every micro-batch; the ranks' gradients are summed over
+    // the grid before the optimizer step (each is its share of the whole's).
     std::vector<std::vector<MicroStats>> stats(static_cast<std::size_t>(ranks));
-    for_ranks(group ? &*group : nullptr, [&](int r) {
+    grid.run([&](int r) {
       if (ranks > 1) omp_set_num_threads(rank_threads);
       model::LlamaModel& m = model_of(r);
       m.zero_grad();
       for (const std::vector<std::size_t>& b : micro_batches)
         stats[static_cast<std::size_t>(r)].push_back(
             trainers[static_cast<std::size_t>(r)]->step(m, b));
-      if (group)
-        group->comm(r).all_reduce_sum(CpuContext(rank_threads), m.grads().data(),
-                                      static_cast<std::int64_t>(m.grads().size()));
+      for (dist::Communicator* g : {grid.data_group(r), grid.vocab_group(r)})
+        if (g)
+          g->all_reduce_sum(CpuContext(rank_threads), m.grads().data(),
+                            static_cast<std::int64_t>(m.grads().size()));
     });
     MicroStats sum;
     std::map<std::string, double> metric_sum;
     for (std::size_t i = 0; i < micro_batches.size(); ++i) {
       sum.loss += stats[0][i].loss;  // the group's, on every rank
       for (const auto& [k, v] : stats[0][i].metrics) metric_sum[k] += v;
-      for (const auto& rank : stats) sum.tokens += rank[i].tokens;
+      for (int r = 0; r < ranks; ++r)  // each part's tokens once
+        if (grid.first_of_vocab_group(r))
+          sum.tokens += stats[static_cast<std::size_t>(r)][i].tokens;
     }
     const double inv = 1.0 / static_cast<double>(s.grad_accum);
     if (s.grad_accum > 1) policy->scale_grads(static_cast<float>(inv));

@@ -48,20 +48,22 @@ class CeTrainer final : public Trainer {
     const data::Batch batch = data::collate_sft(seqs_, own(examples));
     const TensorView hidden = model.forward(batch.tokens_view());
     const TensorView d_hidden = dh_.view(hidden);
+    const VocabShard sh = shard(model);
     dev_.begin();
     CrossEntropyInputs in;
     in.hidden = dev_.in(hidden);
-    in.weight = dev_.in(model.lm_head_weight());
+    in.weight = dev_.in(apps::lm_head_rows(model.lm_head_weight(), sh));
     in.targets = dev_.in(batch.targets_view());
+    in.vocab_shard = sh;
     in.data_group = data_group_;
     CrossEntropyGrads g;
     g.hidden = dev_.inout(d_hidden);
-    g.weight = dev_.inout(model.lm_head_weight_grad());
+    g.weight = dev_.inout(apps::lm_head_rows(model.lm_head_weight_grad(), sh));
     g.accumulate = true;
     const CrossEntropyResult r =
         ce_.forward_backward(dev_.context(), in, g, {}, dev_.workspace(ce_.workspace_bytes(in, g)));
     dev_.end();
-    model.backward(d_hidden);
+    if (runs_backward()) model.backward(d_hidden);
     return {r.loss, {{"token_accuracy", r.accuracy}}, input_tokens(batch)};
   }
 
@@ -78,8 +80,9 @@ class LogProbs {
  public:
   LogProbs(const LossSettings& loss, LossDevice& device)
       : dev_(device), budget_(loss.budget_bytes) {}
-  std::vector<float> operator()(model::LlamaModel& m, const data::Batch& b) {
-    const SequenceLogProbResult r = apps::sequence_logps(dev_, m, b, budget_);
+  std::vector<float> operator()(model::LlamaModel& m, const data::Batch& b,
+                                const VocabShard& shard) {
+    const SequenceLogProbResult r = apps::sequence_logps(dev_, m, b, budget_, shard);
     return {r.logps.begin(), r.logps.end()};
   }
 
@@ -88,29 +91,33 @@ class LogProbs {
   std::size_t budget_;
 };
 
-// One forward_backward of a sequence loss on the policy, then the model's backward. Of `host`
-// the per-sequence inputs reference_logps, labels and kl are used (host views: the loss reads
-// them on the host on either device), and the data group.
+// One forward_backward of a sequence loss on the policy, then the model's backward (when
+// `backward`). Of `host` the per-sequence inputs reference_logps, labels and kl are used (host
+// views: the loss reads them on the host on either device), the data group and the vocabulary
+// shard (the policy's lm_head rows the call holds).
 MicroStats policy_step(LossDevice& dev, const SequenceLoss& loss, model::LlamaModel& model,
-                       const data::Batch& batch, const PreferenceInputs& host, HiddenGrad& dh) {
+                       const data::Batch& batch, const PreferenceInputs& host, HiddenGrad& dh,
+                       bool backward) {
   const TensorView hidden = model.forward(batch.tokens_view());
   const TensorView d_hidden = dh.view(hidden);
+  const VocabShard& sh = host.vocab_shard;
   dev.begin();
   PreferenceInputs in;
-  in.policy = {dev.in(hidden), dev.in(model.lm_head_weight()), {}};
+  in.policy = {dev.in(hidden), dev.in(apps::lm_head_rows(model.lm_head_weight(), sh)), {}};
   in.targets = dev.in(apps::sequence_targets(batch));
   in.reference_logps = host.reference_logps;
   in.labels = host.labels;
   in.kl = host.kl;
   in.data_group = host.data_group;
+  in.vocab_shard = sh;
   PreferenceGrads g;
   g.hidden = dev.inout(d_hidden);
-  g.weight = dev.inout(model.lm_head_weight_grad());
+  g.weight = dev.inout(apps::lm_head_rows(model.lm_head_weight_grad(), sh));
   g.accumulate = true;
   const PreferenceResult r =
       loss.forward_backward(dev.context(), in, g, dev.workspace(loss.workspace_bytes(in, g)));
   dev.end();
-  model.backward(d_hidden);
+  if (backward) model.backward(d_hidden);
   return {r.loss, r.metrics, input_tokens(batch)};
 }
 
@@ -178,12 +185,13 @@ class PairTrainer final : public Trainer {
     const data::Batch batch = data::collate_preference(pairs_, own(examples));
     PreferenceInputs in;
     in.data_group = data_group_;
+    in.vocab_shard = shard(model);
     std::vector<float> ref;
     if (reference_) {
-      ref = ref_logps_(*reference_, batch);
+      ref = ref_logps_(*reference_, batch, in.vocab_shard);
       in.reference_logps = TensorView::of(ref.data(), {batch.rows});
     }
-    return policy_step(dev_, loss_, model, batch, in, dh_);
+    return policy_step(dev_, loss_, model, batch, in, dh_, runs_backward());
   }
 
  private:
@@ -238,8 +246,9 @@ class KtoTrainer final : public Trainer {
     std::vector<std::size_t> all(mismatched.size());
     for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
     const data::Batch kl_batch = data::collate_sft(mismatched, all);
-    const std::vector<float> kl_ref = logps_(reference_, kl_batch);
-    const std::vector<float> kl_policy = logps_(model, kl_batch);
+    const VocabShard sh = shard(model);
+    const std::vector<float> kl_ref = logps_(reference_, kl_batch, sh);
+    const std::vector<float> kl_policy = logps_(model, kl_batch, sh);
     // The mean over the group's mismatched pairs, as TRL gathers them.
     double kl[2] = {0, static_cast<double>(kl_ref.size())};
     for (std::size_t i = 0; i < kl_ref.size(); ++i)
@@ -248,12 +257,13 @@ class KtoTrainer final : public Trainer {
 
     PreferenceInputs in;
     in.data_group = data_group_;
-    const std::vector<float> ref = logps_(reference_, batch);
+    in.vocab_shard = sh;
+    const std::vector<float> ref = logps_(reference_, batch, sh);
     in.reference_logps = TensorView::of(ref.data(), {batch.rows});
     std::vector<std::int32_t> labels(batch.labels.begin(), batch.labels.end());
     in.labels = TensorView::of(labels.data(), {batch.rows});
     in.kl = std::max(0.0, kl[0] / kl[1]);
-    return policy_step(dev_, loss_, model, batch, in, dh_);
+    return policy_step(dev_, loss_, model, batch, in, dh_, runs_backward());
   }
 
  private:

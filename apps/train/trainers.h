@@ -6,6 +6,7 @@
 #include <chunkloss/apps/tuning.h>
 #include <chunkloss/data/batch.h>
 #include <chunkloss/dist/communicator.h>
+#include <chunkloss/losses/vocab_shard.h>
 #include <chunkloss/model/model.h>
 
 #include <cstdint>
@@ -55,6 +56,13 @@ class Trainer {
   /// those of the whole micro-batch (the gradients as this rank's share: sum model.grads() over
   /// the group afterwards). Every rank must step together. null: alone.
   void set_data_group(dist::Communicator* group) { data_group_ = group; }
+  /// Makes this trainer one rank of a vocabulary split of the lm_head: every rank of the group
+  /// steps on the same examples, and its loss calls hold rows [V r / K, V (r + 1) / K) of the
+  /// lm_head (PreferenceInputs::vocab_shard, CrossEntropyInputs::vocab_shard). Rank 0 of the
+  /// group runs the model's backward; the others only add their rows' lm_head gradient. So
+  /// model.grads() summed over the group is the whole gradient, with a tied lm_head too. With a
+  /// data group as well, the two form a grid. Every rank must step together. null: alone.
+  void set_vocab_group(dist::Communicator* group) { vocab_group_ = group; }
 
  protected:
   /// This rank's examples of a micro-batch of n: [n r / K, n (r + 1) / K) for rank r of K.
@@ -65,7 +73,18 @@ class Trainer {
     return examples.subspan(n * r / k, n * (r + 1) / k - n * r / k);
   }
 
+  /// The shard of `model`'s lm_head this rank's loss calls hold (none without a split).
+  VocabShard shard(const model::LlamaModel& model) const {
+    if (!vocab_group_) return {};
+    const std::int64_t v = model.lm_head_weight().size(0), k = vocab_group_->size(),
+                       r = vocab_group_->rank();
+    return {vocab_group_, v * r / k, v};
+  }
+  /// Whether this rank runs the model's backward (rank 0 of a vocabulary split, or alone).
+  bool runs_backward() const { return !vocab_group_ || vocab_group_->rank() == 0; }
+
   dist::Communicator* data_group_ = nullptr;
+  dist::Communicator* vocab_group_ = nullptr;
 };
 
 /// Encoding options shared by every data set.

@@ -8,10 +8,12 @@ one line per step, the chart is written), dpo|orpo|simpo|cpo|kto (a few steps fr
 case's checkpoint: the loss goes down), resume (12 steps straight == 7 steps, save, resume, 5
 more; bitwise), eval (chunkloss-eval --json on the sft checkpoint), data_parallel (SFT, DPO
 and KTO over 1 and 3 ranks of --data-parallel agree step by step, KTO's counts are the whole
-micro-batch's, and a rank that fails alone ends the run with one line), usage (bad options: one line, exit code 2), cuda (ctest label gpu: SFT
+micro-batch's, and a rank that fails alone ends the run with one line), vocab_parallel (SFT, with
+a tied lm_head too, DPO and KTO over 1 and 2 ranks of --vocab-parallel, and grids with
+--data-parallel, agree step by step), usage (bad options: one line, exit code 2), cuda (ctest label gpu: SFT
 then DPO (measured GEMM algorithms) with the loss on the GPU, step by step within 1e-4 of the CPU
-run, and DPO over 2 ranks on the GPU too; exits with 77, skipped, where there is no CUDA backend
-or device).
+run, and DPO over 2 ranks and a 2 x 2 grid on the GPU too; exits with 77, skipped, where there
+is no CUDA backend or device).
 """
 import json
 import os
@@ -122,6 +124,8 @@ def main():
             fail("the table has no sft row:\n" + p.stdout)
     elif case == "data_parallel":
         data_parallel_case(train, work, sft)
+    elif case == "vocab_parallel":
+        vocab_parallel_case(train, work, sft)
     elif case == "usage":
         for cmd in ([train, "--no-such-option"], [train, "--loss", "nope"],
                     [train, "--steps", "0"], [train, "--device", "tpu"],
@@ -160,10 +164,11 @@ def records(metrics_path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def check_same_curves(a, b, what, tol):
+def check_same_curves(a, b, what, tol, skip=()):
     """Every number of every step of two metrics files agrees to `tol` (relative, with a floor of
     1e-2 for values near 0, such as the first step's rewards), but the epoch: --data-parallel
-    drops an epoch's last short micro-batch, so its epochs have fewer steps."""
+    drops an epoch's last short micro-batch, so its epochs have fewer steps. `skip`: (step,
+    metric) pairs not compared."""
     ra, rb = records(a), records(b)
     if len(ra) != len(rb):
         fail("%s: %d and %d steps" % (what, len(ra), len(rb)))
@@ -172,7 +177,7 @@ def check_same_curves(a, b, what, tol):
         if set(x) != set(y):
             fail("%s: metric names differ: %s, %s" % (what, sorted(x), sorted(y)))
         for k, v in x.items():
-            if k == "epoch":
+            if k == "epoch" or (x["step"], k) in skip:
                 continue
             d = abs(v - y[k]) / max(abs(v), 1e-2)
             if d > worst:
@@ -180,6 +185,7 @@ def check_same_curves(a, b, what, tol):
     print("%s: %d steps, worst relative difference %.2e (%s)" % (what, len(ra), worst, where))
     if worst > tol:
         fail("%s: the curves differ by %.2e at %s" % (what, worst, where))
+    return worst
 
 
 def data_parallel_case(train, work, sft):
@@ -219,6 +225,36 @@ def data_parallel_case(train, work, sft):
              (p.returncode, p.stderr))
 
 
+def vocab_parallel_case(train, work, sft):
+    """--vocab-parallel K: the ranks' loss calls (and the reference's SequenceLogProbs) share the
+    library's vocabulary split, each with its rows of the lm_head, so a run over K ranks computes
+    the same steps as over one, up to the order of sums; alone and in a grid with
+    --data-parallel. At step 1 the policy is its reference, so DPO's reward margins are float
+    noise (1e-8) and the accuracy, which counts their signs, is not compared there."""
+    small = ["--hidden-size", "32", "--intermediate-size", "64"]
+    runs = (("ce", small, ("2", "1")), ("ce", small + ["--tie-embeddings", "true"], ("2", "1")),
+            ("ce", small, ("2", "2")), ("dpo", ["--init", sft], ("2", "1")),
+            ("dpo", ["--init", sft], ("3", "2")), ("kto", ["--init", sft], ("2", "1")))
+    for i, (loss, extra, (vocab, data)) in enumerate(runs):
+        paths = []
+        for k, d in (("1", "1"), (vocab, data)):
+            m = os.path.join(work, "vp-%d-%s-%s.jsonl" % (i, k, d))
+            if os.path.exists(m):
+                os.remove(m)
+            run([train, "--loss", loss, "--steps", "6", "--warmup-steps", "0", "--lr", "3e-3",
+                 "--batch-size", "16", "--vocab-parallel", k, "--data-parallel", d,
+                 "--metrics", m] + extra)
+            paths.append(m)
+        worst = check_same_curves(
+            paths[0], paths[1], "%s %s over 1 rank and %s x %s" % (loss, " ".join(extra), vocab,
+                                                                   data),
+            1e-4, skip={(1, "rewards/accuracies")})
+        # A split sums each row's statistics over the shards: not the one-rank run's bits.
+        if worst == 0:
+            fail("%s over %s vocabulary ranks gave the one-rank run's bits: not split?" %
+                 (loss, vocab))
+
+
 def cuda_case(train, evaluate, work, small):
     """The same runs with the loss on the CPU and on the GPU: the curves agree to rounding; so do
     chunkloss-eval's numbers."""
@@ -254,6 +290,15 @@ def cuda_case(train, evaluate, work, small):
          "--lr", "3e-3", "--batch-size", "16", "--save", dp])
     check_same_curves(os.path.join(work, "cuda-check-cpu", "dpo", "metrics.jsonl"),
                       os.path.join(dp, "metrics.jsonl"), "dpo: cpu, cuda over 2 ranks", 1e-4)
+    # The same over a 2 x 2 grid of --vocab-parallel and --data-parallel (step 1's accuracy
+    # counts the signs of float-noise margins: see vocab_parallel_case).
+    grid = os.path.join(work, "cuda-check-grid")
+    run([train, "--device", "cuda", "--vocab-parallel", "2", "--data-parallel", "2", "--loss",
+         "dpo", "--init", os.path.join(work, "cuda-check-cpu", "sft"), "--steps", "16",
+         "--warmup-steps", "0", "--lr", "3e-3", "--batch-size", "16", "--save", grid])
+    check_same_curves(os.path.join(work, "cuda-check-cpu", "dpo", "metrics.jsonl"),
+                      os.path.join(grid, "metrics.jsonl"), "dpo: cpu, cuda over 2 x 2 ranks",
+                      1e-4, skip={(1, "rewards/accuracies")})
     check_went_down(os.path.join(work, "cuda-check-cuda", "sft", "metrics.jsonl"), 40)
     check_went_down(os.path.join(work, "cuda-check-cuda", "dpo", "metrics.jsonl"), 16)
     for stage, i in (("sft", 0), ("dpo", 1)):

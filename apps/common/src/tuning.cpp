@@ -28,17 +28,28 @@ TensorView sequence_targets(const data::Batch& batch) {
   return TensorView::of(batch.targets.data(), {batch.rows, batch.length});
 }
 
+TensorView lm_head_rows(const TensorView& weight, const VocabShard& shard) {
+  if (!shard.group || shard.group->size() == 1) return weight;
+  const std::int64_t k = shard.group->size(), r = shard.group->rank(), h = weight.size(1);
+  const std::int64_t v0 = shard.size * r / k, v1 = shard.size * (r + 1) / k;
+  return TensorView(static_cast<char*>(weight.data()) +
+                        static_cast<std::size_t>(v0 * h) * dtype_size(weight.dtype()),
+                    weight.dtype(), {v1 - v0, h}, weight.device(), weight.device_index());
+}
+
 SequenceLogProbResult sequence_logps(LossDevice& device, model::LlamaModel& model,
-                                     const data::Batch& batch, std::size_t budget_bytes) {
+                                     const data::Batch& batch, std::size_t budget_bytes,
+                                     const VocabShard& shard) {
   SequenceOptions o;
   o.memory_budget_bytes = budget_bytes;
   const SequenceLogProbs utility(o);
   const TensorView hidden = model.forward(batch.tokens_view());
   device.begin();
-  const Head head{device.in(hidden), device.in(model.lm_head_weight()), {}};
+  const Head head{device.in(hidden), device.in(lm_head_rows(model.lm_head_weight(), shard)), {}};
   const TensorView targets = device.in(sequence_targets(batch));
-  const SequenceLogProbResult r = utility.compute(
-      device.context(), head, targets, device.workspace(utility.workspace_bytes(head, targets)));
+  const SequenceLogProbResult r =
+      utility.compute(device.context(), head, targets,
+                      device.workspace(utility.workspace_bytes(head, targets, shard)), shard);
   device.end();
   return r;
 }

@@ -24,9 +24,16 @@ CrossEntropyResult batch_cross_entropy(LossDevice& device, model::LlamaModel& mo
 /// The [S, T] target view of a batch, as the sequence losses take it.
 TensorView sequence_targets(const data::Batch& batch);
 
+/// The rows of an lm_head weight [V, H] (or of its gradient) that a rank of a vocabulary split
+/// holds: [V r / K, V (r + 1) / K) for rank r of K (see VocabShard); the whole view without a
+/// split.
+TensorView lm_head_rows(const TensorView& weight, const VocabShard& shard);
+
 /// Per-sequence sums of the token log-probs of `model` on the batch's trained targets (forward
-/// only), from the library's SequenceLogProbs on the final hidden states and the lm_head.
+/// only), from the library's SequenceLogProbs on the final hidden states and the lm_head (with
+/// `shard`, this rank's rows of it; every rank of the split gets every sum).
 SequenceLogProbResult sequence_logps(LossDevice& device, model::LlamaModel& model,
-                                     const data::Batch& batch, std::size_t budget_bytes);
+                                     const data::Batch& batch, std::size_t budget_bytes,
+                                     const VocabShard& shard = {});
 
 }  // namespace chunkloss::apps
