@@ -133,7 +133,8 @@ def main():
                     [train, "--device", "cuda", "--gemm-selection", "fastest"],
                     [train, "--init", sft, "--hidden-size", "8"], [evaluate],
                     [evaluate, "--model", sft, "--beta", "-1"],
-                    [train, "--batch-size", "3", "--data-parallel", "4"]):
+                    [train, "--batch-size", "3", "--data-parallel", "4"],
+                    [train, "--vocab-parallel", "0"]):
             p = run(cmd, expect=2)
             lines = p.stderr.strip().splitlines()
             if len(lines) != 1 or "see --help" not in lines[0]:
