@@ -173,6 +173,10 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.threads = in_range<int>(vm, "threads", 0, 4096);
   s.data_parallel = in_range<int>(vm, "data-parallel", 1, 256);
   s.vocab_parallel = in_range<int>(vm, "vocab-parallel", 1, 256);
+  if (s.data_parallel * s.vocab_parallel > 256)  // threads, each with a model replica
+    throw apps::UsageError("--data-parallel " + std::to_string(s.data_parallel) +
+                           " x --vocab-parallel " + std::to_string(s.vocab_parallel) +
+                           " is more than 256 ranks");
   s.seed = vm["seed"].as<std::uint64_t>();
 
   s.data.file = vm["train-file"].as<std::string>();

@@ -134,7 +134,8 @@ def main():
                     [train, "--init", sft, "--hidden-size", "8"], [evaluate],
                     [evaluate, "--model", sft, "--beta", "-1"],
                     [train, "--batch-size", "3", "--data-parallel", "4"],
-                    [train, "--vocab-parallel", "0"]):
+                    [train, "--vocab-parallel", "0"],
+                    [train, "--data-parallel", "16", "--vocab-parallel", "17"]):
             p = run(cmd, expect=2)
             lines = p.stderr.strip().splitlines()
             if len(lines) != 1 or "see --help" not in lines[0]:
@@ -235,7 +236,8 @@ def vocab_parallel_case(train, work, sft):
     small = ["--hidden-size", "32", "--intermediate-size", "64"]
     runs = (("ce", small, ("2", "1")), ("ce", small + ["--tie-embeddings", "true"], ("2", "1")),
             ("ce", small, ("2", "2")), ("dpo", ["--init", sft], ("2", "1")),
-            ("dpo", ["--init", sft], ("3", "2")), ("kto", ["--init", sft], ("2", "1")))
+            ("dpo", ["--init", sft, "--grad-accum", "2"], ("3", "2")),
+            ("orpo", ["--init", sft], ("2", "1")), ("kto", ["--init", sft], ("2", "2")))
     for i, (loss, extra, (vocab, data)) in enumerate(runs):
         paths = []
         for k, d in (("1", "1"), (vocab, data)):
