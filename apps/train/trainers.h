@@ -75,10 +75,7 @@ class Trainer {
 
   /// The shard of `model`'s lm_head this rank's loss calls hold (none without a split).
   VocabShard shard(const model::LlamaModel& model) const {
-    if (!vocab_group_) return {};
-    const std::int64_t v = model.lm_head_weight().size(0), k = vocab_group_->size(),
-                       r = vocab_group_->rank();
-    return {vocab_group_, v * r / k, v};
+    return VocabShard::of(vocab_group_, model.lm_head_weight().size(0));
   }
   /// Whether this rank runs the model's backward (rank 0 of a vocabulary split, or alone).
   bool runs_backward() const { return !vocab_group_ || vocab_group_->rank() == 0; }

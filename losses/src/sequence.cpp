@@ -517,9 +517,6 @@ double digest(std::span<const std::uint8_t> bytes) {
   return static_cast<double>(h);
 }
 
-// Which rows have a valid target.
-double valid_digest(const std::vector<std::uint8_t>& valid) { return digest(valid); }
-
 // The objective as far as the library can see it: its name, unit, averaging, NLL weight, use of
 // the KL point and extra metrics (not its own options, such as beta).
 double objective_digest(const SequenceObjective& obj) {
@@ -562,8 +559,8 @@ std::array<double, kVocabKind> vocab_call_kind(const SequenceObjective& obj, con
           d(c.kl_seq_len),
           d(c.kl_plan.chunk_rows),
           d(k.hidden),
-          valid_digest(c.call.valid),
-          valid_digest(c.kl_valid),
+          digest(c.call.valid),
+          digest(c.kl_valid),
           objective_digest(obj)};
 }
 
@@ -813,7 +810,7 @@ SequenceLogProbResult SequenceLogProbs::compute(Context& ctx, const Head& head,
     std::array<double, kLogProbKind> kind{};
     if (!rejected)
       kind = {d(plan.chunk_rows), d(targets.size(0)), d(targets.size(1)), d(c->hs.h),
-              valid_digest(ht.valid)};
+              digest(ht.valid)};
     detail::agree_on_call(
         ctx, kLogProbs, group, nullptr, ws, detail::first_exchange_bytes(kLogProbKind, 0, 0),
         rejected, {kind, {}, {}, "their rows, H, which targets are valid, or their plans", ""});

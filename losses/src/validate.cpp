@@ -102,7 +102,8 @@ std::int64_t check_vocab_shard(const char* who, const VocabShard& shard, std::in
   const std::int64_t k = shard.group->size(), r = shard.group->rank();
   CHUNKLOSS_CHECK(shard.size >= k, who, ": vocab_shard: a vocabulary of size ", shard.size,
                   " cannot be split over ", k, " ranks");
-  const std::int64_t first = shard.size * r / k, end = shard.size * (r + 1) / k;
+  const VocabShard own = VocabShard::of(shard.group, shard.size);
+  const std::int64_t first = own.offset, end = own.end();
   CHUNKLOSS_CHECK(shard.offset == first && v == end - first, who, ": vocab_shard: rank ", r, " of ",
                   k, " must hold rows [", first, ", ", end, ") of the vocabulary of size ",
                   shard.size, " (rank r: [V r / K, V (r + 1) / K)), got weight ", weight.str(),

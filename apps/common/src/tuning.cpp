@@ -30,8 +30,7 @@ TensorView sequence_targets(const data::Batch& batch) {
 
 TensorView lm_head_rows(const TensorView& weight, const VocabShard& shard) {
   if (!shard.group || shard.group->size() == 1) return weight;
-  const std::int64_t k = shard.group->size(), r = shard.group->rank(), h = weight.size(1);
-  const std::int64_t v0 = shard.size * r / k, v1 = shard.size * (r + 1) / k;
+  const std::int64_t h = weight.size(1), v0 = shard.offset, v1 = shard.end();
   return TensorView(static_cast<char*>(weight.data()) +
                         static_cast<std::size_t>(v0 * h) * dtype_size(weight.dtype()),
                     weight.dtype(), {v1 - v0, h}, weight.device(), weight.device_index());

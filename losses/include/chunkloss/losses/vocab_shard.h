@@ -18,6 +18,15 @@ struct VocabShard {
   dist::Communicator* group = nullptr;  ///< null: the weight is the whole vocabulary
   std::int64_t offset = 0;              ///< first vocabulary row of this rank's weight
   std::int64_t size = 0;                ///< the whole vocabulary
+
+  /// The shard rank r of `group` holds of a vocabulary of `size`: rows [size r / K,
+  /// size (r + 1) / K) (null group: the unset shard).
+  static VocabShard of(dist::Communicator* group, std::int64_t size) {
+    if (!group) return {};
+    return {group, size * group->rank() / group->size(), size};
+  }
+  /// One past the last row of the shard rank r of the group holds: size (r + 1) / K.
+  std::int64_t end() const { return size * (group->rank() + 1) / group->size(); }
 };
 
 }  // namespace chunkloss

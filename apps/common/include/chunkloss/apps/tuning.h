@@ -25,8 +25,7 @@ CrossEntropyResult batch_cross_entropy(LossDevice& device, model::LlamaModel& mo
 TensorView sequence_targets(const data::Batch& batch);
 
 /// The rows of an lm_head weight [V, H] (or of its gradient) that a rank of a vocabulary split
-/// holds: [V r / K, V (r + 1) / K) for rank r of K (see VocabShard); the whole view without a
-/// split.
+/// holds: [shard.offset, shard.end()) (see VocabShard::of); the whole view without a split.
 TensorView lm_head_rows(const TensorView& weight, const VocabShard& shard);
 
 /// Per-sequence sums of the token log-probs of `model` on the batch's trained targets (forward
