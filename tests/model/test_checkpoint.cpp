@@ -1,6 +1,7 @@
 // Checkpoints: bitwise round trips (tied/untied) in the HF layout, bitwise resume of training,
 // every bad-file case (truncated, bad header, offsets, dtype, shape, missing/unexpected tensor,
-// bad config/optimizer/trainer state, mixed saves) and interrupted saves.
+// bad config/optimizer/trainer state, mixed saves) and interrupted saves, before and after the
+// save's commit record.
 #include <doctest/doctest.h>
 
 #include <chunkloss/core/error.h>
@@ -481,6 +482,66 @@ TEST_CASE("checkpoint: an interrupted save leaves the previous checkpoint loadab
     save_checkpoint(dir.path(), m, &opt, &st);  // and a retry succeeds
     CHECK(same_params(load_model(dir.path()), m));
   }
+}
+
+TEST_CASE("checkpoint: a save interrupted after its commit record is read whole and completed") {
+  const LlamaConfig c = tiny_config(false, false);
+  const char* files[] = {"model.safetensors", "optimizer.safetensors", "trainer_state.json",
+                         "config.json"};
+  const TempDir dir, next;
+  LlamaModel m(c, 1);
+  AdamW opt(m.params().size());
+  train_step(m, opt, 0);
+  TrainerState st;
+  st.global_step = 1;
+  save_checkpoint(dir.path(), m, &opt, &st);
+  const LlamaModel first = m;
+  // The next save, staged in `dir` by hand: its temporaries, its commit record and one of its
+  // renames, as a crash after the record would leave them.
+  train_step(m, opt, 1);
+  st.global_step = 2;
+  save_checkpoint(next.path(), m, &opt, &st);
+  CHECK(!fs::exists(next.file(".chunkloss-commit")));
+  for (const char* f : files) fs::copy_file(next.file(f), dir.file(std::string(f) + ".tmp"));
+
+  // Temporaries without a record: the crash came while staging; the first save is read.
+  CHECK(same_params(load_model(dir.path()), first));
+
+  dir.write(".chunkloss-commit",
+            R"({"renamed": ["model.safetensors", "config.json", "optimizer.safetensors",)"
+            R"( "trainer_state.json"], "removed": []})");
+  fs::rename(dir.file("model.safetensors.tmp"), dir.file("model.safetensors"));
+  const auto second_loads = [&](const std::string& where) {
+    const LlamaModel back = load_model(where);
+    CHECK(same_params(back, m));
+    AdamW opt_back(back.params().size());
+    CHECK(load_training_state(where, back, opt_back).global_step == 2);
+    CHECK(std::memcmp(opt_back.exp_avg().data(), opt.exp_avg().data(), opt.size() * 4) == 0);
+  };
+  second_loads(dir.path());
+
+  // The next save completes the interrupted one before staging its own.
+  save_checkpoint(dir.path(), m);
+  for (const char* f : files) CHECK(!fs::exists(dir.file(std::string(f) + ".tmp")));
+  CHECK(!fs::exists(dir.file(".chunkloss-commit")));
+  CHECK(!has_training_state(dir.path()));
+  CHECK(same_params(load_model(dir.path()), m));
+
+  // A record that removes the optimizer state hides it even while its old files remain.
+  save_checkpoint(dir.path(), m, &opt, &st);
+  dir.write(".chunkloss-commit", R"({"renamed": [], "removed": ["optimizer.safetensors"]})");
+  CHECK(!has_training_state(dir.path()));
+  AdamW unused(m.params().size());
+  CHECK(contains(error_message([&] { load_training_state(dir.path(), m, unused); }),
+                 "has no optimizer or trainer state"));
+
+  // A record naming anything but the checkpoint's files is refused.
+  dir.write(".chunkloss-commit", R"({"renamed": ["../model.safetensors"], "removed": []})");
+  CHECK(contains(error_message([&] { load_model(dir.path()); }),
+                 dir.file(".chunkloss-commit") +
+                     ": field \"renamed\" must be an array of checkpoint file names"));
+  fs::remove(dir.file(".chunkloss-commit"));
+  second_loads(dir.path());
 }
 
 }  // namespace

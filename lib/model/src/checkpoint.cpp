@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <set>
 #include <sstream>
@@ -50,7 +51,8 @@ TensorView view_of(const float* p, const std::vector<std::int64_t>& shape) {
 }
 
 // Stages files as fsynced temporaries; commit() renames them in order. Temporaries left by a
-// failure are removed on destruction.
+// failure before commit() are removed on destruction; from commit() on they belong to the
+// save's commit record (see Commit) and stay.
 class Staging {
  public:
   void add(const std::string& path, std::string_view bytes) {
@@ -59,19 +61,17 @@ class Staging {
     files_.emplace_back(path, tmp);
   }
   void commit() {
-    for (auto& [path, tmp] : files_) {
-      detail::rename_file(tmp, path);
-      tmp.clear();
-    }
+    committed_ = true;
+    for (const auto& [path, tmp] : files_) detail::rename_file(tmp, path);
   }
   ~Staging() {
-    for (const auto& f : files_) {
-      if (!f.second.empty()) detail::remove_file_quietly(f.second);
-    }
+    for (const auto& f : files_)
+      if (!committed_) detail::remove_file_quietly(f.second);
   }
 
  private:
   std::vector<std::pair<std::string, std::string>> files_;
+  bool committed_ = false;
 };
 
 struct Wanted {
@@ -166,6 +166,73 @@ void check_same_save(const std::string& a_name, const std::string& a, const std:
   CHUNKLOSS_FAIL(path, ": field \"", field, "\" must be ", want);
 }
 
+// The commit record of a save (dir/.chunkloss-commit): written atomically once every file of
+// the save is staged, removed once they are all renamed into place. While it exists, each file
+// it names is read from its temporary if that is still there, and each file it removes counts
+// as absent; the next save completes it first. So a crash at any point of a save leaves either
+// the previous checkpoint or the new one readable, never a mix.
+constexpr const char* kCommitFile = ".chunkloss-commit";
+const std::set<std::string> kCheckpointFiles = {kConfigFile, kModelFile, kOptimizerFile,
+                                                kTrainerStateFile};
+
+struct Commit {
+  std::set<std::string> renamed;  ///< files whose temporaries become the files
+  std::set<std::string> removed;  ///< files of an earlier save that this one does not write
+};
+
+std::optional<Commit> read_commit(const std::string& dir) {
+  const std::string path = in_dir(dir, kCommitFile);
+  if (!fs::exists(path)) return std::nullopt;
+  const json j = parse_json_file(path);
+  Commit c;
+  for (auto [field, out] : {std::pair{"renamed", &c.renamed}, std::pair{"removed", &c.removed}}) {
+    const auto it = j.is_object() ? j.find(field) : j.end();
+    if (it == j.end() || !it->is_array())
+      fail_field(path, field, "an array of checkpoint file names");
+    for (const json& name : *it) {
+      if (!name.is_string() || !kCheckpointFiles.count(name.get<std::string>()))
+        fail_field(path, field, "an array of checkpoint file names");
+      out->insert(name.get<std::string>());
+    }
+  }
+  return c;
+}
+
+// Where a checkpoint's files are read from: dir/<file>, or its temporary under a commit record.
+class CheckpointFiles {
+ public:
+  explicit CheckpointFiles(std::string dir) : dir_(std::move(dir)), commit_(read_commit(dir_)) {}
+  std::string path(const char* file) const {
+    const std::string final_path = in_dir(dir_, file);
+    if (commit_ && commit_->renamed.count(file)) {
+      const std::string tmp = detail::temp_path(final_path);
+      if (fs::exists(tmp)) return tmp;
+    }
+    return final_path;
+  }
+  bool present(const char* file) const {
+    return !(commit_ && commit_->removed.count(file)) && fs::is_regular_file(path(file));
+  }
+
+ private:
+  std::string dir_;
+  std::optional<Commit> commit_;
+};
+
+// Completes the save a commit record in `dir` describes (a crash came after it was written).
+void finish_commit(const std::string& dir) {
+  const std::optional<Commit> c = read_commit(dir);
+  if (!c) return;
+  for (const std::string& f : c->renamed) {
+    const std::string tmp = detail::temp_path(in_dir(dir, f.c_str()));
+    if (fs::exists(tmp)) detail::rename_file(tmp, in_dir(dir, f.c_str()));
+  }
+  for (const std::string& f : c->removed) detail::remove_file_quietly(in_dir(dir, f.c_str()));
+  detail::sync_parent_dir(in_dir(dir, kCommitFile));
+  detail::remove_file_quietly(in_dir(dir, kCommitFile));
+  detail::sync_parent_dir(in_dir(dir, kCommitFile));
+}
+
 }  // namespace
 
 void save_checkpoint(const std::string& dir, const LlamaModel& model, const AdamW* optimizer,
@@ -221,19 +288,26 @@ void save_checkpoint(const std::string& dir, const LlamaModel& model, const Adam
   const std::string model_path = in_dir(dir, kModelFile);
   const std::string optimizer_path = in_dir(dir, kOptimizerFile);
   const std::string state_path = in_dir(dir, kTrainerStateFile);
+  finish_commit(dir);
   Staging staging;
   staging.add(model_path, serialize_safetensors(weights, {{"format", "pt"}, {kSaveIdKey, id}}));
   if (optimizer) staging.add(optimizer_path, optimizer_bytes);
   if (state) staging.add(state_path, state_text);
   staging.add(config_path, config_to_json(model.config(), id_field.dump()));
+  json record = {{"renamed", {kModelFile, kConfigFile}}, {"removed", json::array()}};
+  record[optimizer ? "renamed" : "removed"].push_back(kOptimizerFile);
+  record[state ? "renamed" : "removed"].push_back(kTrainerStateFile);
+  write_file_atomically(in_dir(dir, kCommitFile), record.dump() + "\n");
   staging.commit();
   if (!optimizer) detail::remove_file_quietly(optimizer_path);
   if (!state) detail::remove_file_quietly(state_path);
   detail::sync_parent_dir(model_path);
+  detail::remove_file_quietly(in_dir(dir, kCommitFile));
+  detail::sync_parent_dir(model_path);
 }
 
 LlamaConfig load_config(const std::string& dir) {
-  const std::string path = in_dir(dir, kConfigFile);
+  const std::string path = CheckpointFiles(dir).path(kConfigFile);
   return config_from_json(read_text(path), path);
 }
 
@@ -246,10 +320,11 @@ void load_weights(const std::string& path, LlamaModel& model) {
 }
 
 LlamaModel load_model(const std::string& dir) {
-  const std::string config_path = in_dir(dir, kConfigFile);
+  const CheckpointFiles files(dir);
+  const std::string config_path = files.path(kConfigFile);
   const std::string config_text = read_text(config_path);
   LlamaModel model(config_from_json(config_text, config_path));
-  const std::string model_path = in_dir(dir, kModelFile);
+  const std::string model_path = files.path(kModelFile);
   const SafetensorsFile f = SafetensorsFile::read(model_path);
   check_same_save(config_path, json_save_id(json::parse(config_text)), model_path, meta_save_id(f));
   check_tensor_set(f, model_tensors(model, ""), model.config());
@@ -260,17 +335,20 @@ LlamaModel load_model(const std::string& dir) {
 }
 
 bool has_training_state(const std::string& dir) {
-  return fs::is_regular_file(in_dir(dir, kOptimizerFile)) &&
-         fs::is_regular_file(in_dir(dir, kTrainerStateFile));
+  const CheckpointFiles files(dir);
+  return files.present(kOptimizerFile) && files.present(kTrainerStateFile);
 }
 
 TrainerState load_training_state(const std::string& dir, const LlamaModel& model,
                                  AdamW& optimizer) {
   CHUNKLOSS_CHECK(optimizer.size() == model.params().size(), "load_training_state: the optimizer ",
                   "holds ", optimizer.size(), " values for a model of ", model.params().size());
-  const std::string opt_path = in_dir(dir, kOptimizerFile);
-  const std::string state_path = in_dir(dir, kTrainerStateFile);
-  const std::string config_path = in_dir(dir, kConfigFile);
+  const CheckpointFiles files(dir);
+  CHUNKLOSS_CHECK(files.present(kOptimizerFile) && files.present(kTrainerStateFile), dir,
+                  ": the checkpoint has no optimizer or trainer state (it was saved without them)");
+  const std::string opt_path = files.path(kOptimizerFile);
+  const std::string state_path = files.path(kTrainerStateFile);
+  const std::string config_path = files.path(kConfigFile);
 
   const SafetensorsFile f = SafetensorsFile::read(opt_path);
   std::vector<Wanted> want;

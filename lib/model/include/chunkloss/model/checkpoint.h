@@ -1,6 +1,7 @@
 // Checkpoints in the Hugging Face layout: config.json (LlamaConfig) and model.safetensors (Llama
 // tensor names, F32), plus optimizer.safetensors and trainer_state.json for exact resume. Every
-// file is staged as a fsynced temporary and renamed into place only after all were written.
+// file is staged as a fsynced temporary and renamed into place, under a commit record, only
+// after all were written.
 #pragma once
 
 #include <cstdint>
@@ -34,11 +35,15 @@ struct TrainerState {
 /// - with `optimizer`: optimizer.safetensors holding "<name>.exp_avg" and "<name>.exp_avg_sq"
 ///   per parameter, metadata {"step", "chunkloss_save_id"};
 /// - with `state`: trainer_state.json with global_step, the maps, the AdamW options and the id.
-/// All files are first written to "<file>.tmp" and fsynced; only then renamed over the old
-/// files (then the directory is fsynced). A failure while staging removes the temporaries and
-/// leaves the previous checkpoint untouched. Optimizer or trainer-state files of an earlier
-/// save that this save does not write are removed. Each save has a fresh random save id; the
-/// loaders reject files whose ids differ (a save interrupted between two renames).
+/// All files are first written to "<file>.tmp" and fsynced. Then a commit record
+/// (dir/.chunkloss-commit, written atomically) names them, they are renamed over the old files,
+/// and the record is removed (the directory is fsynced after each step). A failure while
+/// staging removes the temporaries and leaves the previous checkpoint untouched. A crash after
+/// the record leaves the new checkpoint readable: while the record exists, the loaders read each
+/// file it names from its temporary if that is still there, and the next save completes the
+/// renames before staging its own. Optimizer or trainer-state files of an earlier save that this
+/// save does not write are removed. Each save has a fresh random save id; the loaders reject
+/// files whose ids differ (files copied or edited by hand from different saves).
 /// Throws chunkloss::Error naming the file and the failing call.
 void save_checkpoint(const std::string& dir, const LlamaModel& model,
                      const AdamW* optimizer = nullptr, const TrainerState* state = nullptr);
