@@ -372,6 +372,13 @@ TEST_CASE("checkpoint errors: config.json") {
                  "rope_scaling"));
   CHECK(contains(with("\"tie_word_embeddings\": false", "\"tie_word_embeddings\": 0"),
                  "field \"tie_word_embeddings\" must be a boolean"));
+  // Sizes whose products would overflow are refused before anything is allocated.
+  const std::string i_field = "\"intermediate_size\": " + std::to_string(s.config.intermediate_size);
+  CHECK(contains(with(i_field, "\"intermediate_size\": 9223372036854775807"),
+                 path + ": LlamaConfig: intermediate_size=9223372036854775807 is not in [1, "
+                        "2^31 - 1]"));
+  CHECK(contains(with(i_field, "\"intermediate_size\": 2147483647"),
+                 "parameters, more than this CPU model layer holds (2^36)"));
   // A minimal HF config: missing optional fields take transformers' defaults.
   const LlamaConfig minimal = config_from_json(
       R"({"vocab_size": 11, "hidden_size": 12, "intermediate_size": 20, "num_hidden_layers": 1,

@@ -2,6 +2,7 @@
 #include "chunkloss/model/config.h"
 
 #include <cmath>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "chunkloss/core/error.h"
@@ -12,7 +13,8 @@ using nlohmann::json;
 
 void validate(const LlamaConfig& c) {
   const auto positive = [](const char* name, std::int64_t v) {
-    CHUNKLOSS_CHECK(v > 0, "LlamaConfig: ", name, "=", v, " must be > 0");
+    CHUNKLOSS_CHECK(v > 0 && v <= std::numeric_limits<std::int32_t>::max(), "LlamaConfig: ", name,
+                    "=", v, " is not in [1, 2^31 - 1]");
   };
   positive("vocab_size", c.vocab_size);
   positive("hidden_size", c.hidden_size);
@@ -29,6 +31,18 @@ void validate(const LlamaConfig& c) {
                   " is not a multiple of num_key_value_heads=", c.num_key_value_heads);
   CHUNKLOSS_CHECK(c.head_dim() % 2 == 0, "LlamaConfig: head_dim=", c.head_dim(),
                   " (hidden_size / num_attention_heads) must be even for rotary embeddings");
+  // Parameters, gradients and AdamW's moments are float vectors on the host: 2^36 parameters
+  // would take 1 TiB; the bound also keeps every size product below 2^63.
+  const double h = static_cast<double>(c.hidden_size);
+  const double per_layer = 2 * h + 2 * h * h +
+                           2 * static_cast<double>(c.num_key_value_heads * c.head_dim()) * h +
+                           3 * static_cast<double>(c.intermediate_size) * h;
+  const double params = static_cast<double>(c.vocab_size) * h * (c.tie_word_embeddings ? 1 : 2) +
+                        static_cast<double>(c.num_hidden_layers) * per_layer + h;
+  CHUNKLOSS_CHECK(params <= 0x1p36, "LlamaConfig: vocab_size=", c.vocab_size,
+                  ", hidden_size=", c.hidden_size, ", intermediate_size=", c.intermediate_size,
+                  ", num_hidden_layers=", c.num_hidden_layers, " give ", params,
+                  " parameters, more than this CPU model layer holds (2^36)");
   const auto positive_real = [](const char* name, double v) {
     CHUNKLOSS_CHECK(std::isfinite(v) && v > 0, "LlamaConfig: ", name, "=", v,
                     " must be positive and finite");
