@@ -5,6 +5,7 @@
 #include <chunkloss/apps/cli.h>
 #include <chunkloss/core/error.h>
 #include <chunkloss/losses/preference.h>
+#include <chunkloss/model/safetensors.h>
 
 #include <boost/program_options.hpp>
 #include <cstdio>
@@ -301,7 +302,7 @@ int run(const Cli& cli, int argc, char** argv) {
     std::cout << case_details(rec) << std::flush;
     all.push_back(case_json(rec, invoked));
     records.push_back(std::move(rec));
-    if (!cli.json.empty()) apps::write_file_atomic(cli.json, all.dump(2) + "\n");
+    if (!cli.json.empty()) model::write_file_atomically(cli.json, all.dump(2) + "\n");
   }
   std::cout << "\n" << table_markdown(records) << "\ncommand: " << invoked << "\n";
   if (!cli.json.empty()) std::cout << "json: " << cli.json << "\n";

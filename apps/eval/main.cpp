@@ -9,6 +9,7 @@
 #include <chunkloss/data/jsonl.h>
 #include <chunkloss/model/checkpoint.h>
 #include <chunkloss/model/generate.h>
+#include <chunkloss/model/safetensors.h>
 #include <omp.h>
 
 #include <boost/program_options.hpp>
@@ -66,11 +67,8 @@ std::optional<Settings> parse(int argc, char** argv) {
     std::cout << desc << "\n";
     return std::nullopt;
   }
-  if (const std::string cfg = vm["config"].as<std::string>(); !cfg.empty()) {
-    std::ifstream in(cfg);
-    if (!in) throw apps::UsageError("--config: cannot open " + cfg);
-    po::store(po::parse_config_file(in, desc), vm);
-  }
+  if (const std::string cfg = vm["config"].as<std::string>(); !cfg.empty())
+    apps::store_config_file(cfg, desc, vm);
   po::notify(vm);
   Settings s;
   s.models = vm["model"].as<std::vector<std::string>>();
@@ -79,8 +77,11 @@ std::optional<Settings> parse(int argc, char** argv) {
   if (!s.names.empty() && s.names.size() != s.models.size())
     throw apps::UsageError("--name: " + std::to_string(s.names.size()) + " names for " +
                            std::to_string(s.models.size()) + " models");
-  for (std::size_t i = s.names.size(); i < s.models.size(); ++i)
-    s.names.push_back(std::filesystem::path(s.models[i]).filename().string());
+  for (std::size_t i = s.names.size(); i < s.models.size(); ++i) {
+    std::filesystem::path dir(s.models[i]);
+    if (!dir.has_filename()) dir = dir.parent_path();  // "DIR/"
+    s.names.push_back(dir.filename().string());
+  }
   s.reference = vm["reference"].as<std::string>();
   s.beta = vm["beta"].as<double>();
   if (!(s.beta > 0 && s.beta < 1e6)) throw apps::UsageError("--beta: must be in (0, 1e6)");
@@ -99,9 +100,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   if (const std::string bad = apps::LossDevice::usage_error(s.device); !bad.empty())
     throw apps::UsageError(bad);
   if (s.threads < 0 || s.threads > 4096) throw apps::UsageError("--threads: must be in [0, 4096]");
-  const double mib = vm["budget-mib"].as<double>();
-  if (!(mib >= 0 && mib <= (1 << 20))) throw apps::UsageError("--budget-mib: must be in [0, 2^20]");
-  s.budget_bytes = static_cast<std::size_t>(mib * 1048576.0);
+  s.budget_bytes = apps::budget_bytes(vm["budget-mib"].as<double>());
   s.json = vm["json"].as<std::string>();
   return s;
 }
@@ -128,6 +127,14 @@ struct Data {
   std::vector<data::SftExample> sft;
   std::vector<data::Sequence> sft_seqs;
   std::vector<data::PreferenceSequences> pairs;
+  apps::Longest longest_sft, longest_pair;
+
+  // Throws when a sequence is longer than the positions of a model of `config`.
+  void check_fits(const model::LlamaConfig& config, const Settings& s) const {
+    const char* hint = "this app does not truncate: use shorter examples or --limit";
+    apps::check_fits(longest_sft, s.sft_file, config, hint);
+    apps::check_fits(longest_pair, s.pref_file, config, hint);
+  }
 };
 
 // Per-sequence log-probs of every pair: [pair] -> (chosen, rejected).
@@ -252,6 +259,15 @@ int run(const Settings& s) {
   d.sft = first(data::read_sft_jsonl(s.sft_file), s.limit);
   d.sft_seqs = data::encode_sft(tok, d.sft);
   d.pairs = data::encode_preference(tok, first(data::read_preference_jsonl(s.pref_file), s.limit));
+  for (std::size_t i = 0; i < d.sft_seqs.size(); ++i) d.longest_sft.take(d.sft_seqs[i], i);
+  for (std::size_t i = 0; i < d.pairs.size(); ++i) {
+    d.longest_pair.take(d.pairs[i].chosen, i);
+    d.longest_pair.take(d.pairs[i].rejected, i);
+  }
+
+  // Every model's positions against the data, before any pass runs.
+  for (const std::string& dir : s.models) d.check_fits(model::load_config(dir), s);
+  if (!s.reference.empty()) d.check_fits(model::load_config(s.reference), s);
 
   std::optional<std::vector<std::pair<double, double>>> ref;
   if (!s.reference.empty()) {
@@ -268,7 +284,7 @@ int run(const Settings& s) {
     rows.push_back(r);
   }
   print_table(rows, s);
-  if (!s.json.empty()) apps::write_file_atomic(s.json, nlohmann::json(rows).dump(2) + "\n");
+  if (!s.json.empty()) model::write_file_atomically(s.json, nlohmann::json(rows).dump(2) + "\n");
   return 0;
 }
 

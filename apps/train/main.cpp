@@ -7,20 +7,24 @@
 #include <chunkloss/apps/chart.h>
 #include <chunkloss/apps/cli.h>
 #include <chunkloss/apps/progress.h>
+#include <chunkloss/apps/tuning.h>
 #include <chunkloss/core/error.h>
 #include <chunkloss/data/sampler.h>
 #include <chunkloss/dist/communicator.h>
 #include <chunkloss/losses/preference.h>
 #include <chunkloss/model/checkpoint.h>
 #include <chunkloss/model/optim.h>
+#include <chunkloss/model/safetensors.h>
 #include <omp.h>
 
 #include <boost/program_options.hpp>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -89,7 +93,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("threads", po::value<int>()->default_value(1), "CPU threads for the model and the loss (0: all cores; the bundled model is too small to gain from more than 1)")
     ("data-parallel", po::value<int>()->default_value(1), "ranks of a data group, threads of this process: each holds a model replica and takes its part of every micro-batch; their loss calls share the library's data group (the loss, metrics and gradients of the whole micro-batch) and the gradients are summed over them before each optimizer step; --threads is split between them; an epoch's last short micro-batch is dropped; with --device cuda every rank's loss runs on device 0")
     ("vocab-parallel", po::value<int>()->default_value(1), "ranks of a vocabulary split, threads of this process: each holds a model replica, steps on the same examples and passes its rows [V r / K, V (r + 1) / K) of the lm_head to the loss calls, which share the library's vocabulary split (vocab_shard); rank 0 runs the model's backward, the others add their rows' lm_head gradient; with --data-parallel D the D x K ranks form a grid; with --device cuda every rank's loss runs on device 0")
-    ("seed", po::value<std::uint64_t>()->default_value(0), "seed of the model init and the data order");
+    ("seed", po::value<std::int64_t>()->default_value(0), "seed of the model init and the data order (>= 0)");
   po::options_description data_opts("Data");
   data_opts.add_options()
     ("train-file", po::value<std::string>()->default_value("", "the bundled file for --loss"), "training JSONL: {prompt, completion} (ce), {prompt, chosen, rejected} (dpo, orpo, simpo, cpo), {prompt, completion, label} (kto)")
@@ -111,7 +115,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   optim.add_options()
     ("steps", po::value<std::int64_t>()->default_value(300), "optimizer steps in total")
     ("lr", po::value<double>()->default_value(3e-3), "peak learning rate")
-    ("warmup-steps", po::value<std::int64_t>()->default_value(20), "linear warmup steps")
+    ("warmup-steps", po::value<std::int64_t>()->default_value(20), "linear warmup steps (left at its default: at most --steps)")
     ("min-lr-ratio", po::value<double>()->default_value(0.1), "cosine decay floor as a fraction of --lr")
     ("weight-decay", po::value<double>()->default_value(0.0), "AdamW decoupled weight decay (not on RMSNorm weights)")
     ("beta1", po::value<double>()->default_value(0.9), "AdamW beta1")
@@ -135,7 +139,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   output.add_options()
     ("save", po::value<std::string>()->default_value("", "none"), "save the checkpoint (HF layout + optimizer state) into this directory at the end")
     ("save-every", po::value<std::int64_t>()->default_value(0, "0 = only at the end"), "also save every this many steps, into SAVE/checkpoint-STEP")
-    ("metrics", po::value<std::string>()->default_value("", "SAVE/metrics.jsonl"), "append one JSON object per step to this file")
+    ("metrics", po::value<std::string>()->default_value("", "SAVE/metrics.jsonl"), "one JSON object per step in this file (a new run starts it afresh, --resume appends)")
     ("chart", po::value<std::string>()->default_value("", "SAVE/training.svg"), "write the SVG chart of loss and accuracy here at the end")
     ("log-every", po::value<std::int64_t>()->default_value(25), "plain progress line every this many steps when stderr is not a terminal");
   // clang-format on
@@ -150,11 +154,8 @@ std::optional<Settings> parse(int argc, char** argv) {
     std::cout << all << "\n";
     return std::nullopt;
   }
-  if (const std::string cfg = vm["config"].as<std::string>(); !cfg.empty()) {
-    std::ifstream in(cfg);
-    if (!in) throw apps::UsageError("--config: cannot open " + cfg);
-    po::store(po::parse_config_file(in, all), vm);
-  }
+  if (const std::string cfg = vm["config"].as<std::string>(); !cfg.empty())
+    apps::store_config_file(cfg, all, vm);
   po::notify(vm);
 
   Settings s;
@@ -177,13 +178,14 @@ std::optional<Settings> parse(int argc, char** argv) {
     throw apps::UsageError("--data-parallel " + std::to_string(s.data_parallel) +
                            " x --vocab-parallel " + std::to_string(s.vocab_parallel) +
                            " is more than 256 ranks");
-  s.seed = vm["seed"].as<std::uint64_t>();
+  s.seed = static_cast<std::uint64_t>(
+      in_range<std::int64_t>(vm, "seed", 0, std::numeric_limits<std::int64_t>::max()));
 
   s.data.file = vm["train-file"].as<std::string>();
   if (s.data.file.empty()) s.data.file = default_train_file(s.loss.loss);
   s.data.encode.max_length = in_range<std::int64_t>(vm, "max-length", 0, 1 << 20);
   s.data.encode.max_prompt_length = in_range<std::int64_t>(vm, "max-prompt-length", 0, 1 << 20);
-  s.batch_size = in_range<std::int64_t>(vm, "batch-size", 1, 1 << 20);
+  s.batch_size = in_range<std::int64_t>(vm, "batch-size", s.loss.loss == "kto" ? 2 : 1, 1 << 20);
   if (s.batch_size < s.data_parallel)  // every rank needs an example
     throw apps::UsageError("--batch-size " + std::to_string(s.batch_size) +
                            " gives no example to some of the " + std::to_string(s.data_parallel) +
@@ -214,7 +216,9 @@ std::optional<Settings> parse(int argc, char** argv) {
 
   s.steps = in_range<std::int64_t>(vm, "steps", 1, std::int64_t{1} << 40);
   s.schedule.lr = in_range<double>(vm, "lr", 0, 10);
-  s.schedule.warmup_steps = in_range<std::int64_t>(vm, "warmup-steps", 0, s.steps);
+  s.schedule.warmup_steps = vm["warmup-steps"].defaulted()
+                                ? std::min(vm["warmup-steps"].as<std::int64_t>(), s.steps)
+                                : in_range<std::int64_t>(vm, "warmup-steps", 0, s.steps);
   s.schedule.min_lr_ratio = in_range<double>(vm, "min-lr-ratio", 0, 1);
   s.schedule.total_steps = s.steps;
   s.adam.weight_decay = in_range<double>(vm, "weight-decay", 0, 10);
@@ -238,8 +242,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.loss.cpo_alpha = in_range<double>(vm, "cpo-alpha", 0, 1e6);
   s.loss.desirable_weight = in_range<double>(vm, "desirable-weight", 0, 1e6);
   s.loss.undesirable_weight = in_range<double>(vm, "undesirable-weight", 0, 1e6);
-  s.loss.budget_bytes =
-      static_cast<std::size_t>(in_range<double>(vm, "budget-mib", 0, 1 << 20) * 1048576.0);
+  s.loss.budget_bytes = apps::budget_bytes(vm["budget-mib"].as<double>());
 
   s.save = vm["save"].as<std::string>();
   s.save_every = in_range<std::int64_t>(vm, "save-every", 0, std::int64_t{1} << 40);
@@ -252,6 +255,83 @@ std::optional<Settings> parse(int argc, char** argv) {
   }
   s.log_every = in_range<std::int64_t>(vm, "log-every", 1, std::int64_t{1} << 40);
   return s;
+}
+
+// A path as saved and compared on resume: absolute, without "." and "..".
+std::string absolute_path(const std::string& path) {
+  if (path.empty()) return path;
+  std::error_code ec;
+  const std::filesystem::path p = std::filesystem::weakly_canonical(path, ec);
+  return ec ? std::filesystem::absolute(path).lexically_normal().string() : p.string();
+}
+
+// Everything that decides a run's numbers, saved in trainer_state.json; --resume asks for the
+// same. (--threads, the outputs and the progress lines do not change them.) `init`: the
+// checkpoint the run started from, empty for a new model.
+std::map<std::string, std::string> run_options(const Settings& s, const std::string& init) {
+  const auto num = [](double v) {
+    char buf[32];
+    const auto r = std::to_chars(buf, buf + sizeof buf, v);  // the shortest exact form
+    return std::string(buf, r.ptr);
+  };
+  const auto integer = [](std::int64_t v) { return std::to_string(v); };
+  const LossSettings& l = s.loss;
+  return {{"loss", l.loss},
+          {"train_file", absolute_path(s.data.file)},
+          {"init", absolute_path(init)},
+          {"seed", std::to_string(s.seed)},
+          {"batch_size", integer(s.batch_size)},
+          {"grad_accum", integer(s.grad_accum)},
+          {"steps", integer(s.steps)},
+          {"device", s.device},
+          {"gemm_selection", s.measured_gemms ? "measured" : "default"},
+          {"data_parallel", integer(s.data_parallel)},
+          {"vocab_parallel", integer(s.vocab_parallel)},
+          {"max_length", integer(s.data.encode.max_length)},
+          {"max_prompt_length", integer(s.data.encode.max_prompt_length)},
+          {"lr", num(s.schedule.lr)},
+          {"warmup_steps", integer(s.schedule.warmup_steps)},
+          {"min_lr_ratio", num(s.schedule.min_lr_ratio)},
+          {"weight_decay", num(s.adam.weight_decay)},
+          {"beta1", num(s.adam.beta1)},
+          {"beta2", num(s.adam.beta2)},
+          {"adam_eps", num(s.adam.eps)},
+          {"max_grad_norm", num(s.max_grad_norm)},
+          {"beta", num(l.beta)},
+          {"label_smoothing", num(l.label_smoothing)},
+          {"dpo_loss_type", l.dpo_loss_type},
+          {"rpo_alpha", num(l.rpo_alpha)},
+          {"gamma", num(l.gamma)},
+          {"simpo_alpha", num(l.simpo_alpha)},
+          {"cpo_alpha", num(l.cpo_alpha)},
+          {"desirable_weight", num(l.desirable_weight)},
+          {"undesirable_weight", num(l.undesirable_weight)},
+          {"budget_bytes", std::to_string(l.budget_bytes)}};
+}
+
+// Refuses to resume `st` (saved in `dir`) with other options than it was saved with, or from a
+// step the run cannot continue from. A value the save lacks was not recorded by the build that
+// saved it: the first four below were implied, the rest cannot be compared.
+void check_resume(const Settings& s, const std::string& dir, const model::TrainerState& st,
+                  const std::map<std::string, std::string>& now, std::int64_t optimizer_step) {
+  static const std::map<std::string, std::string> kImplied = {
+      {"device", "cpu"}, {"data_parallel", "1"}, {"vocab_parallel", "1"}, {"init", ""}};
+  for (const auto& [key, value] : now) {
+    const auto it = st.strings.find(key);
+    const auto implied = kImplied.find(key);
+    if (it == st.strings.end() && implied == kImplied.end()) continue;
+    std::string saved = it != st.strings.end() ? it->second : implied->second;
+    if (key == "train_file" || key == "init") saved = absolute_path(saved);
+    CHUNKLOSS_CHECK(saved == value, "--resume ", dir, ": the run was saved with ", key, " = ",
+                    saved.empty() ? "(none)" : saved, ", this one has ",
+                    value.empty() ? "(none)" : value, " (exact resume needs the same)");
+  }
+  CHUNKLOSS_CHECK(st.global_step == optimizer_step, "--resume ", dir,
+                  ": trainer_state.json's global_step ", st.global_step,
+                  " differs from the optimizer's step ", optimizer_step);
+  CHUNKLOSS_CHECK(st.global_step >= 0 && st.global_step < s.steps, "--resume ", dir,
+                  ": the run saved there is at step ", st.global_step, " of --steps ", s.steps,
+                  st.global_step == s.steps ? " (it has finished)" : "");
 }
 
 std::unique_ptr<Trainer> make_trainer(const Settings& s, LossDevice& device,
@@ -281,7 +361,7 @@ void write_chart(const std::string& metrics, const std::string& chart, const std
     loss.points.emplace_back(step, v.first);
     acc.points.emplace_back(step, v.second);
   }
-  apps::write_file_atomic(chart, apps::svg_chart(title, "optimizer step", {loss, acc}));
+  model::write_file_atomically(chart, apps::svg_chart(title, "optimizer step", {loss, acc}));
 }
 
 // The ranks of --data-parallel D x --vocab-parallel K, threads of this process: rank i holds data
@@ -354,28 +434,9 @@ int run(const Settings& s, const std::string& invocation) {
   if (!s.resume.empty()) {
     policy.emplace(model::load_model(s.resume));
     opt.emplace(policy->params().size(), s.adam);
-    model::TrainerState st = model::load_training_state(s.resume, *policy, *opt);
-    const auto expect = [&](const char* key, const std::string& now) {
-      const auto it = st.strings.find(key);
-      CHUNKLOSS_CHECK(it != st.strings.end() && it->second == now, "--resume ", s.resume,
-                      ": the run was saved with ", key, " = ",
-                      it == st.strings.end() ? std::string("(none)") : it->second,
-                      ", this one has ", now, " (exact resume needs the same)");
-    };
-    expect("loss", s.loss.loss);
-    expect("train_file", s.data.file);
-    expect("seed", std::to_string(s.seed));
-    expect("batch_size", std::to_string(s.batch_size));
-    expect("grad_accum", std::to_string(s.grad_accum));
-    expect("steps", std::to_string(s.steps));
-    // (saved since --device exists; older runs were on the CPU)
-    if (!st.strings.count("device")) st.strings["device"] = "cpu";
-    expect("device", s.device);
-    if (!st.strings.count("data_parallel")) st.strings["data_parallel"] = "1";
-    expect("data_parallel", std::to_string(s.data_parallel));
-    if (!st.strings.count("vocab_parallel")) st.strings["vocab_parallel"] = "1";
-    expect("vocab_parallel", std::to_string(s.vocab_parallel));
+    const model::TrainerState st = model::load_training_state(s.resume, *policy, *opt);
     if (init.empty() && st.strings.count("init")) init = st.strings.at("init");
+    check_resume(s, s.resume, st, run_options(s, init), opt->step_count());
     start = st.global_step;
   } else if (!init.empty()) {
     policy.emplace(model::load_model(init));
@@ -411,8 +472,14 @@ int run(const Settings& s, const std::string& invocation) {
     return r == 0 ? *policy : replicas[static_cast<std::size_t>(r - 1)];
   };
   const std::unique_ptr<Trainer>& trainer = trainers.front();
+  const std::int64_t max_positions = policy->config().max_position_embeddings;
+  apps::check_fits(trainer->longest(), s.data.file, policy->config(),
+                   "shorten the examples or pass --max-length " + std::to_string(max_positions));
+  // Over a data group every rank needs an example; KTO's KL estimate needs two per micro-batch.
+  const bool drop_last =
+      s.data_parallel > 1 || (s.loss.loss == "kto" && trainer->size() % s.batch_size == 1);
   const data::BatchSampler sampler(trainer->size(), static_cast<std::size_t>(s.batch_size), s.seed,
-                                   true, s.data_parallel > 1);
+                                   true, drop_last);
   const std::int64_t per_epoch = static_cast<std::int64_t>(sampler.batches_per_epoch());
   std::fprintf(
       stderr,
@@ -425,21 +492,14 @@ int run(const Settings& s, const std::string& invocation) {
   if (!s.metrics.empty()) {
     const auto parent = std::filesystem::path(s.metrics).parent_path();
     if (!parent.empty()) std::filesystem::create_directories(parent);
-    metrics.open(s.metrics, std::ios::app);
-    CHUNKLOSS_CHECK(metrics.good(), "cannot open ", s.metrics, " for appending");
+    // A resumed run adds to its file (the chart keeps each step's last record); a new run, which
+    // may reuse a directory, starts it afresh.
+    metrics.open(s.metrics, s.resume.empty() ? std::ios::trunc : std::ios::app);
+    CHUNKLOSS_CHECK(metrics.good(), "cannot open ", s.metrics, " for writing");
   }
   model::TrainerState state;
-  state.strings = {{"loss", s.loss.loss},
-                   {"train_file", s.data.file},
-                   {"seed", std::to_string(s.seed)},
-                   {"batch_size", std::to_string(s.batch_size)},
-                   {"grad_accum", std::to_string(s.grad_accum)},
-                   {"steps", std::to_string(s.steps)},
-                   {"device", s.device},
-                   {"data_parallel", std::to_string(s.data_parallel)},
-                   {"vocab_parallel", std::to_string(s.vocab_parallel)},
-                   {"command", invocation}};
-  if (!init.empty()) state.strings["init"] = init;
+  state.strings = run_options(s, init);
+  state.strings["command"] = invocation;
   const auto save = [&](std::int64_t step, const std::string& dir) {
     state.global_step = step;
     model::save_checkpoint(dir, *policy, opt_ptr, &state);

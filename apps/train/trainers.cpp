@@ -40,6 +40,11 @@ class CeTrainer final : public Trainer {
     ce_ = LinearCrossEntropy(o);
   }
   std::size_t size() const override { return seqs_.size(); }
+  apps::Longest longest() const override {
+    apps::Longest l;
+    for (std::size_t i = 0; i < seqs_.size(); ++i) l.take(seqs_[i], i);
+    return l;
+  }
   std::pair<const char*, const char*> accuracy_metric() const override {
     return {"token_accuracy", "token acc"};
   }
@@ -177,6 +182,14 @@ class PairTrainer final : public Trainer {
     pairs_ = data::encode_preference(tok, data::read_preference_jsonl(data.file), data.encode);
   }
   std::size_t size() const override { return pairs_.size(); }
+  apps::Longest longest() const override {
+    apps::Longest l;
+    for (std::size_t i = 0; i < pairs_.size(); ++i) {
+      l.take(pairs_[i].chosen, i);
+      l.take(pairs_[i].rejected, i);
+    }
+    return l;
+  }
   std::pair<const char*, const char*> accuracy_metric() const override {
     return {"rewards/accuracies", "reward acc"};
   }
@@ -225,6 +238,26 @@ class KtoTrainer final : public Trainer {
     seqs_ = data::encode_unpaired(tok_, examples_, encode_);
   }
   std::size_t size() const override { return seqs_.size(); }
+  apps::Longest longest() const override {
+    apps::Longest l;
+    for (std::size_t i = 0; i < seqs_.size(); ++i) l.take(seqs_[i].sequence, i);
+    // A mismatched pair's length grows with its prompt and its completion (truncation keeps
+    // that order), so the longest prompt with the longest completion bounds them all.
+    const auto by = [&](auto field) {
+      return static_cast<std::size_t>(std::max_element(examples_.begin(), examples_.end(),
+                                                       [&](const auto& a, const auto& b) {
+                                                         return (a.*field).size() <
+                                                                (b.*field).size();
+                                                       }) -
+                                      examples_.begin());
+    };
+    const std::size_t p = by(&data::UnpairedExample::prompt),
+                      c = by(&data::UnpairedExample::completion);
+    l.take(data::encode(tok_, examples_[p].prompt, examples_[c].completion, encode_),
+           "the KL pair of example " + std::to_string(p + 1) + "'s prompt and example " +
+               std::to_string(c + 1) + "'s completion");
+    return l;
+  }
   std::pair<const char*, const char*> accuracy_metric() const override {
     return {"rewards/margins", "reward margin"};
   }

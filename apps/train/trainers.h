@@ -49,6 +49,8 @@ class Trainer {
   virtual std::size_t size() const = 0;
   /// Adds the gradients of the mean loss over `examples` (a micro-batch) into model.grads().
   virtual MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples) = 0;
+  /// The longest sequence step() can give the model (KTO: its mismatched pairs too).
+  virtual apps::Longest longest() const = 0;
   /// The metric shown as the progress line's accuracy, and its short label.
   virtual std::pair<const char*, const char*> accuracy_metric() const = 0;
   /// Makes this trainer one rank of a data group: every rank's step() gets the whole

@@ -6,11 +6,13 @@
 CASE is one of: sft (a few SFT steps from a new model: the loss goes down, the metrics file has
 one line per step, the chart is written), dpo|orpo|simpo|cpo|kto (a few steps from the sft
 case's checkpoint: the loss goes down), resume (12 steps straight == 7 steps, save, resume, 5
-more; bitwise), eval (chunkloss-eval --json on the sft checkpoint), data_parallel (SFT, DPO
+more; bitwise; a resume with another option, from a finished run or with a global_step other than
+the optimizer's is refused; a new run into a used directory starts its metrics afresh), eval (chunkloss-eval --json on the sft checkpoint), data_parallel (SFT, DPO
 and KTO over 1 and 3 ranks of --data-parallel agree step by step, KTO's counts are the whole
 micro-batch's, and a rank that fails alone ends the run with one line), vocab_parallel (SFT, with
 a tied lm_head too, DPO and KTO over 1 and 2 ranks of --vocab-parallel, and grids with
---data-parallel, agree step by step), usage (bad options: one line, exit code 2), cuda (ctest label gpu: SFT
+--data-parallel, agree step by step), usage (bad options: one line, exit code 2; data longer than the model's positions and a
+config.json whose sizes overflow: one line, exit code 1; KTO's last micro-batch of one dropped), cuda (ctest label gpu: SFT
 then DPO (measured GEMM algorithms) with the loss on the GPU, step by step within 1e-4 of the CPU
 run, and DPO over 2 ranks and a 2 x 2 grid on the GPU too; exits with 77, skipped, where there
 is no CUDA backend or device).
@@ -106,6 +108,35 @@ def main():
             if json.load(f)["global_step"] != 12:
                 fail("the resumed run did not end at step 12")
         print("resume: 12 steps == 7 steps, save, resume, 5 steps (bitwise)")
+        # A resume that could not be exact is refused, naming what differs.
+        resume = [train, "--resume", os.path.join(a, "checkpoint-7")] + common[:8] + \
+            ["--batch-size", "16"]
+        for extra, word in ((["--lr", "1e-2"], "lr = "), (["--max-length", "32"], "max_length"),
+                            (["--label-smoothing", "0.1"], "label_smoothing"),
+                            (["--init", sft], "init = (none)")):
+            p = run(resume + extra, expect=1)
+            if word not in p.stderr or len(p.stderr.strip().splitlines()) != 1:
+                fail("resume with %s: expected one line naming %s, got:\n%s" %
+                     (" ".join(extra), word, p.stderr))
+        p = run([train, "--resume", a] + common[:8] + ["--batch-size", "16"], expect=1)
+        if "(it has finished)" not in p.stderr:
+            fail("resuming a finished run must say so:\n" + p.stderr)
+        bad = os.path.join(work, "bad_step")
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(os.path.join(a, "checkpoint-7"), bad)
+        with open(os.path.join(bad, "trainer_state.json")) as f:
+            st = json.load(f)
+        for step in (-1, 6):
+            st["global_step"] = step
+            with open(os.path.join(bad, "trainer_state.json"), "w") as f:
+                json.dump(st, f)
+            p = run([train, "--resume", bad] + common[:8] + ["--batch-size", "16"], expect=1)
+            if "differs from the optimizer's step 7" not in p.stderr:
+                fail("global_step %d must be refused:\n%s" % (step, p.stderr))
+        # A new run into a used directory starts its metrics afresh.
+        run([train, "--save", a, "--steps", "2", "--warmup-steps", "1"] + common[:2] + common[6:])
+        if len(losses(os.path.join(a, "metrics.jsonl"))) != 2:
+            fail("a new 2-step run into a used --save directory must leave 2 metrics lines")
     elif case == "eval":
         out = os.path.join(work, "eval.json")
         p = run([evaluate, "--model", sft, "--reference", sft, "--limit", "16", "--json", out])
@@ -148,6 +179,46 @@ def main():
         with open(cfg, "w") as f:
             f.write("steps = many\n")
         run([train, "--config", cfg], expect=2)
+        for cmd in ([train, "--config", work], [train, "--loss", "kto", "--batch-size", "1"],
+                    [train, "--seed", "-1"], [train, "--budget-mib", "1e-9"],
+                    [evaluate, "--model", sft, "--budget-mib", "1e-9"]):
+            p = run(cmd, expect=2)
+            if len(p.stderr.strip().splitlines()) != 1:
+                fail("%s: expected one usage line, got:\n%s" % (" ".join(cmd), p.stderr))
+        # Data longer than the model's positions is refused before the first step.
+        long_file = os.path.join(work, "long.jsonl")
+        with open(long_file, "w") as f:
+            for i in range(8):
+                f.write(json.dumps({"prompt": "1+1=", "completion": "2" * (3 if i else 70)}) + "\n")
+        p = run([train, "--train-file", long_file, "--max-positions", "16", "--max-length", "0",
+                 "--steps", "2", "--warmup-steps", "0", "--batch-size", "2"], expect=1)
+        if "long.jsonl: example 1 encodes to 75 positions" not in p.stderr or "step" in p.stderr:
+            fail("a too long example must be named before training:\n" + p.stderr)
+        p = run([evaluate, "--model", sft, "--sft-file", long_file], expect=1)
+        if "long.jsonl: example 1 encodes to 75 positions" not in p.stderr:
+            fail("eval must name a too long example:\n" + p.stderr)
+        # KTO drops an epoch's last micro-batch of one example (its KL estimate needs two).
+        kto_file = os.path.join(work, "kto5.jsonl")
+        with open(kto_file, "w") as f:
+            for i in range(5):
+                f.write(json.dumps({"prompt": "%d+1=" % i, "completion": str(i + 1),
+                                    "label": i % 2 == 0}) + "\n")
+        p = run([train, "--loss", "kto", "--train-file", kto_file, "--steps", "3",
+                 "--warmup-steps", "0"] + small[:-2] + ["--batch-size", "4"])
+        if "1 micro-batches per epoch" not in p.stderr:
+            fail("kto with 5 examples in micro-batches of 4 must take 1 per epoch:\n" + p.stderr)
+        # A config.json whose sizes would overflow is refused by name.
+        huge = os.path.join(work, "huge")
+        shutil.rmtree(huge, ignore_errors=True)
+        shutil.copytree(sft, huge)
+        with open(os.path.join(huge, "config.json")) as f:
+            config = json.load(f)
+        config["intermediate_size"] = 2 ** 63 - 1
+        with open(os.path.join(huge, "config.json"), "w") as f:
+            json.dump(config, f)
+        p = run([evaluate, "--model", huge], expect=1)
+        if "intermediate_size" not in p.stderr or len(p.stderr.strip().splitlines()) != 1:
+            fail("a huge intermediate_size must be named:\n" + p.stderr)
         p = run([evaluate, "--model", os.path.join(work, "missing")], expect=1)
         if "missing" not in p.stderr:
             fail("a missing checkpoint must be named:\n" + p.stderr)

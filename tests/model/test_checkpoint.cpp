@@ -373,7 +373,8 @@ TEST_CASE("checkpoint errors: config.json") {
   CHECK(contains(with("\"tie_word_embeddings\": false", "\"tie_word_embeddings\": 0"),
                  "field \"tie_word_embeddings\" must be a boolean"));
   // Sizes whose products would overflow are refused before anything is allocated.
-  const std::string i_field = "\"intermediate_size\": " + std::to_string(s.config.intermediate_size);
+  const std::string i_field =
+      "\"intermediate_size\": " + std::to_string(s.config.intermediate_size);
   CHECK(contains(with(i_field, "\"intermediate_size\": 9223372036854775807"),
                  path + ": LlamaConfig: intermediate_size=9223372036854775807 is not in [1, "
                         "2^31 - 1]"));

@@ -4,10 +4,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cmath>
-#include <cstdio>
-#include <cstring>
 #include <ctime>
-#include <fstream>
 #include <sstream>
 
 namespace chunkloss::apps {
@@ -108,22 +105,19 @@ std::string utc_format(const char* fmt) {
 std::string utc_now_iso() { return utc_format("%Y-%m-%dT%H:%M:%SZ"); }
 std::string utc_today() { return utc_format("%Y-%m-%d"); }
 
-void write_file_atomic(const std::string& path, std::string_view content) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (f) f.write(content.data(), static_cast<std::streamsize>(content.size()));
-    if (f) f.flush();
-    if (!f) {
-      std::remove(tmp.c_str());
-      throw std::runtime_error("cannot write " + tmp);
-    }
+std::size_t budget_bytes(double mib) {
+  if (!(mib >= 0 && mib <= 1048576)) {
+    std::ostringstream os;
+    os << "--budget-mib: " << mib << " is not in [0, 1048576]";
+    throw UsageError(os.str());
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string why = std::strerror(errno);
-    std::remove(tmp.c_str());
-    throw std::runtime_error("cannot rename " + tmp + " to " + path + ": " + why);
+  const auto bytes = static_cast<std::size_t>(mib * 1048576.0);
+  if (mib > 0 && bytes == 0) {
+    std::ostringstream os;
+    os << "--budget-mib: " << mib << " MiB is less than a byte (0 gives the library's default)";
+    throw UsageError(os.str());
   }
+  return bytes;
 }
 
 }  // namespace chunkloss::apps

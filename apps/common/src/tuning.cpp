@@ -1,10 +1,27 @@
 // Glue shared by the training and evaluation apps (see tuning.h).
 #include "chunkloss/apps/tuning.h"
 
+#include <chunkloss/core/error.h>
+
 namespace chunkloss::apps {
 
 std::string bundled_data(const std::string& name) {
   return std::string(CHUNKLOSS_BUNDLED_DATA_DIR) + "/" + name;
+}
+
+void Longest::take(const data::Sequence& s, const std::string& name) {
+  const auto n = static_cast<std::int64_t>(s.tokens.size());
+  if (n <= positions) return;
+  positions = n;
+  what = name;
+}
+
+void check_fits(const Longest& longest, const std::string& file, const model::LlamaConfig& config,
+                const std::string& hint) {
+  CHUNKLOSS_CHECK(longest.positions <= config.max_position_embeddings, file, ": ", longest.what,
+                  " encodes to ", longest.positions,
+                  " positions, more than the model's max_position_embeddings = ",
+                  config.max_position_embeddings, " (", hint, ")");
 }
 
 CrossEntropyResult batch_cross_entropy(LossDevice& device, model::LlamaModel& model,

@@ -2,14 +2,32 @@
 // with kExitUsage, a runtime failure prints one line and exits with kExitFailure.
 #pragma once
 
-#include <boost/program_options/errors.hpp>
+#include <boost/program_options.hpp>
 #include <cstdio>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <new>
 
 #include "chunkloss/apps/cli.h"
 
 namespace chunkloss::apps {
+
+/// Adds the options of the INI file `path` (--config) to `vm`; the command line's, stored
+/// first, win. Throws UsageError naming the file when it is not a readable regular file or
+/// holds an unknown or malformed option.
+inline void store_config_file(const std::string& path,
+                              const boost::program_options::options_description& options,
+                              boost::program_options::variables_map& vm) {
+  std::ifstream in;
+  if (std::filesystem::is_regular_file(path)) in.open(path);
+  if (!in.is_open() || !in) throw UsageError("--config: cannot open " + path + " as a file");
+  try {
+    boost::program_options::store(boost::program_options::parse_config_file(in, options), vm);
+  } catch (const boost::program_options::error& e) {
+    throw UsageError("--config " + path + ": " + e.what());
+  }
+}
 
 /// Runs an app: `parse()` returns its settings as a std::optional (empty: --help was printed,
 /// exit 0), then `run(settings)` returns the exit code. A boost::program_options error or a

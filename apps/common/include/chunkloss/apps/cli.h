@@ -1,8 +1,9 @@
 // Command-line helpers shared by the apps: a usage error that maps to exit code 2, strict
 // parsing of comma-separated option lists, shell quoting to print a reproducing command,
-// UTC timestamps, and atomic file writes (write FILE.tmp, then rename).
+// UTC timestamps, and the --budget-mib option.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -45,8 +46,8 @@ std::string shell_join(const std::vector<std::string>& words);
 std::string utc_now_iso();
 std::string utc_today();
 
-/// Writes `content` to `path` atomically: `path`.tmp is written and flushed, then renamed over
-/// `path`. Throws std::runtime_error naming the file on failure (and removes the .tmp file).
-void write_file_atomic(const std::string& path, std::string_view content);
+/// The bytes of a --budget-mib value in [0, 2^20] MiB (0: the library's default). Throws
+/// UsageError when it is out of range, or positive but less than a byte.
+std::size_t budget_bytes(double mib);
 
 }  // namespace chunkloss::apps

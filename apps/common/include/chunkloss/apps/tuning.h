@@ -9,12 +9,30 @@
 #include <chunkloss/model/model.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace chunkloss::apps {
 
 /// A file of the bundled data set (apps/data in the source tree), e.g. "sft_train.jsonl".
 std::string bundled_data(const std::string& name);
+
+/// The longest encoded example of a data file, found before training or evaluating so that a
+/// sequence longer than the model's positions is reported up front.
+struct Longest {
+  std::string what;  ///< "example 7" (1-based, blank lines not counted), or a derived sequence
+  std::int64_t positions = 0;
+  /// Keeps `s` (described by `name`) when it is longer than the longest so far.
+  void take(const data::Sequence& s, const std::string& name);
+  void take(const data::Sequence& s, std::size_t index) {
+    take(s, "example " + std::to_string(index + 1));
+  }
+};
+
+/// Throws chunkloss::Error naming `file`, the example and both lengths when `longest` has more
+/// positions than a model of `config` takes; `hint` says how to shorten it.
+void check_fits(const Longest& longest, const std::string& file, const model::LlamaConfig& config,
+                const std::string& hint);
 
 /// The mean token cross-entropy of `model` over the batch's trained targets (forward only), with
 /// the number of those targets and the token accuracy.
