@@ -396,6 +396,45 @@ TEST_CASE("checkpoint errors: config.json") {
   CHECK(back.initializer_range == s.config.initializer_range);
 }
 
+TEST_CASE("checkpoint errors: NaN or Inf weights and moments") {
+  Saved s;
+  const SafetensorsFile f = SafetensorsFile::read(s.model_path());
+  const auto with_value = [&](const std::string& path, const SafetensorsFile& src,
+                              const std::string& tensor, float x) {
+    std::vector<NamedTensor> t;
+    std::vector<std::vector<float>> keep;
+    for (const auto& e : src.tensors()) {
+      keep.emplace_back((e.end - e.begin) / 4);
+      src.copy_f32(e, keep.back());
+      if (e.name == tensor) keep.back()[3] = x;
+      t.push_back({e.name, e.shape.size() == 1
+                               ? TensorView::of(keep.back().data(), {e.shape[0]})
+                               : TensorView::of(keep.back().data(), {e.shape[0], e.shape[1]})});
+    }
+    write_safetensors(path, t, src.metadata());
+  };
+  with_value(s.model_path(), f, "model.norm.weight", NAN);
+  CHECK(contains(s.load_error(), s.model_path() + ": tensor model.norm.weight holds nan at flat "
+                                                  "index 3"));
+  LlamaModel other(s.config, 9);
+  const LlamaModel before = other;
+  CHECK(contains(error_message([&] { load_weights(s.model_path(), other); }), "holds nan"));
+  CHECK(same_params(other, before));  // all or nothing
+
+  const TempDir dir;
+  LlamaModel m(s.config, 1);
+  AdamW opt(m.params().size());
+  train_step(m, opt, 0);
+  TrainerState st;
+  save_checkpoint(dir.path(), m, &opt, &st);
+  const std::string opt_path = dir.file("optimizer.safetensors");
+  with_value(opt_path, SafetensorsFile::read(opt_path), "lm_head.weight.exp_avg_sq", INFINITY);
+  AdamW fresh(m.params().size());
+  CHECK(contains(error_message([&] { load_training_state(dir.path(), m, fresh); }),
+                 "tensor lm_head.weight.exp_avg_sq holds inf at flat index 3"));
+  CHECK(fresh.step_count() == 0);
+}
+
 TEST_CASE("checkpoint errors: optimizer state, trainer state and mixed saves") {
   const TempDir dir;
   const LlamaConfig c = tiny_config(false, true);

@@ -2,6 +2,7 @@
 // against the model before copying anything).
 #include "chunkloss/model/checkpoint.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -121,6 +122,30 @@ std::vector<Wanted> model_tensors(const LlamaModel& model, const char* suffix) {
   std::vector<Wanted> out;
   for (const ParameterInfo& p : model.parameters()) out.push_back({p.name + suffix, p.shape});
   return out;
+}
+
+// The values of the model's parameters, each from tensor "<name><suffix>" of `f` (whose tensor set
+// was checked), in the model's layout. Throws naming the file and the tensor when a value is NaN
+// or Inf: a diverged run's save, which no training or evaluation can use.
+std::vector<float> read_parameters(const SafetensorsFile& f, const LlamaModel& model,
+                                   const char* suffix) {
+  std::vector<float> values(model.params().size());
+  for (const ParameterInfo& p : model.parameters()) {
+    const std::span<float> dst = std::span<float>(values).subspan(p.offset, p.numel);
+    f.copy_f32(*f.find(p.name + suffix), dst);
+    const auto bad =
+        std::find_if(dst.begin(), dst.end(), [](float x) { return !std::isfinite(x); });
+    CHUNKLOSS_CHECK(bad == dst.end(), f.source(), ": tensor ", p.name, suffix, " holds ", *bad,
+                    " at flat index ", bad - dst.begin(), " (a diverged run's save?)");
+  }
+  return values;
+}
+
+// Checks the tensor set of `f` against `model` and copies its values in (all or none).
+void copy_parameters(const SafetensorsFile& f, LlamaModel& model) {
+  check_tensor_set(f, model_tensors(model, ""), model.config());
+  const std::vector<float> values = read_parameters(f, model, "");
+  std::copy(values.begin(), values.end(), model.params().begin());
 }
 
 std::string read_text(const std::string& path) {
@@ -313,10 +338,7 @@ LlamaConfig load_config(const std::string& dir) {
 
 void load_weights(const std::string& path, LlamaModel& model) {
   const SafetensorsFile f = SafetensorsFile::read(path);
-  check_tensor_set(f, model_tensors(model, ""), model.config());
-  for (const ParameterInfo& p : model.parameters()) {
-    f.copy_f32(*f.find(p.name), model.params().subspan(p.offset, p.numel));
-  }
+  copy_parameters(f, model);
 }
 
 LlamaModel load_model(const std::string& dir) {
@@ -327,10 +349,7 @@ LlamaModel load_model(const std::string& dir) {
   const std::string model_path = files.path(kModelFile);
   const SafetensorsFile f = SafetensorsFile::read(model_path);
   check_same_save(config_path, json_save_id(json::parse(config_text)), model_path, meta_save_id(f));
-  check_tensor_set(f, model_tensors(model, ""), model.config());
-  for (const ParameterInfo& p : model.parameters()) {
-    f.copy_f32(*f.find(p.name), model.params().subspan(p.offset, p.numel));
-  }
+  copy_parameters(f, model);
   return model;
 }
 
@@ -395,12 +414,8 @@ TrainerState load_training_state(const std::string& dir, const LlamaModel& model
   read_map(
       "strings", st.strings, [](const json& v) { return v.is_string(); }, "an object of strings");
 
-  std::vector<float> m(model.params().size()), v(model.params().size());
-  for (const ParameterInfo& p : model.parameters()) {
-    f.copy_f32(*f.find(p.name + ".exp_avg"), std::span<float>(m).subspan(p.offset, p.numel));
-    f.copy_f32(*f.find(p.name + ".exp_avg_sq"), std::span<float>(v).subspan(p.offset, p.numel));
-  }
-  optimizer.load_state(m, v, step);
+  optimizer.load_state(read_parameters(f, model, ".exp_avg"),
+                       read_parameters(f, model, ".exp_avg_sq"), step);
   return st;
 }
 

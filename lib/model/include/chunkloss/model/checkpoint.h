@@ -58,8 +58,9 @@ LlamaModel load_model(const std::string& dir);
 /// problem is listed in one chunkloss::Error naming the file, e.g. "missing tensor
 /// model.norm.weight", "unexpected tensor lm_head.weight (tie_word_embeddings is true)",
 /// "tensor model.embed_tokens.weight has shape [259, 32], expected [259, 64]", "tensor X has
-/// dtype BF16, expected F32"; plus every SafetensorsFile::read error. The model is unchanged
-/// when it throws.
+/// dtype BF16, expected F32"; plus every SafetensorsFile::read error; and a NaN or Inf value,
+/// named by tensor and index (load_model and load_training_state refuse those too). The model
+/// is unchanged when it throws.
 void load_weights(const std::string& path, LlamaModel& model);
 
 /// True when dir holds optimizer.safetensors and trainer_state.json.
