@@ -10,6 +10,7 @@
 #include <boost/program_options.hpp>
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <iostream>
 #include <optional>
 #include <thread>
@@ -282,6 +283,8 @@ Cli parse(int argc, char** argv) {
 int run(const Cli& cli, int argc, char** argv) {
   const std::vector<std::string> words(argv, argv + argc);
   const std::string invoked = apps::shell_join(words);
+  if (!cli.json.empty())
+    apps::prepare_output_dir("json", std::filesystem::path(cli.json).parent_path().string());
   std::vector<CaseRecord> records;
   nlohmann::json all = nlohmann::json::array();
   std::cout << kProg << " " << apps::utc_now_iso() << "\n";

@@ -253,6 +253,8 @@ void print_table(const std::vector<nlohmann::json>& rows, const Settings& s) {
 
 int run(const Settings& s) {
   if (s.threads > 0) omp_set_num_threads(s.threads);
+  if (!s.json.empty())
+    apps::prepare_output_dir("json", std::filesystem::path(s.json).parent_path().string());
   apps::LossDevice dev(s.device, s.threads);
   const data::ByteTokenizer tok;
   Data d;

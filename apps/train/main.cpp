@@ -425,6 +425,9 @@ class Ranks {
 
 int run(const Settings& s, const std::string& invocation) {
   if (s.threads > 0) omp_set_num_threads(s.threads);
+  if (!s.save.empty()) apps::prepare_output_dir("save", s.save);
+  if (!s.chart.empty())
+    apps::prepare_output_dir("chart", std::filesystem::path(s.chart).parent_path().string());
   // The policy: resumed, initialised from a checkpoint, or new.
   std::optional<model::LlamaModel> policy;
   std::string init = s.init;

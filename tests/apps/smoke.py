@@ -185,6 +185,14 @@ def main():
             p = run(cmd, expect=2)
             if len(p.stderr.strip().splitlines()) != 1:
                 fail("%s: expected one usage line, got:\n%s" % (" ".join(cmd), p.stderr))
+        # Outputs that cannot be written are refused before any work.
+        for cmd, word in (([train, "--save", "/proc/chunkloss-smoke"], "--save: cannot create"),
+                          ([evaluate, "--model", sft, "--json", "/proc/chunkloss/x.json"],
+                           "--json: cannot create")):
+            p = run(cmd, expect=1)
+            if word not in p.stderr or "step" in p.stderr or "|" in p.stdout:
+                fail("%s: expected a refusal before any work, got:\n%s%s" %
+                     (" ".join(cmd), p.stdout, p.stderr))
         # Data longer than the model's positions is refused before the first step.
         long_file = os.path.join(work, "long.jsonl")
         with open(long_file, "w") as f:

@@ -142,6 +142,8 @@ TEST_CASE("jsonl: files are read from disk and errors name the path") {
   CHECK(contains(m, bad + ":2: field \"prompt\" must be a string"));
   const std::string missing = dir.file("missing.jsonl");
   CHECK(contains(error_message([&] { read_preference_jsonl(missing); }), missing));
+  CHECK(contains(error_message([&] { read_sft_jsonl(dir.path()); }),
+                 dir.path() + " is a directory, not a file"));
   const std::string kto =
       dir.write("kto.jsonl", "{\"prompt\": \"p\", \"completion\": \"c\", \"label\": false}");
   const auto ex = read_unpaired_jsonl(kto);

@@ -1,10 +1,14 @@
 // Command-line helpers shared by the apps (see cli.h).
 #include "chunkloss/apps/cli.h"
 
+#include <unistd.h>
 #include <cerrno>
 #include <charconv>
+
 #include <cmath>
+#include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <sstream>
 
 namespace chunkloss::apps {
@@ -104,6 +108,18 @@ std::string utc_format(const char* fmt) {
 
 std::string utc_now_iso() { return utc_format("%Y-%m-%dT%H:%M:%SZ"); }
 std::string utc_today() { return utc_format("%Y-%m-%d"); }
+
+void prepare_output_dir(std::string_view option, const std::string& dir) {
+  const std::string d = dir.empty() ? "." : dir;
+  std::error_code ec;
+  std::filesystem::create_directories(d, ec);
+  if (ec)
+    throw std::runtime_error("--" + std::string(option) + ": cannot create directory " + d + ": " +
+                             ec.message());
+  if (::access(d.c_str(), W_OK | X_OK) != 0)
+    throw std::runtime_error("--" + std::string(option) + ": cannot write into " + d + ": " +
+                             std::strerror(errno));
+}
 
 std::size_t budget_bytes(double mib) {
   if (!(mib >= 0 && mib <= 1048576)) {

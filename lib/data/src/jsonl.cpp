@@ -2,6 +2,7 @@
 // errors that name the source, the line and the field.
 #include "chunkloss/data/jsonl.h"
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -80,6 +81,7 @@ std::size_t for_each_object(std::string_view text, std::string_view source, F&& 
 }  // namespace
 
 std::string read_text_file(const std::string& path) {
+  CHUNKLOSS_CHECK(!std::filesystem::is_directory(path), path, " is a directory, not a file");
   std::ifstream in(path, std::ios::binary);
   CHUNKLOSS_CHECK(in.good(), "cannot open ", path, " for reading");
   std::ostringstream os;

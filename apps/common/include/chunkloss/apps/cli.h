@@ -46,6 +46,11 @@ std::string shell_join(const std::vector<std::string>& words);
 std::string utc_now_iso();
 std::string utc_today();
 
+/// Creates directory `dir` of option `option` (e.g. "save") when missing and checks that files
+/// can be created in it, so that a run fails before its work rather than at its end. Throws
+/// std::runtime_error naming the option, the directory and the reason.
+void prepare_output_dir(std::string_view option, const std::string& dir);
+
 /// The bytes of a --budget-mib value in [0, 2^20] MiB (0: the library's default). Throws
 /// UsageError when it is out of range, or positive but less than a byte.
 std::size_t budget_bytes(double mib);
