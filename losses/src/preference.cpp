@@ -183,9 +183,12 @@ class DpoObjective final : public SequenceObjective {
         break;
       case DpoLoss::kDiscoPop: {
         const double tau = o_.discopop_tau, m = sigmoid(d / tau), dm = dsigmoid(d / tau) / tau;
-        const double e = std::exp(-d);
-        through_d(-logsig(d) * (1.0 - m) + e * m,
-                  -sigmoid(-d) * (1.0 - m) + logsig(d) * dm - e * m + e * dm);
+        // exp(-d) m and exp(-d) dm in the log domain: at d < -709, exp(-d) overflows while
+        // m underflows, and the products tend to 0 (for tau < 1).
+        const double em = std::exp(-d + logsig(d / tau));
+        const double edm = std::exp(-d + logsig(d / tau) + logsig(-d / tau)) / tau;
+        through_d(-logsig(d) * (1.0 - m) + em,
+                  -sigmoid(-d) * (1.0 - m) + logsig(d) * dm - em + edm);
         break;
       }
     }

@@ -325,11 +325,21 @@ void check_values(const SequenceObjective& obj, const SequenceOptions& o, Contex
   const std::int64_t s = in.targets.size(0);
   const bool pairs = obj.unit() == Unit::kPair;
   auto& k = c.call;
-  HostTargets ht = read_targets(who, "targets", ctx, in.targets, c.v_total, o.ignore_index);
-  for (std::int64_t i = 0; i < s; ++i)
-    CHUNKLOSS_CHECK(ht.tokens[static_cast<std::size_t>(i)] > 0, who, ": sequence ", i,
-                    " of targets ", in.targets.str(), " has no valid token (all ignore_index ",
-                    o.ignore_index, ")");
+  // Every sequence has a valid token, and log-probs given by the caller are finite.
+  const auto read_sequences = [&](const char* name, const TensorView& targets) {
+    HostTargets ht = read_targets(who, name, ctx, targets, c.v_total, o.ignore_index);
+    for (std::size_t i = 0; i < ht.tokens.size(); ++i)
+      CHUNKLOSS_CHECK(ht.tokens[i] > 0, who, ": sequence ", i, " of ", name, " ", targets.str(),
+                      " has no valid token (all ignore_index ", o.ignore_index, ")");
+    return ht;
+  };
+  const auto read_logps = [&](const char* name, const TensorView& logps, std::int64_t n) {
+    std::vector<double> out = read_vector(who, name, ctx, logps, n, DType::kF32);
+    for (std::size_t i = 0; i < out.size(); ++i)
+      CHUNKLOSS_CHECK(std::isfinite(out[i]), who, ": ", name, "[", i, "] is not finite");
+    return out;
+  };
+  HostTargets ht = read_sequences("targets", in.targets);
   k.valid = std::move(ht.valid);
   c.tokens = std::move(ht.tokens);
   if (c.layout.deferrable) {
@@ -345,20 +355,13 @@ void check_values(const SequenceObjective& obj, const SequenceOptions& o, Contex
       CHUNKLOSS_CHECK(l == 0 || l == 1, who, ": labels[", i, "] = ", l, " must be 0 or 1");
     }
   }
-  if (in.reference_logps.defined()) {
-    k.ref_logps = read_vector(who, "reference_logps", ctx, in.reference_logps, s, DType::kF32);
-    for (std::int64_t i = 0; i < s; ++i)
-      CHUNKLOSS_CHECK(std::isfinite(k.ref_logps[static_cast<std::size_t>(i)]), who,
-                      ": reference_logps[", i, "] is not finite");
-  }
+  if (in.reference_logps.defined())
+    k.ref_logps = read_logps("reference_logps", in.reference_logps, s);
   if (c.kl_policy) {
     const auto& kb = in.kl_batch;
-    HostTargets kt =
-        read_targets(who, "kl_batch.targets", ctx, kb.targets, c.v_total, o.ignore_index);
-    c.kl_valid = std::move(kt.valid);
+    c.kl_valid = read_sequences("kl_batch.targets", kb.targets).valid;
     if (kb.reference_logps.defined())
-      c.kl_ref_logps = read_vector(who, "kl_batch.reference_logps", ctx, kb.reference_logps,
-                                   c.kl_sequences, DType::kF32);
+      c.kl_ref_logps = read_logps("kl_batch.reference_logps", kb.reference_logps, c.kl_sequences);
   }
   if (o.check_finite) {
     check_finite_head(ctx, scalars, who, "policy", in.policy);

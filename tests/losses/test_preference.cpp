@@ -357,6 +357,20 @@ TEST_CASE("dpo: beta and discopop's tau") {
   check_matrix(s, o);
 }
 
+TEST_CASE("dpo: discopop at margins where exp(-d) alone overflows") {
+  // Chosen reference sums of +9000 put d = beta (dc - dr) near -900; the loss is about -d.
+  PrefSpec s;
+  s.ref = RefMode::kLogps;
+  PrefData d(s);
+  for (std::int64_t i = 0; i < s.s / 2; ++i) d.ref_logps[static_cast<std::size_t>(i)] = 9000.0f;
+  const DpoOptions o = dpo(DpoLoss::kDiscoPop);
+  const reference::PrefResult ref = oracle(d, PrefConfig::from(o));
+  REQUIRE(std::isfinite(ref.loss));
+  CHECK(ref.loss > 800);
+  check_against_oracle(run_library(d, make_loss(o), {}), ref, PrefTol::of(DType::kF32, DType::kF32),
+                       true);
+}
+
 TEST_CASE("dpo: the NLL term (RPO) over chosen tokens, alone and with every option") {
   PrefSpec s;
   s.ref = RefMode::kHead;
@@ -1584,6 +1598,18 @@ TEST_CASE("bad input: the KL batch") {
   b.d.kl_targets32[2] = static_cast<std::int32_t>(s.v);
   b.expect(KtoOptions{}, in, "kl_batch");
   b.d.kl_targets32[2] = 0;
+  // A KL sequence with no valid token, and non-finite precomputed reference sums.
+  for (std::int64_t j = 0; j < s.kl_t; ++j) b.d.kl_targets32[s.kl_t + j] = -100;
+  b.expect(KtoOptions{}, in, "sequence 1 of kl_batch.targets");
+  for (std::int64_t j = 0; j < s.kl_t; ++j) b.d.kl_targets32[s.kl_t + j] = 0;
+  PrefSpec sums = s;
+  sums.kl_ref = RefMode::kLogps;
+  for (const float bad :
+       {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
+    BadCall bs(sums);
+    bs.d.kl_ref_logps[1] = bad;
+    bs.expect(KtoOptions{}, "kl_batch.reference_logps[1] is not finite");
+  }
   // Both a given KL point and a KL batch; a non-finite KL point; KL inputs for a paired loss.
   in = b.d.inputs();
   in.kl = 0.5;

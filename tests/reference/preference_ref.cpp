@@ -88,8 +88,10 @@ double pair_loss(const PrefConfig& c, double mc, double mr, double mc0, double m
         case DpoLoss::kApoDown:
           return sigmoid(b * dc) + (1 - sigmoid(d));
         case DpoLoss::kDiscoPop: {
+          // exp(-d) sigma(d / tau) in the log domain: each factor alone overflows or
+          // underflows at d < -709.
           const double mod = sigmoid(d / c.tau);
-          return -log_sigmoid(d) * (1 - mod) + std::exp(-d) * mod;
+          return -log_sigmoid(d) * (1 - mod) + std::exp(-d + log_sigmoid(d / c.tau));
         }
       }
       throw std::invalid_argument("reference::preference: unknown DPO loss type");

@@ -126,7 +126,8 @@ struct PreferenceInputs {
   /// KTO's KL reference point: given here, or computed from `kl_batch`, else 0.
   std::optional<double> kl;
   /// KTO: a batch of mismatched (prompt, completion) sequences whose mean policy-minus-reference
-  /// log-prob, clamped at 0, is the KL reference point (computed without gradients).
+  /// log-prob, clamped at 0, is the KL reference point (computed without gradients). As in the
+  /// main batch, every sequence needs a valid target and reference_logps must be finite.
   struct KlBatch {
     Head policy;                 ///< the policy head on the mismatched sequences
     TensorView targets;          ///< [S', T'] targets of the mismatched sequences
