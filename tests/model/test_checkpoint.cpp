@@ -71,6 +71,19 @@ void train_step(LlamaModel& m, AdamW& opt, std::int64_t step) {
   opt.step(m, learning_rate(s, step));
 }
 
+// A model, its optimizer and its trainer state, one training step in (global_step 1).
+struct Trained {
+  explicit Trained(const LlamaConfig& c) : m(c, 1), opt(m.params().size()) {
+    train_step(m, opt, 0);
+    st.global_step = 1;
+  }
+  void step() { train_step(m, opt, st.global_step++); }
+  void save(const std::string& dir) const { save_checkpoint(dir, m, &opt, &st); }
+  LlamaModel m;
+  AdamW opt;
+  TrainerState st;
+};
+
 AdamWOptions adamw_options() {
   AdamWOptions o;
   o.weight_decay = 0.01;
@@ -422,28 +435,23 @@ TEST_CASE("checkpoint errors: NaN or Inf weights and moments") {
   CHECK(same_params(other, before));  // all or nothing
 
   const TempDir dir;
-  LlamaModel m(s.config, 1);
-  AdamW opt(m.params().size());
-  train_step(m, opt, 0);
-  TrainerState st;
-  save_checkpoint(dir.path(), m, &opt, &st);
+  const Trained t(s.config);
+  t.save(dir.path());
   const std::string opt_path = dir.file("optimizer.safetensors");
   with_value(opt_path, SafetensorsFile::read(opt_path), "lm_head.weight.exp_avg_sq", INFINITY);
-  AdamW fresh(m.params().size());
-  CHECK(contains(error_message([&] { load_training_state(dir.path(), m, fresh); }),
+  AdamW fresh(t.m.params().size());
+  CHECK(contains(error_message([&] { load_training_state(dir.path(), t.m, fresh); }),
                  "tensor lm_head.weight.exp_avg_sq holds inf at flat index 3"));
   CHECK(fresh.step_count() == 0);
 }
 
 TEST_CASE("checkpoint errors: optimizer state, trainer state and mixed saves") {
   const TempDir dir;
-  const LlamaConfig c = tiny_config(false, true);
-  LlamaModel m(c, 1);
-  AdamW opt(m.params().size());
-  train_step(m, opt, 0);
-  TrainerState st;
-  st.global_step = 1;
-  save_checkpoint(dir.path(), m, &opt, &st);
+  Trained trained(tiny_config(false, true));
+  trained.save(dir.path());
+  const LlamaModel& m = trained.m;
+  const AdamW& opt = trained.opt;
+  const TrainerState& st = trained.st;
   const std::string opt_path = dir.file("optimizer.safetensors");
   const std::string state_path = dir.file("trainer_state.json");
   const std::string good_opt = slurp(opt_path), good_state = slurp(state_path);
@@ -500,19 +508,14 @@ TEST_CASE("checkpoint: an interrupted save leaves the previous checkpoint loadab
                               "trainer_state.json.tmp", "config.json.tmp"}) {
     CAPTURE(blocked);
     const TempDir dir;
-    LlamaModel m(c, 1);
-    AdamW opt(m.params().size());
-    train_step(m, opt, 0);
-    TrainerState st;
-    st.global_step = 1;
-    save_checkpoint(dir.path(), m, &opt, &st);
-    const LlamaModel saved = m;
-    const std::vector<float> saved_m(opt.exp_avg().begin(), opt.exp_avg().end());
+    Trained t(c);
+    t.save(dir.path());
+    const LlamaModel saved = t.m;
+    const std::vector<float> saved_m(t.opt.exp_avg().begin(), t.opt.exp_avg().end());
 
-    train_step(m, opt, 1);
-    st.global_step = 2;
+    t.step();
     fs::create_directories(fs::path(dir.file(blocked)) / "occupied");
-    const std::string msg = error_message([&] { save_checkpoint(dir.path(), m, &opt, &st); });
+    const std::string msg = error_message([&] { t.save(dir.path()); });
     CHECK(contains(msg, "cannot create " + dir.file(blocked)));
 
     const LlamaModel back = load_model(dir.path());
@@ -526,8 +529,8 @@ TEST_CASE("checkpoint: an interrupted save leaves the previous checkpoint loadab
       if (std::string(f) != blocked) CHECK(!fs::exists(dir.file(f)));
     }
     fs::remove_all(dir.file(blocked));
-    save_checkpoint(dir.path(), m, &opt, &st);  // and a retry succeeds
-    CHECK(same_params(load_model(dir.path()), m));
+    t.save(dir.path());  // and a retry succeeds
+    CHECK(same_params(load_model(dir.path()), t.m));
   }
 }
 
@@ -536,18 +539,15 @@ TEST_CASE("checkpoint: a save interrupted after its commit record is read whole 
   const char* files[] = {"model.safetensors", "optimizer.safetensors", "trainer_state.json",
                          "config.json"};
   const TempDir dir, next;
-  LlamaModel m(c, 1);
-  AdamW opt(m.params().size());
-  train_step(m, opt, 0);
-  TrainerState st;
-  st.global_step = 1;
-  save_checkpoint(dir.path(), m, &opt, &st);
-  const LlamaModel first = m;
+  Trained t(c);
+  t.save(dir.path());
+  const LlamaModel first = t.m;
   // The next save, staged in `dir` by hand: its temporaries, its commit record and one of its
   // renames, as a crash after the record would leave them.
-  train_step(m, opt, 1);
-  st.global_step = 2;
-  save_checkpoint(next.path(), m, &opt, &st);
+  t.step();
+  t.save(next.path());
+  const LlamaModel& m = t.m;
+  const AdamW& opt = t.opt;
   CHECK(!fs::exists(next.file(".chunkloss-commit")));
   for (const char* f : files) fs::copy_file(next.file(f), dir.file(std::string(f) + ".tmp"));
 
@@ -575,7 +575,7 @@ TEST_CASE("checkpoint: a save interrupted after its commit record is read whole 
   CHECK(same_params(load_model(dir.path()), m));
 
   // A record that removes the optimizer state hides it even while its old files remain.
-  save_checkpoint(dir.path(), m, &opt, &st);
+  t.save(dir.path());
   dir.write(".chunkloss-commit", R"({"renamed": [], "removed": ["optimizer.safetensors"]})");
   CHECK(!has_training_state(dir.path()));
   AdamW unused(m.params().size());
