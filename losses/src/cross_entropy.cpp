@@ -210,21 +210,21 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
     plan = call_plan(*c, in);
     CHUNKLOSS_CHECK(ws.device() == ctx.device(), kWho, ": workspace is on ",
                     device_name(ws.device()), ", the context on ", device_name(ctx.device()));
-    detail::check_device_index(kWho, ctx, ws,
-                               {{"hidden", &in.hidden},
-                                {"weight", &in.weight},
-                                {"bias", &in.bias},
-                                {"targets", &in.targets},
-                                {"class_weights", &in.class_weights},
-                                {"token_weights", &in.token_weights},
-                                {"grad_output", &in.grad_output},
-                                {"grad_hidden", &grads.hidden},
-                                {"grad_weight", &grads.weight},
-                                {"grad_bias", &grads.bias},
-                                {"outputs.row_loss", &out.row_loss},
-                                {"outputs.lse", &out.lse},
-                                {"outputs.predictions", &out.predictions},
-                                {"outputs.scalars", &out.scalars}});
+    detail::check_memory(kWho, ctx, ws,
+                         {{"hidden", &in.hidden},
+                          {"weight", &in.weight},
+                          {"bias", &in.bias},
+                          {"targets", &in.targets},
+                          {"class_weights", &in.class_weights},
+                          {"token_weights", &in.token_weights},
+                          {"grad_output", &in.grad_output}},
+                         {{"grad_hidden", &grads.hidden},
+                          {"grad_weight", &grads.weight},
+                          {"grad_bias", &grads.bias},
+                          {"outputs.row_loss", &out.row_loss},
+                          {"outputs.lse", &out.lse},
+                          {"outputs.predictions", &out.predictions},
+                          {"outputs.scalars", &out.scalars}});
     ws.require(plan.layout, kWho);
   } catch (...) {
     if (!vocab_group && !in.data_group) throw;

@@ -238,7 +238,11 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
   CHUNKLOSS_CHECK(!in.kl || std::isfinite(*in.kl), who, ": kl must be finite, got ",
                   in.kl ? *in.kl : 0.0);
 
-  detail::check_optional(who, "grads.hidden", gr.hidden, dev, {n, h}, kFloat);
+  // grads.hidden is [S*T, H], or [S, T, H] like policy.hidden may be.
+  if (gr.hidden.defined() && gr.hidden.ndim() == 3)
+    detail::check_optional(who, "grads.hidden", gr.hidden, dev, {s, t, h}, kFloat);
+  else
+    detail::check_optional(who, "grads.hidden", gr.hidden, dev, {n, h}, kFloat);
   detail::check_optional(who, "grads.weight", gr.weight, dev, {v, h}, kFloat);
   detail::check_optional(who, "grads.bias", gr.bias, dev, {v}, kFloat);
   CHUNKLOSS_CHECK(!gr.bias.defined() || in.policy.bias.defined(), who, ": grads.bias ",
@@ -258,7 +262,7 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
   CHUNKLOSS_CHECK(!c.vocab_group || o.regime != Regime::kDeferred, who,
                   ": regime deferred is not available with vocab_shard");
   k.policy = head_call(in.policy, hs, targets_rows, o.ignore_index, shard, c.v_total);
-  k.policy.grad_x = gr.hidden;
+  k.policy.grad_x = gr.hidden.defined() ? as_rows(gr.hidden, n, h) : gr.hidden;
   k.policy.grad_w = gr.weight;
   k.policy.grad_bias = gr.bias;
   k.policy.accumulate = gr.accumulate;
@@ -611,24 +615,24 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
     CHUNKLOSS_CHECK(ws.device() == ctx.device(), who, ": workspace is on ",
                     device_name(ws.device()), ", the context on ", device_name(ctx.device()));
     const auto& kb = in.kl_batch;
-    detail::check_device_index(who.c_str(), ctx, ws,
-                               {{"policy.hidden", &in.policy.hidden},
-                                {"policy.weight", &in.policy.weight},
-                                {"policy.bias", &in.policy.bias},
-                                {"targets", &in.targets},
-                                {"reference.hidden", &in.reference.hidden},
-                                {"reference.weight", &in.reference.weight},
-                                {"reference.bias", &in.reference.bias},
-                                {"kl_batch.policy.hidden", &kb.policy.hidden},
-                                {"kl_batch.policy.weight", &kb.policy.weight},
-                                {"kl_batch.policy.bias", &kb.policy.bias},
-                                {"kl_batch.targets", &kb.targets},
-                                {"kl_batch.reference.hidden", &kb.reference.hidden},
-                                {"kl_batch.reference.weight", &kb.reference.weight},
-                                {"kl_batch.reference.bias", &kb.reference.bias},
-                                {"grads.hidden", &grads.hidden},
-                                {"grads.weight", &grads.weight},
-                                {"grads.bias", &grads.bias}});
+    detail::check_memory(who.c_str(), ctx, ws,
+                         {{"policy.hidden", &in.policy.hidden},
+                          {"policy.weight", &in.policy.weight},
+                          {"policy.bias", &in.policy.bias},
+                          {"targets", &in.targets},
+                          {"reference.hidden", &in.reference.hidden},
+                          {"reference.weight", &in.reference.weight},
+                          {"reference.bias", &in.reference.bias},
+                          {"kl_batch.policy.hidden", &kb.policy.hidden},
+                          {"kl_batch.policy.weight", &kb.policy.weight},
+                          {"kl_batch.policy.bias", &kb.policy.bias},
+                          {"kl_batch.targets", &kb.targets},
+                          {"kl_batch.reference.hidden", &kb.reference.hidden},
+                          {"kl_batch.reference.weight", &kb.reference.weight},
+                          {"kl_batch.reference.bias", &kb.reference.bias}},
+                         {{"grads.hidden", &grads.hidden},
+                          {"grads.weight", &grads.weight},
+                          {"grads.bias", &grads.bias}});
     ws.require(plan.layout, who.c_str());
     if (checked->kl_policy) ws.require(checked->kl_plan.layout, who.c_str());
     check_values(obj, options_, ctx, device_scalars(plan, ws), in, *checked);
@@ -795,11 +799,12 @@ SequenceLogProbResult SequenceLogProbs::compute(Context& ctx, const Head& head,
     plan = log_probs_plan(*c, shard);
     CHUNKLOSS_CHECK(ws.device() == ctx.device(), kLogProbs, ": workspace is on ",
                     device_name(ws.device()), ", the context on ", device_name(ctx.device()));
-    detail::check_device_index(kLogProbs, ctx, ws,
-                               {{"head.hidden", &head.hidden},
-                                {"head.weight", &head.weight},
-                                {"head.bias", &head.bias},
-                                {"targets", &targets}});
+    detail::check_memory(kLogProbs, ctx, ws,
+                         {{"head.hidden", &head.hidden},
+                          {"head.weight", &head.weight},
+                          {"head.bias", &head.bias},
+                          {"targets", &targets}},
+                         {});
     ws.require(plan.layout, kLogProbs);
     ht = read_targets(kLogProbs, "targets", ctx, targets, c->v_total, options_.ignore_index);
     if (options_.check_finite)

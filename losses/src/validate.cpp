@@ -2,6 +2,7 @@
 #include "validate.h"
 
 #include <cmath>
+#include <cstdint>
 #include <sstream>
 
 #include "chunkloss/core/error.h"
@@ -51,16 +52,43 @@ void check_optional(const char* who, const char* name, const TensorView& t, Devi
   if (t.defined()) check_view(who, name, t, dev, shape, dtypes);
 }
 
-void check_device_index(const char* who, const Context& ctx, const Workspace& ws,
-                        std::initializer_list<std::pair<const char*, const TensorView*>> views) {
-  if (ctx.device() == Device::kCpu) return;
-  const int d = ctx.device_index();
-  CHUNKLOSS_CHECK(ws.device_index() == d, who, ": workspace is on ", device_name(ws.device()), ":",
-                  ws.device_index(), ", the context on ", device_name(ctx.device()), ":", d);
-  for (const auto& [name, t] : views)
-    CHUNKLOSS_CHECK(!t->defined() || t->device_index() == d, who, ": ", name, " ", t->str(),
-                    " is on device index ", t->device_index(), ", the context on ",
-                    device_name(ctx.device()), ":", d);
+void check_memory(const char* who, const Context& ctx, const Workspace& ws, NamedViews inputs,
+                  NamedViews outputs) {
+  if (ctx.device() == Device::kCuda) {
+    const int d = ctx.device_index();
+    CHUNKLOSS_CHECK(ws.device_index() == d, who, ": workspace is on ", device_name(ws.device()),
+                    ":", ws.device_index(), ", the context on ", device_name(ctx.device()), ":", d);
+    for (NamedViews list : {inputs, outputs})
+      for (const auto& [name, t] : list)
+        CHUNKLOSS_CHECK(!t->defined() || t->device_index() == d, who, ": ", name, " ", t->str(),
+                        " is on device index ", t->device_index(), ", the context on ",
+                        device_name(ctx.device()), ":", d);
+  }
+  // Byte ranges [begin, end) as integers (one address space: the host's, or the devices' unified
+  // one).
+  const auto range = [](const void* p, std::size_t bytes) {
+    const auto b = reinterpret_cast<std::uintptr_t>(p);
+    return std::pair{b, b + bytes};
+  };
+  const auto overlap = [](std::pair<std::uintptr_t, std::uintptr_t> a,
+                          std::pair<std::uintptr_t, std::uintptr_t> b) {
+    return a.first < a.second && b.first < b.second && a.first < b.second && b.first < a.second;
+  };
+  const auto workspace = range(ws.base(), ws.bytes());
+  for (auto out = outputs.begin(); out != outputs.end(); ++out) {
+    const TensorView& o = *out->second;
+    if (!o.defined()) continue;
+    const auto mine = range(o.data(), o.nbytes());
+    CHUNKLOSS_CHECK(!overlap(mine, workspace), who, ": ", out->first, " ", o.str(),
+                    " shares memory with the workspace");
+    for (NamedViews list : {inputs, outputs})
+      for (const auto& [name, t] : list) {
+        if (t == out->second || !t->defined()) continue;
+        CHUNKLOSS_CHECK(!overlap(mine, range(t->data(), t->nbytes())), who, ": ", out->first, " ",
+                        o.str(), " shares memory with ", name, " ", t->str(),
+                        " (an output may not alias an input or another output)");
+      }
+  }
 }
 
 void check_finite(const char* who, const char* name, const TensorView& t) {

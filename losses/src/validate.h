@@ -21,10 +21,13 @@ void check_view(const char* who, const char* name, const TensorView& t, Device d
 /// As check_view when `t` is defined; absent is allowed.
 void check_optional(const char* who, const char* name, const TensorView& t, Device dev,
                     std::initializer_list<std::int64_t> shape, std::initializer_list<DType> dtypes);
-/// The workspace and every defined view of `views` (name, view) are on the context's device
-/// index (on CUDA, memory of another GPU is an error, not a peer access).
-void check_device_index(const char* who, const Context& ctx, const Workspace& ws,
-                        std::initializer_list<std::pair<const char*, const TensorView*>> views);
+/// (name, view) pairs of a call's arguments.
+using NamedViews = std::initializer_list<std::pair<const char*, const TensorView*>>;
+/// The memory of a call: the workspace and every defined view are on the context's device index
+/// (on CUDA, memory of another GPU is an error, not a peer access), and no defined output shares
+/// a byte with an input, another output or the workspace (the call would read what it writes).
+void check_memory(const char* who, const Context& ctx, const Workspace& ws, NamedViews inputs,
+                  NamedViews outputs);
 /// Every element of a float view is finite (host memory only).
 void check_finite(const char* who, const char* name, const TensorView& t);
 /// The same for a view in host memory or on the context's device: a device view is counted

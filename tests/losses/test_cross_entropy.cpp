@@ -1133,6 +1133,27 @@ TEST_CASE("bad input: views or workspace on another device") {
       {"workspace"});
 }
 
+TEST_CASE("bad input: an output sharing memory with an input, another output or the workspace") {
+  BadCall b;
+  const CrossEntropyInputs in = b.in();
+  CrossEntropyGrads g = b.grads.views();
+  g.hidden = TensorView::of(b.d.hidden.data(), {5, 8});  // an in-place dX is not supported
+  check_error([&] { b.call(b.o, in, g, b.out.views()); },
+              {"grad_hidden [5, 8] f32 cpu shares memory with hidden [5, 8] f32 cpu"});
+  g = b.grads.views();
+  g.bias = TensorView::of(g.weight.data_as<float>() + 3, {11});
+  check_error([&] { b.call(b.o, in, g, b.out.views()); },
+              {"grad_weight [11, 8] f32 cpu shares memory with grad_bias"});
+  CrossEntropyOutputs o = b.out.views();
+  o.row_loss = TensorView::of(reinterpret_cast<float*>(b.d.targets32.data()), {5});
+  check_error([&] { b.call(b.o, in, b.grads.views(), o); },
+              {"outputs.row_loss", "shares memory with targets"});
+  g = b.grads.views();
+  g.hidden = TensorView::of(reinterpret_cast<float*>(b.ws.data()) + 8, {5, 8});
+  check_error([&] { b.call(b.o, in, g, b.out.views()); },
+              {"grad_hidden", "shares memory with the workspace"});
+}
+
 TEST_CASE("bad input: too-small workspace") {
   BadCall b;
   const LinearCrossEntropy loss(b.o);

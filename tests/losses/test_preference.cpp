@@ -1094,9 +1094,16 @@ TEST_CASE("hidden given as [S, T, H] is the same as [S*T, H]") {
   const Dpo loss{DpoOptions{}};
   AlignedBuffer ws(loss.workspace_bytes(in, g.views()));
   CpuContext ctx;
-  const PreferenceResult r = loss.forward_backward(ctx, in, g.views(), ws.workspace());
+  PreferenceGrads views = g.views();
+  const PreferenceResult r = loss.forward_backward(ctx, in, views, ws.workspace());
   CHECK(r.loss == flat.result.loss);
   CHECK(g.bitwise_equal(flat.grads));
+  // grads.hidden may take the same [S, T, H] shape.
+  PrefGradBuffers g3(d, {});
+  views = g3.views();
+  views.hidden = TensorView::of(views.hidden.data_as<float>(), {s.s, s.t, s.h});
+  CHECK(loss.forward_backward(ctx, in, views, ws.workspace()).loss == flat.result.loss);
+  CHECK(g3.bitwise_equal(flat.grads));
 }
 
 TEST_CASE("bf16 inputs match the oracle on the same bf16 values, not the fp32 ones") {
@@ -1623,6 +1630,39 @@ TEST_CASE("bad input: the KL batch") {
   paired.kl = 0.5;
   BadCall p(paired);
   p.expect(DpoOptions{}, "kl");
+}
+
+TEST_CASE("bad input: a gradient sharing memory with an input, another gradient or the workspace") {
+  PrefSpec s;
+  s.ref = RefMode::kHead;
+  s.bias = true;
+  PrefData d(s);
+  const PreferenceInputs in = d.inputs();
+  const Dpo loss{DpoOptions{}};
+  PrefGradBuffers g(d, {});
+  AlignedBuffer ws(loss.workspace_bytes(in, g.views()));
+  CpuContext ctx;
+  const auto expect = [&](const PreferenceGrads& views, const std::string& needle) {
+    const std::vector<float> hidden = d.hidden;
+    const std::string what =
+        error_message([&] { loss.forward_backward(ctx, in, views, ws.workspace()); });
+    CHECK_MESSAGE(what.find(needle) != std::string::npos, what);
+    CHECK(d.hidden == hidden);
+  };
+  PreferenceGrads v = g.views();
+  v.hidden = TensorView::of(d.hidden.data(), {s.s * s.t, s.h});
+  expect(v, "grads.hidden [" + std::to_string(s.s * s.t) + ", " + std::to_string(s.h) +
+                "] f32 cpu shares memory with policy.hidden");
+  v = g.views();
+  v.hidden = TensorView::of(d.ref_hidden.data() + 1, {s.s * s.t, s.h});  // partly overlapping
+  expect(v, "shares memory with reference.hidden");
+  v = g.views();
+  v.bias = TensorView::of(v.weight.data_as<float>() + s.v, {s.v});
+  expect(v, "grads.weight");
+  v = g.views();
+  v.weight = TensorView::of(ws.workspace().at<float>({0, 4}), {s.v, s.h});
+  expect(v, "grads.weight [");
+  expect(v, "shares memory with the workspace");
 }
 
 TEST_CASE("bad input: non-finite precomputed reference sums, smoothing where a type has none") {
