@@ -3,7 +3,8 @@ include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 set(chunkloss_installed chunkloss_core chunkloss_dist chunkloss_kernels chunkloss_losses)
-set(chunkloss_include_dirs lib/core lib/dist kernels losses)
+# Public headers: the kernels' are internal, and the NCCL communicator needs the CUDA build.
+set(chunkloss_include_dirs lib/core lib/dist losses)
 if(CHUNKLOSS_HAVE_CUDA)
   list(APPEND chunkloss_installed chunkloss_gpu chunkloss_cuda_kernels chunkloss_gpu_internal)
   list(APPEND chunkloss_include_dirs lib/gpu)
@@ -14,8 +15,13 @@ install(TARGETS ${chunkloss_installed}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+set(chunkloss_excluded_headers "")
+if(NOT CHUNKLOSS_HAVE_CUDA)
+  set(chunkloss_excluded_headers PATTERN nccl.h EXCLUDE)
+endif()
 foreach(dir ${chunkloss_include_dirs})
-  install(DIRECTORY ${PROJECT_SOURCE_DIR}/${dir}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  install(DIRECTORY ${PROJECT_SOURCE_DIR}/${dir}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
+          ${chunkloss_excluded_headers})
 endforeach()
 install(EXPORT chunklossTargets NAMESPACE chunkloss:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/chunkloss)
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/chunklossConfig.cmake.in

@@ -18,7 +18,9 @@ set(CMAKE_POSITION_INDEPENDENT_CODE ON)
 
 add_library(chunkloss_build_flags INTERFACE)
 target_compile_options(chunkloss_build_flags INTERFACE
-  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wshadow>)
+  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wshadow>
+  # Error messages name the source file relative to the tree, not the build machine's path.
+  $<$<COMPILE_LANGUAGE:CXX>:-fmacro-prefix-map=${PROJECT_SOURCE_DIR}/=>)
 if(CHUNKLOSS_NATIVE)
   target_compile_options(chunkloss_build_flags INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-march=native>)
 endif()

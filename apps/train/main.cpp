@@ -123,7 +123,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("adam-eps", po::value<double>()->default_value(1e-8), "AdamW epsilon")
     ("max-grad-norm", po::value<double>()->default_value(1.0), "clip the global gradient norm (0: off)")
     ("grad-accum", po::value<std::int64_t>()->default_value(1), "micro-batches per optimizer step");
-  po::options_description loss_opts("Loss (../shared/LOSSES.md)");
+  po::options_description loss_opts("Loss (the formulas are in chunkloss/losses/preference.h)");
   loss_opts.add_options()
     ("beta", po::value<double>()->default_value(0, "0 = the loss's default: 0.1, simpo 2.0"), "beta of dpo, orpo, simpo, cpo, kto")
     ("label-smoothing", po::value<double>()->default_value(0), "ce: label smoothing; dpo, simpo, cpo: the conservative eps")

@@ -1,11 +1,13 @@
 // Consumer of the installed chunkloss package: with zero weights every logit is 0, so the mean
 // cross-entropy is exactly log(V) and the hidden gradient is exactly 0; a wrong link or ABI
-// shows up as a different loss, an exception, or a crash.
+// shows up as a different loss, an exception, or a crash. A bad target must throw
+// chunkloss::Error, caught with only the loss header included.
 #include <chunkloss/losses/cross_entropy.h>
 
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 int main() {
@@ -25,12 +27,21 @@ int main() {
   void* block = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
   CpuContext ctx(1);
   const CrossEntropyResult r = ce.forward_backward(ctx, in, g, {}, Workspace(block, bytes));
+  // Bad input throws chunkloss::Error, which the loss header brings along.
+  y[1] = 11;
+  bool refused = false;
+  try {
+    ce.forward_backward(ctx, in, g, {}, Workspace(block, bytes));
+  } catch (const chunkloss::Error& e) {
+    refused = std::string(e.what()).find("targets") != std::string::npos;
+  }
   std::free(block);
   const double want = std::log(static_cast<double>(v));
   double max_dx = 0;
   for (float d : dx) max_dx = std::fmax(max_dx, std::fabs(d));
   std::printf("consumer: loss %.7f (log V = %.7f), valid rows %lld, max |dx| %g\n", r.loss, want,
               static_cast<long long>(r.valid_rows), max_dx);
-  const bool ok = std::fabs(r.loss - want) < 1e-6 && r.valid_rows == 4 && max_dx == 0.0;
+  std::printf("consumer: a target of 11 was %s\n", refused ? "refused" : "NOT refused");
+  const bool ok = std::fabs(r.loss - want) < 1e-6 && r.valid_rows == 4 && max_dx == 0.0 && refused;
   return ok ? 0 : 1;
 }

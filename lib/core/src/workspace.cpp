@@ -23,7 +23,7 @@ Workspace::Workspace(void* base, std::size_t bytes, Device device, int device_in
 void Workspace::require(const WorkspaceLayout& layout, const char* who) const {
   CHUNKLOSS_CHECK(bytes_ >= layout.total(), who, ": workspace of ", bytes_,
                   " bytes is too small, the plan needs ", layout.total(),
-                  " bytes (ask workspace_bytes())");
+                  " bytes (ask workspace_bytes() with the same inputs, gradients and options)");
 }
 
 }  // namespace chunkloss

@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "chunkloss/core/context.h"
+#include "chunkloss/core/error.h"
 #include "chunkloss/core/tensor.h"
 #include "chunkloss/core/workspace.h"
 #include "chunkloss/dist/communicator.h"
@@ -24,7 +25,9 @@ enum class Reduction : std::uint8_t {
 
 std::string_view reduction_name(Reduction r);
 
-/// Options of LinearCrossEntropy (../shared/LOSSES.md). Defaults follow PyTorch.
+/// Options of LinearCrossEntropy. Defaults follow PyTorch's cross_entropy. The loss of a valid
+/// row with target y is (1 - ls)(lse - z_y) + (ls / V) sum_j (lse - z_j) (class-weighted as in
+/// PyTorch), plus z_loss * lse^2; ignored rows contribute nothing.
 struct CrossEntropyOptions {
   std::int64_t ignore_index = -100;  ///< rows with this target contribute nothing
   Reduction reduction = Reduction::kMean;
@@ -33,7 +36,9 @@ struct CrossEntropyOptions {
   std::optional<float> softcap;  ///< logits z -> c * tanh(z / c), c > 0
   bool compute_entropy = false;  ///< also report the mean softmax entropy over valid rows
   /// Bound on the workspace in bytes (logits chunk, row statistics, scratch). 0 picks the
-  /// device's default: 256 MiB on the CPU, 1 GiB on CUDA.
+  /// device's default: 256 MiB on the CPU, 1 GiB on CUDA. A budget below the smallest chunk
+  /// (one row, or one vocabulary block) gives that chunk's workspace instead, and
+  /// Plan::over_budget says so.
   std::size_t memory_budget_bytes = 0;
   LoopOrder loop_order = LoopOrder::kAuto;
   DType logits_dtype = DType::kF32;  ///< fp32 logits chunk; bf16 is an opt-in speed mode

@@ -23,7 +23,8 @@ enum class LoopOrder : std::uint8_t { kAuto, kTokenChunk, kVocabBlock };
 
 std::string_view loop_order_name(LoopOrder o);
 
-/// How a sequence objective keeps logits between its two passes (DESIGN.md section 2).
+/// How a sequence objective keeps logits between its two passes (pass 1: the per-sequence
+/// statistics that decide each sequence's coefficient; pass 2: the gradient).
 /// - kResident: per group of whole units (pairs or sequences), pass 1 leaves the group's logits
 ///   in the workspace and pass 2 turns them into the gradient: 3 GEMMs per token.
 /// - kRecompute: pass 1 keeps row statistics only; pass 2 recomputes each chunk's logits (4

@@ -1,5 +1,9 @@
-// The preference losses of ../shared/LOSSES.md as sequence objectives on the shared engine:
-// DPO (every loss type), ORPO, SimPO, CPO and KTO. Each is a SequenceLoss built from its options.
+// The preference losses as sequence objectives on the shared engine: DPO (every loss type),
+// ORPO, SimPO, CPO and KTO, in TRL's conventions. Each is a SequenceLoss built from its options.
+// Notation: rows [0, P) of a paired batch are the chosen sequences, [P, 2P) the rejected ones
+// (pair i is (i, i + P)); c, r are the policy's log-probs of chosen and rejected (sums over the
+// valid tokens, or averages where said), c0, r0 the reference's (0 without a reference);
+// sigma = sigmoid, logsig = log sigmoid. Every pairwise loss is the mean over pairs.
 #pragma once
 
 #include <cstdint>
@@ -9,26 +13,29 @@
 
 namespace chunkloss {
 
-/// DPO's loss types (TRL's names).
+/// DPO's loss types (TRL's names), per pair, with dc = c - c0, dr = r - r0, d = beta (dc - dr)
+/// and eps = label_smoothing.
 enum class DpoLoss : std::uint8_t {
-  kSigmoid,
-  kHinge,
-  kIpo,
-  kRobust,
-  kExoPair,
-  kNcaPair,
-  kBcoPair,
-  kSppoHard,
-  kApoZero,
-  kApoDown,
-  kDiscoPop,
+  kSigmoid,   ///< -(1 - eps) logsig(d) - eps logsig(-d)
+  kHinge,     ///< relu(1 - d)
+  kIpo,       ///< (D - 1 / (2 beta))^2, D = (c - r) - (c0 - r0) on averaged log-probs
+  kRobust,    ///< (-(1 - eps) logsig(d) + eps logsig(-d)) / (1 - 2 eps)
+  kExoPair,   ///< sigma(d) (logsig(d) - log(1 - eps)) + sigma(-d) (logsig(-d) - log eps)
+  kNcaPair,   ///< -logsig(beta dc) - logsig(-beta dc) / 2 - logsig(-beta dr) / 2
+  kBcoPair,   ///< -logsig(beta dc) - logsig(-beta dr)
+  kSppoHard,  ///< (dc - 1 / (2 beta))^2 + (dr + 1 / (2 beta))^2
+  kApoZero,   ///< (1 - sigma(beta dc)) + sigma(beta dr)
+  kApoDown,   ///< sigma(beta dc) + (1 - sigma(d))
+  kDiscoPop,  ///< -logsig(d) (1 - sigma(d / tau)) + exp(-d) sigma(d / tau)
 };
 
 std::string_view dpo_loss_name(DpoLoss t);
 /// Parses a TRL name ("sigmoid", "exo_pair", ...); throws chunkloss::Error listing the names.
 DpoLoss parse_dpo_loss(std::string_view name);
 
-/// DPO (Rafailov et al. 2023) and its variants. d = beta ((c - c0) - (r - r0)).
+/// DPO (Rafailov et al. 2023) and its variants. d = beta ((c - c0) - (r - r0)). Without a
+/// reference (neither PreferenceInputs::reference nor reference_logps) c0 = r0 = 0: the
+/// reference-free form, so pass the reference unless that is what you want.
 struct DpoOptions {
   DpoLoss loss_type = DpoLoss::kSigmoid;
   float beta = 0.1f;             ///< > 0

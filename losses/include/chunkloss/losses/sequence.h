@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "chunkloss/core/context.h"
+#include "chunkloss/core/error.h"
 #include "chunkloss/core/tensor.h"
 #include "chunkloss/core/workspace.h"
 #include "chunkloss/dist/communicator.h"
@@ -98,6 +99,7 @@ class SequenceObjective {
 struct SequenceOptions {
   std::int64_t ignore_index = -100;  ///< targets with this value (prompt, padding) are skipped
   /// Bound on the workspace in bytes. 0 picks the device's default: 256 MiB CPU, 1 GiB CUDA.
+  /// A budget below the smallest chunk gives that chunk's workspace instead (Plan::over_budget).
   std::size_t memory_budget_bytes = 0;
   Regime regime = Regime::kAuto;              ///< resident, recompute, or the cost model's choice
   LoopOrder loop_order = LoopOrder::kAuto;    ///< pass 2 order in the recompute regime
