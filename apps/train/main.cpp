@@ -9,6 +9,7 @@
 #include <chunkloss/apps/progress.h>
 #include <chunkloss/apps/tuning.h>
 #include <chunkloss/core/error.h>
+#include <chunkloss/data/jsonl.h>
 #include <chunkloss/data/sampler.h>
 #include <chunkloss/dist/communicator.h>
 #include <chunkloss/losses/preference.h>
@@ -42,14 +43,23 @@ namespace {
 
 constexpr const char* kProg = "chunkloss-train";
 const std::vector<std::string> kLosses = {"ce", "dpo", "orpo", "simpo", "cpo", "kto"};
-const std::vector<std::string> kArchitecture = {
-    "hidden-size", "intermediate-size", "layers",        "heads",
-    "kv-heads",    "max-positions",     "tie-embeddings"};
+// The model options and their LlamaConfig fields (with --init or --resume, the checkpoint's).
+const std::vector<std::pair<std::string, std::int64_t (*)(const model::LlamaConfig&)>>
+    kArchitecture = {
+        {"hidden-size", [](const model::LlamaConfig& c) { return c.hidden_size; }},
+        {"intermediate-size", [](const model::LlamaConfig& c) { return c.intermediate_size; }},
+        {"layers", [](const model::LlamaConfig& c) { return c.num_hidden_layers; }},
+        {"heads", [](const model::LlamaConfig& c) { return c.num_attention_heads; }},
+        {"kv-heads", [](const model::LlamaConfig& c) { return c.num_key_value_heads; }},
+        {"max-positions", [](const model::LlamaConfig& c) { return c.max_position_embeddings; }},
+        {"tie-embeddings",
+         [](const model::LlamaConfig& c) { return std::int64_t{c.tie_word_embeddings}; }}};
 
 struct Settings {
   DataSettings data;
   LossSettings loss;
   model::LlamaConfig config;
+  std::vector<std::string> architecture_given;  ///< model options set with --init or --resume
   std::uint64_t seed = 0;
   std::string device = "cpu";
   bool measured_gemms = false;
@@ -194,10 +204,8 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.init = vm["init"].as<std::string>();
   s.resume = vm["resume"].as<std::string>();
   if (!s.init.empty() || !s.resume.empty()) {
-    for (const std::string& name : kArchitecture)
-      if (!vm[name].defaulted())
-        throw apps::UsageError("--" + name + ": the architecture comes from the checkpoint of " +
-                               (s.resume.empty() ? "--init" : "--resume"));
+    for (const auto& [name, field] : kArchitecture)
+      if (!vm[name].defaulted()) s.architecture_given.push_back(name);
   }
   s.config.hidden_size = in_range<std::int64_t>(vm, "hidden-size", 2, 1 << 16);
   s.config.intermediate_size = in_range<std::int64_t>(vm, "intermediate-size", 1, 1 << 18);
@@ -265,10 +273,35 @@ std::string absolute_path(const std::string& path) {
   return ec ? std::filesystem::absolute(path).lexically_normal().string() : p.string();
 }
 
+// A model option given with --init or --resume must be the checkpoint's.
+void check_architecture(const Settings& s, const model::LlamaConfig& checkpoint) {
+  for (const auto& [name, field] : kArchitecture) {
+    if (std::find(s.architecture_given.begin(), s.architecture_given.end(), name) ==
+            s.architecture_given.end() ||
+        field(s.config) == field(checkpoint))
+      continue;
+    throw apps::UsageError("--" + name + " " + std::to_string(field(s.config)) +
+                           ": the checkpoint of " + (s.resume.empty() ? "--init " : "--resume ") +
+                           (s.resume.empty() ? s.init : s.resume) + " has " +
+                           std::to_string(field(checkpoint)) + " (the architecture comes from it)");
+  }
+}
+
+// FNV-1a, 64 bits, in hex: the identity of a file's or a model's bytes.
+std::string digest(std::string_view bytes) {
+  std::uint64_t x = 0xcbf29ce484222325ull;
+  for (const unsigned char b : bytes) x = (x ^ b) * 0x100000001b3ull;
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(x));
+  return buf;
+}
+
 // Everything that decides a run's numbers, saved in trainer_state.json; --resume asks for the
-// same. (--threads, the outputs and the progress lines do not change them.) `init`: the
-// checkpoint the run started from, empty for a new model.
-std::map<std::string, std::string> run_options(const Settings& s, const std::string& init) {
+// same. The data and a DPO or KTO run's reference count by their contents, not their paths.
+// Only the loss's own options count, and beta 0 is the loss's default. (--threads, the outputs
+// and the progress lines do not change the numbers.)
+std::map<std::string, std::string> run_options(const Settings& s,
+                                               const std::optional<model::LlamaModel>& reference) {
   const auto num = [](double v) {
     char buf[32];
     const auto r = std::to_chars(buf, buf + sizeof buf, v);  // the shortest exact form
@@ -276,37 +309,57 @@ std::map<std::string, std::string> run_options(const Settings& s, const std::str
   };
   const auto integer = [](std::int64_t v) { return std::to_string(v); };
   const LossSettings& l = s.loss;
-  return {{"loss", l.loss},
-          {"train_file", absolute_path(s.data.file)},
-          {"init", absolute_path(init)},
-          {"seed", std::to_string(s.seed)},
-          {"batch_size", integer(s.batch_size)},
-          {"grad_accum", integer(s.grad_accum)},
-          {"steps", integer(s.steps)},
-          {"device", s.device},
-          {"gemm_selection", s.measured_gemms ? "measured" : "default"},
-          {"data_parallel", integer(s.data_parallel)},
-          {"vocab_parallel", integer(s.vocab_parallel)},
-          {"max_length", integer(s.data.encode.max_length)},
-          {"max_prompt_length", integer(s.data.encode.max_prompt_length)},
-          {"lr", num(s.schedule.lr)},
-          {"warmup_steps", integer(s.schedule.warmup_steps)},
-          {"min_lr_ratio", num(s.schedule.min_lr_ratio)},
-          {"weight_decay", num(s.adam.weight_decay)},
-          {"beta1", num(s.adam.beta1)},
-          {"beta2", num(s.adam.beta2)},
-          {"adam_eps", num(s.adam.eps)},
-          {"max_grad_norm", num(s.max_grad_norm)},
-          {"beta", num(l.beta)},
-          {"label_smoothing", num(l.label_smoothing)},
-          {"dpo_loss_type", l.dpo_loss_type},
-          {"rpo_alpha", num(l.rpo_alpha)},
-          {"gamma", num(l.gamma)},
-          {"simpo_alpha", num(l.simpo_alpha)},
-          {"cpo_alpha", num(l.cpo_alpha)},
-          {"desirable_weight", num(l.desirable_weight)},
-          {"undesirable_weight", num(l.undesirable_weight)},
-          {"budget_bytes", std::to_string(l.budget_bytes)}};
+  std::map<std::string, std::string> o = {
+      {"loss", l.loss},
+      {"train_file_digest", digest(data::read_text_file(s.data.file))},
+      {"seed", std::to_string(s.seed)},
+      {"batch_size", integer(s.batch_size)},
+      {"grad_accum", integer(s.grad_accum)},
+      {"steps", integer(s.steps)},
+      {"device", s.device},
+      {"gemm_selection", s.measured_gemms ? "measured" : "default"},
+      {"data_parallel", integer(s.data_parallel)},
+      {"vocab_parallel", integer(s.vocab_parallel)},
+      {"max_length", integer(s.data.encode.max_length)},
+      {"max_prompt_length", integer(s.data.encode.max_prompt_length)},
+      {"lr", num(s.schedule.lr)},
+      {"warmup_steps", integer(s.schedule.warmup_steps)},
+      {"min_lr_ratio", num(s.schedule.min_lr_ratio)},
+      {"weight_decay", num(s.adam.weight_decay)},
+      {"beta1", num(s.adam.beta1)},
+      {"beta2", num(s.adam.beta2)},
+      {"adam_eps", num(s.adam.eps)},
+      {"max_grad_norm", num(s.max_grad_norm)},
+      {"budget_bytes", std::to_string(l.budget_bytes)}};
+  if (reference) {
+    const std::span<const float> p = reference->params();
+    o["reference_digest"] =
+        digest({reinterpret_cast<const char*>(p.data()), p.size() * sizeof(float)});
+  }
+  const double beta = l.beta > 0 ? l.beta : l.loss == "simpo" ? SimpoOptions{}.beta : 0.1;
+  const std::map<std::string, std::map<std::string, std::string>> by_loss = {
+      {"ce", {{"label_smoothing", num(l.label_smoothing)}}},
+      {"dpo",
+       {{"beta", num(beta)},
+        {"label_smoothing", num(l.label_smoothing)},
+        {"dpo_loss_type", l.dpo_loss_type},
+        {"rpo_alpha", num(l.rpo_alpha)}}},
+      {"orpo", {{"beta", num(beta)}}},
+      {"simpo",
+       {{"beta", num(beta)},
+        {"gamma", num(l.gamma)},
+        {"label_smoothing", num(l.label_smoothing)},
+        {"simpo_alpha", num(l.simpo_alpha)}}},
+      {"cpo",
+       {{"beta", num(beta)},
+        {"cpo_alpha", num(l.cpo_alpha)},
+        {"label_smoothing", num(l.label_smoothing)}}},
+      {"kto",
+       {{"beta", num(beta)},
+        {"desirable_weight", num(l.desirable_weight)},
+        {"undesirable_weight", num(l.undesirable_weight)}}}};
+  o.merge(std::map(by_loss.at(l.loss)));
+  return o;
 }
 
 // Refuses to resume `st` (saved in `dir`) with other options than it was saved with, or from a
@@ -315,16 +368,14 @@ std::map<std::string, std::string> run_options(const Settings& s, const std::str
 void check_resume(const Settings& s, const std::string& dir, const model::TrainerState& st,
                   const std::map<std::string, std::string>& now, std::int64_t optimizer_step) {
   static const std::map<std::string, std::string> kImplied = {
-      {"device", "cpu"}, {"data_parallel", "1"}, {"vocab_parallel", "1"}, {"init", ""}};
+      {"device", "cpu"}, {"data_parallel", "1"}, {"vocab_parallel", "1"}};
   for (const auto& [key, value] : now) {
     const auto it = st.strings.find(key);
     const auto implied = kImplied.find(key);
     if (it == st.strings.end() && implied == kImplied.end()) continue;
-    std::string saved = it != st.strings.end() ? it->second : implied->second;
-    if (key == "train_file" || key == "init") saved = absolute_path(saved);
+    const std::string& saved = it != st.strings.end() ? it->second : implied->second;
     CHUNKLOSS_CHECK(saved == value, "--resume ", dir, ": the run was saved with ", key, " = ",
-                    saved.empty() ? "(none)" : saved, ", this one has ",
-                    value.empty() ? "(none)" : value, " (exact resume needs the same)");
+                    saved, ", this one has ", value, " (exact resume needs the same)");
   }
   CHUNKLOSS_CHECK(st.global_step == optimizer_step, "--resume ", dir,
                   ": trainer_state.json's global_step ", st.global_step,
@@ -434,24 +485,29 @@ int run(const Settings& s, const std::string& invocation) {
   model::AdamW* opt_ptr = nullptr;
   std::optional<model::AdamW> opt;
   std::int64_t start = 0;
+  std::optional<model::TrainerState> resumed;
   if (!s.resume.empty()) {
     policy.emplace(model::load_model(s.resume));
     opt.emplace(policy->params().size(), s.adam);
-    const model::TrainerState st = model::load_training_state(s.resume, *policy, *opt);
-    if (init.empty() && st.strings.count("init")) init = st.strings.at("init");
-    check_resume(s, s.resume, st, run_options(s, init), opt->step_count());
-    start = st.global_step;
+    resumed = model::load_training_state(s.resume, *policy, *opt);
+    if (init.empty() && resumed->strings.count("init")) init = resumed->strings.at("init");
+    start = resumed->global_step;
   } else if (!init.empty()) {
     policy.emplace(model::load_model(init));
   } else {
     policy.emplace(s.config, s.seed);
   }
+  check_architecture(s, policy->config());
   if (!opt) opt.emplace(policy->params().size(), s.adam);
   opt_ptr = &*opt;
+  // DPO's and KTO's frozen reference: the --init model, or a new one like the policy's start.
   std::optional<model::LlamaModel> reference;
   if (s.loss.loss == "dpo" || s.loss.loss == "kto") {
-    reference.emplace(init.empty() ? model::LlamaModel(s.config, s.seed) : model::load_model(init));
+    reference.emplace(init.empty() ? model::LlamaModel(policy->config(), s.seed)
+                                   : model::load_model(init));
   }
+  const std::map<std::string, std::string> options = run_options(s, reference);
+  if (resumed) check_resume(s, s.resume, *resumed, options, opt->step_count());
 
   std::fprintf(stderr, "%s: %s\n", kProg, policy->summary().c_str());
   // Per rank of the grid (one rank: no groups): a loss device, a trainer and a model replica
@@ -501,8 +557,10 @@ int run(const Settings& s, const std::string& invocation) {
     CHUNKLOSS_CHECK(metrics.good(), "cannot open ", s.metrics, " for writing");
   }
   model::TrainerState state;
-  state.strings = run_options(s, init);
-  state.strings["command"] = invocation;
+  state.strings = options;
+  state.strings["command"] = invocation;  // for the record, with the paths below
+  state.strings["train_file"] = absolute_path(s.data.file);
+  if (!init.empty()) state.strings["init"] = absolute_path(init);
   const auto save = [&](std::int64_t step, const std::string& dir) {
     state.global_step = step;
     model::save_checkpoint(dir, *policy, opt_ptr, &state);

@@ -111,10 +111,17 @@ def main():
         # A resume that could not be exact is refused, naming what differs.
         resume = [train, "--resume", os.path.join(a, "checkpoint-7")] + common[:8] + \
             ["--batch-size", "16"]
+        other_data = os.path.join(work, "sft_other.jsonl")
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "apps",
+                               "data", "sft_train.jsonl")) as f:
+            lines = f.readlines()
+        with open(other_data, "w") as f:
+            f.writelines(lines[1:])
         for extra, word in ((["--lr", "1e-2"], "lr = "), (["--max-length", "32"], "max_length"),
                             (["--label-smoothing", "0.1"], "label_smoothing"),
-                            (["--init", sft], "init = (none)")):
-            p = run(resume + extra, expect=1)
+                            (["--train-file", other_data], "train_file_digest"),
+                            (["--hidden-size", "64"], "--hidden-size 64: the checkpoint")):
+            p = run(resume + extra, expect=2 if extra[0] == "--hidden-size" else 1)
             if word not in p.stderr or len(p.stderr.strip().splitlines()) != 1:
                 fail("resume with %s: expected one line naming %s, got:\n%s" %
                      (" ".join(extra), word, p.stderr))
@@ -133,6 +140,18 @@ def main():
             p = run([train, "--resume", bad] + common[:8] + ["--batch-size", "16"], expect=1)
             if "differs from the optimizer's step 7" not in p.stderr:
                 fail("global_step %d must be refused:\n%s" % (step, p.stderr))
+        # DPO from a new model (no --init): the resumed run rebuilds the same reference from
+        # the checkpoint's architecture, and the model options may be given again.
+        c = os.path.join(work, "dpo_straight")
+        dpo = ["--loss", "dpo", "--steps", "4", "--warmup-steps", "1"]
+        run([train, "--save", c, "--save-every", "2"] + dpo + small)
+        for i, again in enumerate((["--batch-size", "16"], small)):
+            d = os.path.join(work, "dpo_resumed%d" % i)
+            run([train, "--resume", os.path.join(c, "checkpoint-2"), "--save", d] + dpo + again)
+            if tensors(os.path.join(c, "model.safetensors")) != \
+                    tensors(os.path.join(d, "model.safetensors")):
+                fail("DPO: 4 steps straight and 2 + resume + 2 differ")
+        print("resume: DPO without --init, bitwise")
         # A new run into a used directory starts its metrics afresh.
         run([train, "--save", a, "--steps", "2", "--warmup-steps", "1"] + common[:2] + common[6:])
         if len(losses(os.path.join(a, "metrics.jsonl"))) != 2:
@@ -185,6 +204,11 @@ def main():
             p = run(cmd, expect=2)
             if len(p.stderr.strip().splitlines()) != 1:
                 fail("%s: expected one usage line, got:\n%s" % (" ".join(cmd), p.stderr))
+        # --config reads a pipe too.
+        p = subprocess.run([train, "--config", "/dev/stdin"], capture_output=True, text=True,
+                           input="steps = 2\nwarmup-steps = 0\nbatch-size = 4\n")
+        if p.returncode != 0 or "done: step 2" not in p.stderr:
+            fail("--config /dev/stdin:\n" + p.stderr)
         # Outputs that cannot be written are refused before any work.
         for cmd, word in (([train, "--save", "/proc/chunkloss-smoke"], "--save: cannot create"),
                           ([evaluate, "--model", sft, "--json", "/proc/chunkloss/x.json"],

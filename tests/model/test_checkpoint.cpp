@@ -573,6 +573,10 @@ TEST_CASE("checkpoint: a save interrupted after its commit record is read whole 
   CHECK(!fs::exists(dir.file(".chunkloss-commit")));
   CHECK(!has_training_state(dir.path()));
   CHECK(same_params(load_model(dir.path()), m));
+  // A temporary a crash left of a file the next save does not write goes too.
+  dir.write("optimizer.safetensors.tmp", "partial");
+  save_checkpoint(dir.path(), m);
+  CHECK(!fs::exists(dir.file("optimizer.safetensors.tmp")));
 
   // A record that removes the optimizer state hides it even while its old files remain.
   t.save(dir.path());

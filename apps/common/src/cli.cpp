@@ -1,6 +1,7 @@
 // Command-line helpers shared by the apps (see cli.h).
 #include "chunkloss/apps/cli.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 #include <cerrno>
 #include <charconv>
@@ -116,9 +117,15 @@ void prepare_output_dir(std::string_view option, const std::string& dir) {
   if (ec)
     throw std::runtime_error("--" + std::string(option) + ": cannot create directory " + d + ": " +
                              ec.message());
-  if (::access(d.c_str(), W_OK | X_OK) != 0)
+  // A file made and removed: access() would let root pass on a read-only file system.
+  const std::string probe =
+      (std::filesystem::path(d) / (".chunkloss-probe-" + std::to_string(::getpid()))).string();
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0)
     throw std::runtime_error("--" + std::string(option) + ": cannot write into " + d + ": " +
                              std::strerror(errno));
+  ::close(fd);
+  ::unlink(probe.c_str());
 }
 
 std::size_t budget_bytes(double mib) {

@@ -61,8 +61,10 @@ class Staging {
     detail::write_temp_file(tmp, bytes);
     files_.emplace_back(path, tmp);
   }
+  /// Keeps the temporaries from now on (a commit record names them).
+  void keep() { committed_ = true; }
   void commit() {
-    committed_ = true;
+    keep();
     for (const auto& [path, tmp] : files_) detail::rename_file(tmp, path);
   }
   ~Staging() {
@@ -319,10 +321,20 @@ void save_checkpoint(const std::string& dir, const LlamaModel& model, const Adam
   if (optimizer) staging.add(optimizer_path, optimizer_bytes);
   if (state) staging.add(state_path, state_text);
   staging.add(config_path, config_to_json(model.config(), id_field.dump()));
+  // A crash earlier may have left temporaries of files this save does not write.
+  if (!optimizer) detail::remove_file_quietly(detail::temp_path(optimizer_path));
+  if (!state) detail::remove_file_quietly(detail::temp_path(state_path));
+  detail::sync_parent_dir(model_path);  // the temporaries' entries before the record's
   json record = {{"renamed", {kModelFile, kConfigFile}}, {"removed", json::array()}};
   record[optimizer ? "renamed" : "removed"].push_back(kOptimizerFile);
   record[state ? "renamed" : "removed"].push_back(kTrainerStateFile);
-  write_file_atomically(in_dir(dir, kCommitFile), record.dump() + "\n");
+  const std::string record_path = in_dir(dir, kCommitFile);
+  try {
+    write_file_atomically(record_path, record.dump() + "\n");
+  } catch (...) {
+    if (fs::exists(record_path)) staging.keep();  // it failed after the rename: it is in force
+    throw;
+  }
   staging.commit();
   if (!optimizer) detail::remove_file_quietly(optimizer_path);
   if (!state) detail::remove_file_quietly(state_path);

@@ -14,13 +14,13 @@
 namespace chunkloss::apps {
 
 /// Adds the options of the INI file `path` (--config) to `vm`; the command line's, stored
-/// first, win. Throws UsageError naming the file when it is not a readable regular file or
-/// holds an unknown or malformed option.
+/// first, win. Throws UsageError naming the file when it cannot be read (a directory, say) or
+/// holds an unknown or malformed option. Pipes work too (--config <(...)).
 inline void store_config_file(const std::string& path,
                               const boost::program_options::options_description& options,
                               boost::program_options::variables_map& vm) {
   std::ifstream in;
-  if (std::filesystem::is_regular_file(path)) in.open(path);
+  if (!std::filesystem::is_directory(path)) in.open(path);
   if (!in.is_open() || !in) throw UsageError("--config: cannot open " + path + " as a file");
   try {
     boost::program_options::store(boost::program_options::parse_config_file(in, options), vm);
