@@ -18,7 +18,8 @@ namespace chunkloss {
 
 /// How per-row losses are combined.
 enum class Reduction : std::uint8_t {
-  kMean,  ///< sum over valid rows / (number of valid rows, or the sum of their class weights)
+  kMean,  ///< sum over valid rows / (number of valid rows, or the sum of their class weights);
+          ///< with no valid row the loss and the gradients are 0 (PyTorch gives NaN)
   kSum,   ///< sum over valid rows
   kNone,  ///< per-row losses; the backward takes a per-row upstream gradient
 };
