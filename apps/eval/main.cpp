@@ -262,10 +262,7 @@ int run(const Settings& s) {
   d.sft_seqs = data::encode_sft(tok, d.sft);
   d.pairs = data::encode_preference(tok, first(data::read_preference_jsonl(s.pref_file), s.limit));
   for (std::size_t i = 0; i < d.sft_seqs.size(); ++i) d.longest_sft.take(d.sft_seqs[i], i);
-  for (std::size_t i = 0; i < d.pairs.size(); ++i) {
-    d.longest_pair.take(d.pairs[i].chosen, i);
-    d.longest_pair.take(d.pairs[i].rejected, i);
-  }
+  for (std::size_t i = 0; i < d.pairs.size(); ++i) d.longest_pair.take(d.pairs[i], i);
 
   // Every model's positions against the data, before any pass runs.
   for (const std::string& dir : s.models) d.check_fits(model::load_config(dir), s);

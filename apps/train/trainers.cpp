@@ -184,10 +184,7 @@ class PairTrainer final : public Trainer {
   std::size_t size() const override { return pairs_.size(); }
   apps::Longest longest() const override {
     apps::Longest l;
-    for (std::size_t i = 0; i < pairs_.size(); ++i) {
-      l.take(pairs_[i].chosen, i);
-      l.take(pairs_[i].rejected, i);
-    }
+    for (std::size_t i = 0; i < pairs_.size(); ++i) l.take(pairs_[i], i);
     return l;
   }
   std::pair<const char*, const char*> accuracy_metric() const override {

@@ -3,9 +3,9 @@
 
 #include <fcntl.h>
 #include <unistd.h>
+
 #include <cerrno>
 #include <charconv>
-
 #include <cmath>
 #include <cstring>
 #include <ctime>

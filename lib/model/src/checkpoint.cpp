@@ -51,30 +51,23 @@ TensorView view_of(const float* p, const std::vector<std::int64_t>& shape) {
   return TensorView::of(p, {shape[0], shape[1]});
 }
 
-// Stages files as fsynced temporaries; commit() renames them in order. Temporaries left by a
-// failure before commit() are removed on destruction; from commit() on they belong to the
-// save's commit record (see Commit) and stay.
+// Stages files as fsynced temporaries, removed on destruction unless keep() was called: once
+// the save's commit record names them (see Commit), they are the save.
 class Staging {
  public:
   void add(const std::string& path, std::string_view bytes) {
-    const std::string tmp = detail::temp_path(path);
-    detail::write_temp_file(tmp, bytes);
-    files_.emplace_back(path, tmp);
+    temps_.push_back(detail::temp_path(path));
+    detail::write_temp_file(temps_.back(), bytes);
   }
-  /// Keeps the temporaries from now on (a commit record names them).
-  void keep() { committed_ = true; }
-  void commit() {
-    keep();
-    for (const auto& [path, tmp] : files_) detail::rename_file(tmp, path);
-  }
+  void keep() { kept_ = true; }
   ~Staging() {
-    for (const auto& f : files_)
-      if (!committed_) detail::remove_file_quietly(f.second);
+    for (const std::string& t : temps_)
+      if (!kept_) detail::remove_file_quietly(t);
   }
 
  private:
-  std::vector<std::pair<std::string, std::string>> files_;
-  bool committed_ = false;
+  std::vector<std::string> temps_;
+  bool kept_ = false;
 };
 
 struct Wanted {
@@ -246,7 +239,8 @@ class CheckpointFiles {
   std::optional<Commit> commit_;
 };
 
-// Completes the save a commit record in `dir` describes (a crash came after it was written).
+// Completes the save a commit record in `dir` describes: the save that wrote it, or one a crash
+// interrupted after it was written.
 void finish_commit(const std::string& dir) {
   const std::optional<Commit> c = read_commit(dir);
   if (!c) return;
@@ -335,12 +329,8 @@ void save_checkpoint(const std::string& dir, const LlamaModel& model, const Adam
     if (fs::exists(record_path)) staging.keep();  // it failed after the rename: it is in force
     throw;
   }
-  staging.commit();
-  if (!optimizer) detail::remove_file_quietly(optimizer_path);
-  if (!state) detail::remove_file_quietly(state_path);
-  detail::sync_parent_dir(model_path);
-  detail::remove_file_quietly(in_dir(dir, kCommitFile));
-  detail::sync_parent_dir(model_path);
+  staging.keep();
+  finish_commit(dir);  // the renames and removals the record names, then the record's removal
 }
 
 LlamaConfig load_config(const std::string& dir) {

@@ -27,6 +27,10 @@ struct Longest {
   void take(const data::Sequence& s, std::size_t index) {
     take(s, "example " + std::to_string(index + 1));
   }
+  void take(const data::PreferenceSequences& pair, std::size_t index) {
+    take(pair.chosen, index);
+    take(pair.rejected, index);
+  }
 };
 
 /// Throws chunkloss::Error naming `file`, the example and both lengths when `longest` has more
