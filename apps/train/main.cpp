@@ -144,7 +144,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("cpo-alpha", po::value<double>()->default_value(1.0), "cpo: weight of the NLL term")
     ("desirable-weight", po::value<double>()->default_value(1.0), "kto: weight of desirable examples")
     ("undesirable-weight", po::value<double>()->default_value(1.0), "kto: weight of undesirable examples")
-    ("budget-mib", po::value<double>()->default_value(0, "0 = the library's default, 256"), "the loss's workspace budget in MiB");
+    ("budget-mib", po::value<double>()->default_value(0, "0 = the library's default: 256 on the CPU, 1024 on CUDA"), "the loss's workspace budget in MiB");
   po::options_description output("Output");
   output.add_options()
     ("save", po::value<std::string>()->default_value("", "none"), "save the checkpoint (HF layout + optimizer state) into this directory at the end")
@@ -250,7 +250,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.loss.cpo_alpha = in_range<double>(vm, "cpo-alpha", 0, 1e6);
   s.loss.desirable_weight = in_range<double>(vm, "desirable-weight", 0, 1e6);
   s.loss.undesirable_weight = in_range<double>(vm, "undesirable-weight", 0, 1e6);
-  s.loss.budget_bytes = apps::budget_bytes(vm["budget-mib"].as<double>());
+  s.loss.budget_bytes = apps::budget_bytes(vm["budget-mib"].as<double>(), s.device);
 
   s.save = vm["save"].as<std::string>();
   s.save_every = in_range<std::int64_t>(vm, "save-every", 0, std::int64_t{1} << 40);

@@ -71,10 +71,6 @@ DeviceModel device_model(Device d) {
                             : DeviceModel{1.0e11, 16.0, 1.0e10, 256};
 }
 
-std::size_t default_budget(Device d) {
-  return d == Device::kCuda ? (std::size_t{1} << 30) : (std::size_t{256} << 20);
-}
-
 std::string mib(std::size_t b) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / (1 << 20));
@@ -144,7 +140,7 @@ std::size_t fixed_bytes(const PlanRequest& q) {
 }
 
 std::size_t budget_of(const PlanRequest& q) {
-  return q.budget_bytes ? q.budget_bytes : default_budget(q.device);
+  return q.budget_bytes ? q.budget_bytes : default_memory_budget(q.device);
 }
 
 double nhv_flops(const PlanRequest& q) {
@@ -244,6 +240,10 @@ Plan deferred_plan(const PlanRequest& q, const SequenceLayout& L) {
 }  // namespace
 
 std::int64_t max_chunk_rows(Device d) { return device_model(d).panel_rows; }
+
+std::size_t default_memory_budget(Device d) {
+  return d == Device::kCuda ? (std::size_t{1} << 30) : (std::size_t{256} << 20);
+}
 
 Plan plan_token_objective(const PlanRequest& q) {
   CHUNKLOSS_CHECK(q.rows > 0 && q.hidden > 0 && q.vocab > 0,

@@ -99,8 +99,9 @@ def main():
             shutil.rmtree(d, ignore_errors=True)
         common = ["--loss", "ce", "--steps", "12", "--warmup-steps", "3", "--seed", "5"] + small
         run([train, "--save", a, "--save-every", "7"] + common)
+        # (--budget-mib 256 is the CPU's default budget, which the first run took by 0)
         run([train, "--resume", os.path.join(a, "checkpoint-7"), "--save", b] + common[:8] +
-            ["--batch-size", "16"])
+            ["--batch-size", "16", "--budget-mib", "256"])
         for name in ("model.safetensors", "optimizer.safetensors"):
             if tensors(os.path.join(a, name)) != tensors(os.path.join(b, name)):
                 fail("12 steps straight and 7 + resume + 5 differ in " + name)
@@ -120,6 +121,7 @@ def main():
         for extra, word in ((["--lr", "1e-2"], "lr = "), (["--max-length", "32"], "max_length"),
                             (["--label-smoothing", "0.1"], "label_smoothing"),
                             (["--train-file", other_data], "train_file_digest"),
+                            (["--budget-mib", "128"], "budget_bytes"),
                             (["--hidden-size", "64"], "--hidden-size 64: the checkpoint")):
             p = run(resume + extra, expect=2 if extra[0] == "--hidden-size" else 1)
             if word not in p.stderr or len(p.stderr.strip().splitlines()) != 1:

@@ -12,6 +12,8 @@
 #include <filesystem>
 #include <sstream>
 
+#include "chunkloss/losses/plan.h"
+
 namespace chunkloss::apps {
 
 std::string one_line(std::string text) {
@@ -128,7 +130,7 @@ void prepare_output_dir(std::string_view option, const std::string& dir) {
   ::unlink(probe.c_str());
 }
 
-std::size_t budget_bytes(double mib) {
+std::size_t budget_bytes(double mib, const std::string& device) {
   if (!(mib >= 0 && mib <= 1048576)) {
     std::ostringstream os;
     os << "--budget-mib: " << mib << " is not in [0, 1048576]";
@@ -140,7 +142,7 @@ std::size_t budget_bytes(double mib) {
     os << "--budget-mib: " << mib << " MiB is less than a byte (0 gives the library's default)";
     throw UsageError(os.str());
   }
-  return bytes;
+  return bytes ? bytes : default_memory_budget(device == "cuda" ? Device::kCuda : Device::kCpu);
 }
 
 }  // namespace chunkloss::apps

@@ -113,6 +113,9 @@ struct Plan {
 /// takes memory. 256 on the CPU (Eigen), none on CUDA.
 std::int64_t max_chunk_rows(Device d);
 
+/// The workspace budget of a call whose options give 0: 256 MiB on the CPU, 1 GiB on CUDA.
+std::size_t default_memory_budget(Device d);
+
 /// Computes the plan for a token objective: chunk rows are the largest multiple of 64 (or all
 /// rows) that fit the budget, at most max_chunk_rows(device); the loop order comes from the cost
 /// model unless requested. Throws chunkloss::Error on invalid requests.

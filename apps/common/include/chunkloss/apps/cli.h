@@ -51,8 +51,9 @@ std::string utc_today();
 /// std::runtime_error naming the option, the directory and the reason.
 void prepare_output_dir(std::string_view option, const std::string& dir);
 
-/// The bytes of a --budget-mib value in [0, 2^20] MiB (0: the library's default). Throws
-/// UsageError when it is out of range, or positive but less than a byte.
-std::size_t budget_bytes(double mib);
+/// The bytes of a --budget-mib value in [0, 2^20] MiB; 0 gives the library's default for
+/// `device` ("cpu" or "cuda", default_memory_budget), so that both spellings of a budget are one.
+/// Throws UsageError when it is out of range, or positive but less than a byte.
+std::size_t budget_bytes(double mib, const std::string& device);
 
 }  // namespace chunkloss::apps
