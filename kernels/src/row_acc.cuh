@@ -21,6 +21,8 @@ struct RowAcc : RowStats {
     return a;
   }
 
+  /// A logit of -inf (a column masked through the bias) adds nothing: exp(z - m) would be
+  /// exp(NaN) while m is still -inf, and e * z is 0 * -inf.
   __device__ void push(float z, int j) {
     if (z > m) {
       const float r = __expf(m - z);
@@ -28,7 +30,7 @@ struct RowAcc : RowStats {
       sez = sez * r + z;
       m = z;
       arg = j;
-    } else {
+    } else if (z != -INFINITY) {
       const float e = __expf(z - m);
       s += e;
       sez += e * z;

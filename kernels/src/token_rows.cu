@@ -13,14 +13,15 @@ constexpr int kStatsThreads = 256;
 constexpr int kFinishThreads = 1024;
 
 // The mean's 1/D from the divisor D in scalars[kWeightSum]: 1/D = alpha * 2^e with alpha in
-// [0.5, 1); the tile carries 2^e exactly, the GEMMs alpha.
+// [0.5, 1); the tile carries 2^e exactly, the GEMMs alpha. A divisor D <= 0 (valid rows whose
+// class weights sum to 0 or less) makes the mean and its gradients 0, as on the CPU.
 __device__ void set_divisor(const TokenParams& p) {
   const double d = p.scalars[kWeightSum];
   const double inv = d > 0 ? 1.0 / d : 0.0;
   p.scalars[kInvDenom] = inv;
   int e = 0;
   const double alpha = p.scale == Scale::kMean && inv > 0 ? frexp(inv, &e) : 1.0;
-  p.scalars[kRowScale] = p.scale == Scale::kMean ? ldexp(1.0, e) : 1.0;
+  p.scalars[kRowScale] = p.scale != Scale::kMean ? 1.0 : inv > 0 ? ldexp(1.0, e) : 0.0;
   reinterpret_cast<float*>(p.scalars + kGemmScalarsOffset)[kAlpha] = static_cast<float>(alpha);
 }
 

@@ -6,6 +6,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "chunkloss/core/error.h"
 #include "engine.h"
@@ -146,7 +147,11 @@ class CpuTokenBackend final : public TokenBackend {
       while (z[arg] != st.m && arg + 1 < v_) ++arg;
       st.arg = static_cast<std::int32_t>(c_.vocab_offset + arg);
       st.s = (z - st.m).exp().sum();
-      st.sez = c_.entropy ? ((z - st.m).exp() * z).sum() : 0.0f;
+      // (a -inf logit, a column masked through the bias, adds 0 rather than 0 * -inf)
+      st.sez = c_.entropy ? (z == -std::numeric_limits<float>::infinity())
+                                .select(0.0f, (z - st.m).exp() * z)
+                                .sum()
+                          : 0.0f;
       st.sz = want_sum ? z.sum() : 0.0f;
       st.swz = want_sum && cw ? (z * CArrMap(cw, v_)).sum() : 0.0f;
       const std::int64_t y = target(t) - c_.vocab_offset;

@@ -9,9 +9,11 @@
 #include <chunkloss/gpu/context.h>
 #include <chunkloss/losses/cross_entropy.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -34,6 +36,10 @@ struct Problem {
   bool bias = false, class_weights = false, token_weights = false;
   double ignore_fraction = 1.0 / 7;
   std::uint64_t seed = 1;
+  /// With a bias: -inf on every k-th column from 0 (a vocabulary mask), targets moved off them.
+  std::int64_t masked_every = 0;
+  /// With class weights: every valid target is column 3, whose weight is 0 (the mean's D = 0).
+  bool zero_divisor = false;
 };
 
 // Host-side data in the problem's storage dtype.
@@ -71,6 +77,22 @@ HostData make_data(const Problem& p) {
   for (std::int64_t i = 0; p.token_weights && i < p.n; ++i)
     d.tw.push_back(static_cast<float>(u(g) * 2));
   for (std::int64_t i = 0; i < p.n; ++i) d.up.push_back(static_cast<float>(u(g) - 0.3));
+  if (p.masked_every > 0) {
+    const float minus_inf = -std::numeric_limits<float>::infinity();
+    for (std::int64_t j = 0; j < p.v; j += p.masked_every) {
+      if (p.dtype == DType::kF32)
+        std::memcpy(d.b.data() + j * 4, &minus_inf, 4);
+      else
+        reinterpret_cast<BFloat16*>(d.b.data())[j] = BFloat16(minus_inf);
+    }
+    for (std::int64_t& y : d.y)
+      if (y >= 0 && y % p.masked_every == 0) y = (y + 1) % p.v;
+  }
+  if (p.zero_divisor) {
+    for (std::int64_t& y : d.y)
+      if (y >= 0) y = 3;
+    d.cw.at(3) = 0.0f;
+  }
   return d;
 }
 
@@ -90,14 +112,27 @@ std::vector<float> as_floats(const std::vector<unsigned char>& raw, DType t) {
   return f;
 }
 
-// Runs one call on `dev` with gradient buffers pre-filled with `prefill` (for accumulate); on
-// CUDA in `shared` when given, else in a fresh context.
+// Bytes of `count` NaNs of dtype `t`.
+std::vector<unsigned char> nan_floats(std::int64_t count, DType t) {
+  std::vector<unsigned char> out(static_cast<std::size_t>(count) * dtype_size(t));
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (std::int64_t i = 0; i < count; ++i) {
+    if (t == DType::kF32)
+      std::memcpy(out.data() + i * 4, &nan, 4);
+    else
+      reinterpret_cast<BFloat16*>(out.data())[i] = BFloat16(nan);
+  }
+  return out;
+}
+
+// Runs one call on `dev`, with the gradient buffers pre-filled with small random values to
+// accumulate into, or else with NaN, which an overwrite must not read (cuBLAS with beta 0
+// included); on CUDA in `shared` when given, else in a fresh context.
 Outcome run(const Problem& p, const HostData& d, const CrossEntropyOptions& o, Device dev,
             bool grads = true, bool accumulate = false, gpu::Context* shared = nullptr) {
-  const std::size_t es = dtype_size(p.dtype);
   const std::int64_t n = p.n, h = p.h, v = p.v;
-  std::vector<unsigned char> dx0(static_cast<std::size_t>(n * h) * es),
-      dw0(static_cast<std::size_t>(v * h) * es), db0(static_cast<std::size_t>(v) * es);
+  std::vector<unsigned char> dx0 = nan_floats(n * h, p.dtype), dw0 = nan_floats(v * h, p.dtype),
+                             db0 = nan_floats(v, p.dtype);
   if (accumulate) {
     std::mt19937_64 g(99);
     dx0 = random_floats(n * h, p.dtype, 0.01f, g);
@@ -217,6 +252,8 @@ void check_close(const Problem& p, const CrossEntropyOptions& o, const Outcome& 
   CHECK(std::abs(g.r.loss - c.r.loss) <= tol_loss * (1 + std::abs(c.r.loss)));
   CHECK(std::abs(g.r.z_loss - c.r.z_loss) <= tol_loss * (1 + std::abs(c.r.z_loss)));
   CHECK(std::abs(g.r.weight_sum - c.r.weight_sum) <= 1e-6 * (1 + c.r.weight_sum));
+  CHECK(std::abs(g.r.entropy - c.r.entropy) <= tol_loss * (1 + std::abs(c.r.entropy)));
+  CHECK(std::abs(g.r.accuracy - c.r.accuracy) <= 0.011);  // the predictions' allowance below
   CHECK(rel_err(g.dx, c.dx) <= tol_grad);
   CHECK(rel_err(g.dw, c.dw) <= tol_dw);
   if (p.bias) CHECK(rel_err(g.db, c.db) <= tol_grad);
@@ -288,6 +325,24 @@ TEST_CASE("gpu: LinearCrossEntropy matches the CPU path for every option and bot
       SUBCASE("entropy") {
         o.compute_entropy = true;
         compare(p, o);
+      }
+      SUBCASE("a -inf bias masks every 4th column; entropy, class weights, z-loss") {
+        p.bias = p.class_weights = true;
+        p.masked_every = 4;
+        o.compute_entropy = true;
+        o.z_loss = 1e-3f;
+        compare(p, o);
+      }
+      SUBCASE("valid rows whose class weights sum to 0: zero mean and gradients") {
+        p.class_weights = p.zero_divisor = true;
+        o.label_smoothing = 0.1f;  // terms that would give a gradient without the mean's 1/D
+        o.z_loss = 1e-2f;
+        const HostData d = make_data(p);
+        const Outcome g = run(p, d, o, Device::kCuda), c = run(p, d, o, Device::kCpu);
+        check_close(p, o, g, c);
+        CHECK(g.r.loss == 0.0);
+        for (const std::vector<float>* grad : {&g.dx, &g.dw})
+          CHECK(std::all_of(grad->begin(), grad->end(), [](float x) { return x == 0.0f; }));
       }
       SUBCASE("all options, accumulate, fp32 dW accumulator") {
         p.bias = p.class_weights = p.token_weights = true;

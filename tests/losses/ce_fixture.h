@@ -28,6 +28,9 @@ struct CeSpec {
   std::int64_t ignore_index = -100;
   /// Set every third valid row's target to its argmax, so accuracy is neither 0 nor 1.
   bool hits = true;
+  /// With a bias: -inf on every k-th column from 0 (a vocabulary mask), and targets moved off
+  /// those columns. 0: no mask.
+  std::int64_t masked_every = 0;
   /// Logits are about N(0, logit_scale^2): hidden ~ N(0, 1), weight ~ N(0, logit_scale^2 / H).
   float logit_scale = 1.0f;
   std::uint64_t seed = 1;

@@ -86,7 +86,9 @@ CeResult compute(const CeProblem& p, const CeConfig& c, bool gradients) {
     double smooth = 0;
     for (std::int64_t k = 0; k < v; ++k) smooth += cw(k) * (lse - zt[k]);
     const double tw = p.token_weights.empty() ? 1.0 : p.token_weights[sz(t)];
-    const double ce = (1 - ls) * cw(y) * (lse - zt[y]) + ls / static_cast<double>(v) * smooth;
+    // (without smoothing, a masked column's infinite lse - z_k must not reach the loss as 0 * inf)
+    const double ce =
+        (1 - ls) * cw(y) * (lse - zt[y]) + (ls != 0 ? ls / static_cast<double>(v) * smooth : 0.0);
     const double zl = c.z_loss * lse * lse;
     r.row_loss[sz(t)] = tw * (ce + zl);
     loss_sum += tw * (ce + zl);

@@ -237,7 +237,8 @@ void GemmSelector::collect(Shape& s) {
       if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
       break;
     }
-    CHUNKLOSS_GPU_CHECK(done);
+    CHUNKLOSS_GPU_CHECK_AS(done,
+                           "a GEMM timing's cudaEventQuery (an earlier launch on the stream)");
     float ms = 0;
     CHUNKLOSS_GPU_CHECK(cudaEventElapsedTime(&ms, t.start, t.stop));
     Candidate& c = s.candidates[t.candidate];
@@ -277,7 +278,9 @@ void GemmSelector::run_gemm_ex(const GemmCall& g) const {
       g.n, g.k, g.alpha, g.a, g.ab_type, g.lda, g.b, g.ab_type, g.ldb, g.beta, g.c, g.c_type, g.ldc,
       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   CHUNKLOSS_GPU_CHECK(cublasSetPointerMode(cublas_, CUBLAS_POINTER_MODE_HOST));
-  CHUNKLOSS_GPU_CHECK(st);
+  CHUNKLOSS_GPU_CHECK_AS(st, "cublasGemmEx (", g.trans_a ? "T" : "N", g.trans_b ? "T" : "N",
+                         " m=", g.m, " n=", g.n, " k=", g.k, " lda=", g.lda, " ldb=", g.ldb,
+                         " ldc=", g.ldc, ")");
 }
 
 cudaEvent_t GemmSelector::event() {

@@ -145,7 +145,10 @@ struct CrossEntropyResult {
 /// allocated during a call. Determinism: results are bitwise identical run to run on the same
 /// device, thread count and plan; different budgets agree to rounding.
 /// Throws chunkloss::Error naming the argument and the shapes on any invalid input, before any
-/// output is written.
+/// output is written. On CUDA alone, the values (targets outside [0, V), and check_finite's
+/// NaN/Inf) are checked on the device as the call runs, to need no extra synchronisation: the
+/// call throws at its end, and the outputs and gradient buffers then hold unspecified values;
+/// with copy_results_to_host = false nothing is thrown and outputs.scalars[6] counts them.
 class LinearCrossEntropy {
  public:
   explicit LinearCrossEntropy(const CrossEntropyOptions& options = {});

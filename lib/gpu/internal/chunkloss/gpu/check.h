@@ -23,12 +23,16 @@ inline int current_device() {
 
 /// Evaluates a CUDA runtime or cuBLAS call (or a kernel launcher returning a cudaError_t as int)
 /// and throws chunkloss::Error on failure.
-#define CHUNKLOSS_GPU_CHECK(stmt)                                      \
+#define CHUNKLOSS_GPU_CHECK(stmt) CHUNKLOSS_GPU_CHECK_AS((stmt), #stmt)
+
+/// As CHUNKLOSS_GPU_CHECK for a status already in hand; the message names what failed by the
+/// remaining arguments (a GEMM and its shape, say) rather than by the statement.
+#define CHUNKLOSS_GPU_CHECK_AS(status, ...)                            \
   do {                                                                 \
-    const auto chunkloss_status_ = (stmt);                             \
+    const auto chunkloss_status_ = (status);                           \
     if (!::chunkloss::gpu::detail::status_ok(chunkloss_status_)) {     \
       ::chunkloss::detail::throw_error(                                \
-          __FILE__, __LINE__, #stmt, " failed on cuda device ",        \
+          __FILE__, __LINE__, __VA_ARGS__, " failed on cuda device ",  \
           ::chunkloss::gpu::detail::current_device(), ": ",            \
           ::chunkloss::gpu::detail::status_string(chunkloss_status_)); \
     }                                                                  \
