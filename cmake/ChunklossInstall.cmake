@@ -13,8 +13,7 @@ install(TARGETS ${chunkloss_installed}
         EXPORT chunklossTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
-        RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
-        INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+        RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 set(chunkloss_excluded_headers "")
 if(NOT CHUNKLOSS_HAVE_CUDA)
   set(chunkloss_excluded_headers PATTERN nccl.h EXCLUDE)

@@ -71,9 +71,15 @@ DeviceModel device_model(Device d) {
                             : DeviceModel{1.0e11, 16.0, 1.0e10, 256};
 }
 
-std::string mib(std::size_t b) {
+// Bytes for plans' lines: "512 B", "6.3 KiB", "256.0 MiB".
+std::string size_str(std::size_t b) {
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / (1 << 20));
+  if (b < 1024)
+    std::snprintf(buf, sizeof buf, "%zu B", b);
+  else if (b < (std::size_t{1} << 20))
+    std::snprintf(buf, sizeof buf, "%.1f KiB", static_cast<double>(b) / 1024);
+  else
+    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / (1 << 20));
   return buf;
 }
 
@@ -231,7 +237,8 @@ Plan deferred_plan(const PlanRequest& q, const SequenceLayout& L) {
   std::ostringstream why;
   why << "the first pair (" << pair << " rows) scaled when its statistics are complete";
   if (n > pair) why << ", the other " << n - pair << " rows recomputed";
-  if (p.over_budget) why << "; budget " << mib(budget) << " is below one " << c << "-row chunk";
+  if (p.over_budget)
+    why << "; budget " << size_str(budget) << " is below one " << c << "-row chunk";
   p.reason = why.str();
   lay_out(p, q, static_cast<std::size_t>(c * v) * lb, dh, c);
   return p;
@@ -340,7 +347,8 @@ Plan plan_token_objective(const PlanRequest& q) {
     else if (q.grad_weight)
       why << " (vocab_block does not fit the budget)";
   }
-  if (p.over_budget) why << "; budget " << mib(budget) << " is below one " << c << "-row chunk";
+  if (p.over_budget)
+    why << "; budget " << size_str(budget) << " is below one " << c << "-row chunk";
 
   // Workspace layout.
   const bool vocab_order = p.order == LoopOrder::kVocabBlock;
@@ -439,8 +447,10 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   std::ostringstream why;
   Regime pick = Regime::kRecompute;
   if (L.regime == Regime::kResident) {
-    CHUNKLOSS_CHECK(g > 0, "plan: regime resident needs one unit's logits (", L.unit_sequences * t,
-                    " rows x V=", v, ") within the budget of ", budget, " bytes");
+    CHUNKLOSS_CHECK(g > 0, "plan: regime resident needs ", group_bytes(1),
+                    " bytes for one unit (its logits, ", L.unit_sequences * t, " rows x V=", v,
+                    ", with the row statistics, staging and alignment) within the budget of ",
+                    budget, " bytes");
     pick = Regime::kResident;
     why << "resident requested";
   } else if (L.regime == Regime::kRecompute) {
@@ -500,9 +510,9 @@ std::string Plan::str() const {
   if (order == LoopOrder::kVocabBlock)
     os << " Vb=" << vocab_block << " blocks=" << num_vocab_blocks;
   if (regime != Regime::kNone) os << " regime=" << regime_name(regime);
-  if (regime == Regime::kResident) os << " groups=" << num_groups << "x" << group_units;
-  os << " logits=" << dtype_name(logits_dtype) << " workspace=" << mib(workspace_bytes()) << " ("
-     << reason << ")";
+  if (regime == Regime::kResident) os << " groups=" << num_groups << " units/group=" << group_units;
+  os << " logits=" << dtype_name(logits_dtype) << " workspace=" << size_str(workspace_bytes())
+     << " (" << reason << ")";
   return os.str();
 }
 

@@ -482,15 +482,23 @@ double kl_from_batch(Context& ctx, const Checked& c, const Workspace& ws,
 
 // The deferred regime's first pair: its coefficients must be gamma * kappa, as the objective's
 // pair_antisymmetric() declares (the engine scales the pair's gradient by gamma alone).
+// The message gives the objective's derivatives in the two values it declares to see.
 void check_deferred_pair(const SequenceObjective& obj, const Checked& c,
-                         const std::vector<double>& coef) {
+                         const std::vector<double>& coef, const UnitResult& res,
+                         const SequenceStats* st) {
   const auto rejected = static_cast<std::size_t>(c.call.sequences / 2);
   const double expect = coef[0] / c.call.kappa[0] * c.call.kappa[rejected];
+  const bool avg = obj.averages_log_probs();
+  const auto in_value = [&](std::size_t k) {
+    return res.dlogp[k] * (avg ? static_cast<double>(st[k].tokens) : 1.0);
+  };
   CHUNKLOSS_CHECK(std::abs(coef[rejected] - expect) <= 1e-9 * std::abs(expect) + 1e-300, obj.name(),
-                  " declares pair_antisymmetric() but its derivatives for the deferred pair are "
-                  "not equal and opposite (coefficients ",
-                  coef[0], " and ", coef[rejected],
-                  "); the gradient buffers hold unspecified values");
+                  " declares pair_antisymmetric() but on the deferred pair its derivatives in "
+                  "value(chosen) and value(rejected), the log-prob ",
+                  avg ? "length averages (averages_log_probs() is true)"
+                      : "sums (averages_log_probs() is false)",
+                  ", are ", in_value(0), " and ", in_value(1),
+                  ", not equal and opposite; the gradient buffers hold unspecified values");
 }
 
 // The values vocab_call_kind and data_call_kind compare, and the two sums (units and chosen
@@ -685,21 +693,32 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
       SequenceStats st[2];
       const std::size_t m = unit_stats(c, sums, u, st);
       const auto ui = static_cast<std::size_t>(u);
+      const char* written = u0 > 0 || in.data_group
+                                ? "; gradients were already written, so the gradient buffers "
+                                  "hold unspecified values"
+                                : "";
       try {
-        const UnitResult& res = results[ui] =
-            obj.evaluate(std::span<const SequenceStats>(st, m), batch, extras[ui]);
+        try {
+          results[ui] = obj.evaluate(std::span<const SequenceStats>(st, m), batch, extras[ui]);
+        } catch (const std::exception& e) {  // nested: std::rethrow_if_nested gives it back
+          std::throw_with_nested(Error(detail::error_message(__FILE__, __LINE__, who,
+                                                             ": the objective threw for unit ", u,
+                                                             ": ", e.what(), written)));
+        }
+        const UnitResult& res = results[ui];
         for (std::size_t k = 0; k < m; ++k) {
+          const bool inputs = std::isfinite(st[k].logp) && std::isfinite(st[k].ref_logp);
           CHUNKLOSS_CHECK(std::isfinite(res.loss) && std::isfinite(res.dlogp[k]), who,
                           ": the objective returned a non-finite loss or derivative for unit ", u,
                           " (logp ", st[k].logp, ", ref ", st[k].ref_logp, ")",
-                          u0 > 0 || in.data_group
-                              ? "; gradients were already written, so the gradient buffers "
-                                "hold unspecified values"
-                              : "");
+                          inputs ? ""
+                                 : "; the log-probs are not finite, so the inputs are not: "
+                                   "check_finite names the tensor",
+                          written);
           const auto seq = static_cast<std::size_t>(static_cast<std::int64_t>(k) * units + u);
           coef[seq] = -res.dlogp[k] * inv_units + (st[k].label == 1 ? nll_coef : 0.0);
         }
-        if (deferred && u == 0) check_deferred_pair(obj, c, coef);
+        if (deferred && u == 0) check_deferred_pair(obj, c, coef, res, st);
       } catch (...) {
         if (!in.data_group) throw;
         if (!failed) failed = std::current_exception();

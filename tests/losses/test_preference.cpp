@@ -1500,6 +1500,10 @@ TEST_CASE("bad input: check_finite names the head's tensor, the KL batch's too")
   KtoOptions o;
   o.engine.check_finite = true;
   kb.expect(o, "kl_batch.reference.hidden ");
+  // Without check_finite the NaN reaches the objective, and the message points at the inputs.
+  BadCall unchecked(BadCall::spec());
+  unchecked.d.weight[0] = nan;
+  unchecked.expect(DpoOptions{}, "the log-probs are not finite, so the inputs are not");
 }
 
 TEST_CASE("bad input: references where none is allowed, both kinds at once, labels") {
@@ -1706,23 +1710,26 @@ class WeightedAverageNll final : public SequenceObjective {
 
 // Sigmoid DPO without reference, except a NaN loss for the pair whose chosen log-prob is
 // `poison` (as a log1p(-exp(0)) would give on real data).
+// On the pair whose chosen log-prob is `poison`: returns a NaN loss, or throws.
 class BrokenObjective final : public SequenceObjective {
  public:
-  explicit BrokenObjective(double poison) : poison_(poison) {}
+  BrokenObjective(double poison, bool throws) : poison_(poison), throws_(throws) {}
   std::string_view name() const override { return "BrokenObjective"; }
   Unit unit() const override { return Unit::kPair; }
   UnitResult evaluate(std::span<const SequenceStats> seqs, const BatchConstants&,
                       std::span<double>) const override {
     const double d = 0.1 * (seqs[0].logp - seqs[1].logp);
+    const bool poisoned = std::abs(seqs[0].logp - poison_) < 1e-3;
+    if (poisoned && throws_) throw std::invalid_argument("a poisoned pair");
     UnitResult u;
-    u.loss = std::abs(seqs[0].logp - poison_) < 1e-3 ? std::numeric_limits<double>::quiet_NaN()
-                                                     : -reference::log_sigmoid(d);
+    u.loss = poisoned ? std::numeric_limits<double>::quiet_NaN() : -reference::log_sigmoid(d);
     u.dlogp = {-0.1 * reference::sigmoid(-d), 0.1 * reference::sigmoid(-d)};
     return u;
   }
 
  private:
   double poison_;
+  bool throws_;
 };
 
 TEST_CASE("extension point: a user objective on single sequences with extras and an NLL term") {
@@ -1773,10 +1780,10 @@ TEST_CASE("extension point: a user objective on single sequences with extras and
   }
 }
 
-TEST_CASE("extension point: an objective returning NaN raises Error naming it") {
-  // The NaN comes from the last pair. The recompute regime evaluates every pair before pass 2
-  // and writes nothing; with one pair per resident group the earlier groups' gradients are
-  // already written, and the message must say the buffers are unspecified.
+TEST_CASE("extension point: an objective returning NaN or throwing raises Error naming it") {
+  // The NaN or the throw comes from the last pair. The recompute regime evaluates every pair
+  // before pass 2 and writes nothing; with one pair per resident group the earlier groups'
+  // gradients are already written, and the message must say the buffers are unspecified.
   PrefSpec s = big_spec();
   s.ref = RefMode::kNone;
   const PrefData d(s);
@@ -1785,27 +1792,34 @@ TEST_CASE("extension point: an objective returning NaN raises Error naming it") 
       oracle(d, PrefConfig::from(DpoOptions{}), false).logps[static_cast<std::size_t>(pairs - 1)];
   for (Regime r : kRegimes) {
     for (bool accumulate : {false, true}) {
-      SequenceOptions o;
-      o.regime = r;
-      const PrefGradRequest req;
-      DpoOptions as_dpo;
-      as_dpo.engine.regime = r;
-      o.memory_budget_bytes = min_budget(d, as_dpo, r, req);
-      const SequenceLoss broken(std::make_shared<BrokenObjective>(poison), o);
-      PrefGradBuffers g(d, req, 3.25f), pristine(d, req, 3.25f);
-      AlignedBuffer ws(broken.workspace_bytes(d.inputs(), g.views()));
-      CpuContext ctx;
-      CAPTURE(regime_name(r));
-      CAPTURE(accumulate);
-      INFO(broken.plan(d.inputs(), g.views()).str());
-      const std::string what = error_message(
-          [&] { broken.forward_backward(ctx, d.inputs(), g.views(accumulate), ws.workspace()); });
-      CHECK_MESSAGE(what.find("BrokenObjective") != std::string::npos, what);
-      const Plan p = broken.plan(d.inputs(), g.views());
-      if (p.regime == Regime::kResident && p.num_groups > 1)
-        CHECK_MESSAGE(what.find("unspecified") != std::string::npos, what);
-      else
-        CHECK_MESSAGE(g.bitwise_equal(pristine), "a failed call wrote into the gradients");
+      for (bool throws : {false, true}) {
+        SequenceOptions o;
+        o.regime = r;
+        const PrefGradRequest req;
+        DpoOptions as_dpo;
+        as_dpo.engine.regime = r;
+        o.memory_budget_bytes = min_budget(d, as_dpo, r, req);
+        const SequenceLoss broken(std::make_shared<BrokenObjective>(poison, throws), o);
+        PrefGradBuffers g(d, req, 3.25f), pristine(d, req, 3.25f);
+        AlignedBuffer ws(broken.workspace_bytes(d.inputs(), g.views()));
+        CpuContext ctx;
+        CAPTURE(regime_name(r));
+        CAPTURE(accumulate);
+        CAPTURE(throws);
+        INFO(broken.plan(d.inputs(), g.views()).str());
+        const std::string what = error_message(
+            [&] { broken.forward_backward(ctx, d.inputs(), g.views(accumulate), ws.workspace()); });
+        CHECK_MESSAGE(what.find("BrokenObjective") != std::string::npos, what);
+        if (throws)
+          CHECK_MESSAGE(what.find("the objective threw for unit " + std::to_string(pairs - 1) +
+                                  ": a poisoned pair") != std::string::npos,
+                        what);
+        const Plan p = broken.plan(d.inputs(), g.views());
+        if (p.regime == Regime::kResident && p.num_groups > 1)
+          CHECK_MESSAGE(what.find("unspecified") != std::string::npos, what);
+        else
+          CHECK_MESSAGE(g.bitwise_equal(pristine), "a failed call wrote into the gradients");
+      }
     }
   }
   CHECK_THROWS_AS(SequenceLoss(nullptr), Error);

@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -315,15 +316,25 @@ TEST_CASE("data parallel: an objective that throws on one rank makes every rank 
     const AlignedBuffer ws(loss.workspace_bytes(in, grads.views()));
     try {
       loss.forward_backward(ctx, in, grads.views(), ws.workspace());
-    } catch (const std::exception& x) {
-      return std::string(x.what());
+    } catch (const Error& x) {
+      // The objective's own exception is nested in the rank's Error.
+      std::string nested;
+      try {
+        std::rethrow_if_nested(x);
+      } catch (const std::runtime_error& inner) {
+        nested = inner.what();
+      }
+      return std::string(x.what()) + " | nested: " + nested;
     }
     return std::string();
   });
-  INFO(e[0], " | ", e[1]);
+  INFO(e[0], " || ", e[1]);
   CHECK(e[0].find("failed (threw or returned a non-finite value) on 1 other rank(s)") !=
         std::string::npos);
-  CHECK(e[1] == "ThrowOnMarker: the marker");
+  CHECK(e[0].find("| nested: ") == e[0].size() - 10);  // the other rank's: nothing nested
+  CHECK(e[1].find("the objective threw for unit 0: ThrowOnMarker: the marker; gradients were "
+                  "already written") != std::string::npos);
+  CHECK(e[1].find("| nested: ThrowOnMarker: the marker") != std::string::npos);
 }
 
 TEST_CASE(

@@ -80,14 +80,17 @@ class SequenceObjective {
                               std::span<double> extras) const = 0;
   /// Weight of the NLL term over chosen tokens; 0: none.
   virtual double nll_weight() const { return 0; }
-  /// Whether the objective works on length-averaged log-probs (for the logps/* metrics).
+  /// Whether the objective works on length-averaged log-probs: the logps/* metrics, and the
+  /// values pair_antisymmetric() speaks of (the deferred regime builds its gradient from them).
+  /// evaluate() receives sums either way.
   virtual bool averages_log_probs() const { return false; }
   /// Pairs only: whether the loss sees a pair only through value(chosen) - value(rejected), with
   /// value the log-prob sum (or, with averages_log_probs(), the length average), so that its
   /// derivatives in the two values are equal and opposite. This enables Regime::kDeferred, which
   /// checks it on the pair it defers.
   virtual bool pair_antisymmetric() const { return false; }
-  /// Whether a reference (head or precomputed log-probs) is allowed.
+  /// Whether a reference (head or precomputed log-probs) is allowed. It is not required: a
+  /// call without one gives ref_logp = 0.
   virtual bool uses_reference() const { return false; }
   /// Whether the objective uses BatchConstants::kl (KTO); enables the KL inputs.
   virtual bool uses_kl() const { return false; }
@@ -99,7 +102,9 @@ class SequenceObjective {
 struct SequenceOptions {
   std::int64_t ignore_index = -100;  ///< targets with this value (prompt, padding) are skipped
   /// Bound on the workspace in bytes. 0 picks the device's default: 256 MiB CPU, 1 GiB CUDA.
-  /// A budget below the smallest chunk gives that chunk's workspace instead (Plan::over_budget).
+  /// Chunks are multiples of 64 rows (or all rows), resident groups whole units. A budget below
+  /// the smallest chunk gives that chunk's workspace instead (Plan::over_budget), except that
+  /// Regime::kResident, when asked for, throws.
   std::size_t memory_budget_bytes = 0;
   Regime regime = Regime::kAuto;              ///< resident, recompute, or the cost model's choice
   LoopOrder loop_order = LoopOrder::kAuto;    ///< pass 2 order in the recompute regime
@@ -213,7 +218,9 @@ class SequenceLoss {
   /// inputs' device. Throws chunkloss::Error naming the argument before writing anything on
   /// invalid input (odd S for pairs, shape or dtype mismatch, out-of-range targets, a sequence
   /// without valid tokens, missing or unexpected reference or labels, check_finite's findings).
-  /// An objective returning a non-finite value also throws; in the resident regime with several
+  /// An objective that throws or returns a non-finite value makes the call throw
+  /// chunkloss::Error (with the objective's message; the objective's own exception is nested in
+  /// it, for std::rethrow_if_nested); in the resident regime with several
   /// groups the objective runs group by group, so if that happens after the first group the
   /// gradient buffers hold unspecified values (the message says so). With a data group, see
   /// PreferenceInputs::data_group.

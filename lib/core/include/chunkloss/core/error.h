@@ -18,12 +18,18 @@ class Error : public std::runtime_error {
 
 namespace detail {
 
+/// The message of an Error thrown at file:line: the streamed arguments and the place.
 template <typename... Args>
-[[noreturn]] void throw_error(const char* file, int line, const Args&... args) {
+std::string error_message(const char* file, int line, const Args&... args) {
   std::ostringstream os;
   (os << ... << args);
   os << " [" << file << ":" << line << "]";
-  throw Error(os.str());
+  return os.str();
+}
+
+template <typename... Args>
+[[noreturn]] void throw_error(const char* file, int line, const Args&... args) {
+  throw Error(error_message(file, line, args...));
 }
 
 }  // namespace detail
