@@ -709,6 +709,12 @@ TEST_CASE("plan: the requested regime, whole units per group, workspace within t
   CHECK(kp.regime == Regime::kResident);
   CHECK(kp.num_groups == (7 + kp.group_units - 1) / kp.group_units);
   CHECK(kp.num_groups > 1);
+  // Below one unit, a requested resident regime names the bytes it needs: the least budget.
+  const std::size_t least = ko.engine.memory_budget_bytes;
+  ko.engine.memory_budget_bytes = least - 1;
+  const std::string needs = "needs " + std::to_string(least) + " bytes";
+  CHECK_THROWS_WITH_AS(Kto(ko).plan(kd.inputs(), kg.views()), doctest::Contains(needs.c_str()),
+                       Error);
 }
 
 TEST_CASE(
