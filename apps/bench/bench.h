@@ -6,8 +6,11 @@
 #include <chunkloss/core/dtype.h>
 #include <chunkloss/losses/plan.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -43,7 +46,7 @@ struct CaseConfig {
   bool phases = false;  ///< cuda ce: also time the loss with no, only dX and only dW gradients
   bool fp32_weight_grad_accumulator = false;  ///< the CrossEntropyOptions field of that name
   DType logits_dtype = DType::kF32;  ///< the options' logits_dtype (bf16: opt-in, CUDA only)
-  bool exact = false;  ///< also compare with a float64 computation (where the runner has one)
+  bool exact = false;                ///< also compare with a float64 computation
   /// cuda: weight ~ N(0, logit_std^2 / H) with hidden ~ N(0, 1), so the logits' standard deviation
   double logit_std = 2.0;
   /// cuda ce: the context's gpu::GemmSelection::kMeasured (floor and loss alike) instead of
@@ -86,8 +89,10 @@ struct CaseResult {
   std::optional<double> valid_floor_ms;
   std::vector<double> times_ms, floor_times_ms, naive_times_ms;
 
-  std::size_t extra_bytes = 0;  ///< the loss's workspace: plan.workspace_bytes()
-  PeakMemory extra_measured;    ///< measured growth of the loss's first call (workspace incl.)
+  std::size_t workspace_bytes = 0;  ///< the loss's workspace: plan.workspace_bytes()
+  /// The extra memory the table reports: measured growth of the loss's first call (its
+  /// workspace included)
+  PeakMemory extra_measured;
   std::optional<PeakMemory> floor_measured;  ///< measured growth of the floor GEMMs alone
 
   std::optional<double> naive_ms;
@@ -123,6 +128,16 @@ struct CaseResult {
   std::string load_before, load_after;  ///< /proc/loadavg around the case (CPU)
 };
 
+/// The largest of some relative errors; NaN when any is (std::max would drop it).
+inline double worst_error(std::initializer_list<double> errors) {
+  double worst = 0;
+  for (double e : errors) {
+    if (std::isnan(e)) return e;
+    worst = std::max(worst, e);
+  }
+  return worst;
+}
+
 /// Runs one case on `dev`. Throws chunkloss::Error or std::runtime_error on failure.
 using CaseRunner = CaseResult (*)(const CaseConfig& config, BenchDevice& dev);
 
@@ -133,7 +148,8 @@ CaseRunner find_runner(std::string_view loss, std::string_view device);
 std::vector<std::string> known_losses();
 std::vector<std::string> known_devices();
 
-/// Cross-entropy on the CPU (ce_cpu.cpp).
+/// Cross-entropy on the CPU (ce_cpu.cpp): the loss against the 3 bare Eigen GEMMs and a naive
+/// materialised fp32 computation (float64 too with config.exact).
 CaseResult run_ce_cpu(const CaseConfig& config, BenchDevice& dev);
 /// Cross-entropy on CUDA device 0 (cuda_ce.cu; builds with CUDA only). Times with CUDA events,
 /// measures memory with cudaMemGetInfo; the BenchDevice argument is not used.

@@ -19,25 +19,37 @@
 namespace chunkloss::bench {
 namespace {
 
-using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using MatMap = Eigen::Map<RowMat>;
-using CMatMap = Eigen::Map<const RowMat>;
-
 constexpr std::int64_t kIgnoreIndex = -100;
 constexpr std::int64_t kIgnoreEvery = 7;  // rows 3, 10, 17, ... are ignored (as torch_ce.py)
 
-// The naive computation, in fp32: logits [N, V] = X W^T materialised, row softmax (max-shifted,
-// Eigen's vectorised exp), the mean loss summed in double, the gradient written over the
-// logits (ignored rows zero), then dX = G W and dW = G^T X.
-struct Naive {
-  CMatMap x, w;
-  const std::int64_t* y;
-  std::int64_t n, h, v, valid;
-  int threads;
-  std::vector<float> lse, zy, coef;
+using MatMap = Eigen::Map<RowMat<float>>;
+using CMatMap = Eigen::Map<const RowMat<float>>;
 
-  double run(float* z_buf, float* dx, float* dw) {
-    MatMap z(z_buf, n, v);
+// The naive computation in precision S (fp32, timed; double for --exact): logits [N, V] = X W^T
+// materialised, row softmax (max-shifted, Eigen's vectorised exp), the mean loss summed in
+// double, the gradient written over the logits (ignored rows zero), then dX = G W and
+// dW = G^T X.
+template <typename S>
+struct Naive {
+  Naive(const S* x_, const S* w_, const std::vector<std::int64_t>& y_, std::int64_t h_,
+        std::int64_t v_, std::int64_t valid_, int threads_)
+      : n(static_cast<std::int64_t>(y_.size())),
+        h(h_),
+        v(v_),
+        valid(valid_),
+        threads(threads_),
+        x(x_, n, h),
+        w(w_, v, h),
+        y(y_.data()),
+        lse(y_.size()),
+        zy(y_.size()),
+        coef(y_.size()) {
+    const auto inv = static_cast<S>(valid > 0 ? 1.0 / static_cast<double>(valid) : 0.0);
+    for (std::size_t t = 0; t < y_.size(); ++t) coef[t] = y_[t] == kIgnoreIndex ? S(0) : inv;
+  }
+
+  double run(S* z_buf, S* dx, S* dw) {
+    Eigen::Map<RowMat<S>> z(z_buf, n, v);
     z.noalias() = x * w.transpose();
     dense_row_stats(z_buf, n, v, y, kIgnoreIndex, lse.data(), zy.data(), threads);
     double loss = 0;
@@ -45,10 +57,16 @@ struct Naive {
       loss +=
           static_cast<double>(lse[static_cast<std::size_t>(t)] - zy[static_cast<std::size_t>(t)]);
     dense_softmax_grad(z_buf, n, v, y, kIgnoreIndex, lse.data(), coef.data(), threads);
-    MatMap(dx, n, h).noalias() = z * w;
-    MatMap(dw, v, h).noalias() = z.transpose() * x;
+    Eigen::Map<RowMat<S>>(dx, n, h).noalias() = z * w;
+    Eigen::Map<RowMat<S>>(dw, v, h).noalias() = z.transpose() * x;
     return valid > 0 ? loss / static_cast<double>(valid) : 0.0;
   }
+
+  std::int64_t n, h, v, valid;
+  int threads;
+  Eigen::Map<const RowMat<S>> x, w;
+  const std::int64_t* y;
+  std::vector<S> lse, zy, coef;
 };
 
 }  // namespace
@@ -109,7 +127,7 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
   gr.hidden = TensorView(dx.as<void>(), c.dtype, {n, h});
   gr.weight = TensorView(dw.as<void>(), c.dtype, {v, h});
   res.plan = ce.plan(in, gr);
-  res.extra_bytes = res.plan.workspace_bytes();
+  res.workspace_bytes = res.plan.workspace_bytes();
   CpuContext ctx(threads);
 
   // The floor's buffers: the [N, V] logits (also the gradient operand), dX [N, H], dW [V, H].
@@ -143,20 +161,7 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
       ndw(c.naive ? static_cast<std::size_t>(v * h) * 4 : 0);
   ndx.zero();
   ndw.zero();
-  const float inv_valid = valid > 0 ? static_cast<float>(1.0 / static_cast<double>(valid)) : 0.0f;
-  std::vector<float> coef(y.size());
-  for (std::size_t t = 0; t < y.size(); ++t) coef[t] = y[t] == kIgnoreIndex ? 0.0f : inv_valid;
-  Naive naive{xm,
-              wm,
-              y.data(),
-              n,
-              h,
-              v,
-              valid,
-              threads,
-              std::vector<float>(y.size()),
-              std::vector<float>(y.size()),
-              std::move(coef)};
+  Naive<float> naive(x32.as<float>(), w32.as<float>(), y, h, v, valid, threads);
   std::unique_ptr<HostBuffer> nz;
 
   // Warm-up runs; the floor's, the first library call's and the first naive run's are the memory
@@ -171,7 +176,7 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
   res.floor_measured = dev.end_peak();
   if (do_chunked) chunked_floor();
   dev.begin_peak();
-  HostBuffer ws_buf(res.extra_bytes);
+  HostBuffer ws_buf(res.workspace_bytes);
   const Workspace ws(ws_buf.as<void>(), ws_buf.bytes());
   res.loss_value = ce.forward_backward(ctx, in, gr, {}, ws).loss;
   res.extra_measured = dev.end_peak();
@@ -218,7 +223,7 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
     res.err_grad_weight = bf16 ? rel_norm_err(dw.as<BFloat16>(), rw, v * h, threads)
                                : rel_norm_err(dw.as<float>(), rw, v * h, threads);
     res.max_rel_err_vs_naive =
-        std::max({*res.err_loss, *res.err_grad_hidden, *res.err_grad_weight});
+        worst_error({*res.err_loss, *res.err_grad_hidden, *res.err_grad_weight});
     if (bf16)
       res.bf16_storage_err =
           std::max(bf16_storage_err(rx, n * h, threads), bf16_storage_err(rw, v * h, threads));
@@ -226,6 +231,20 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
         "naive fp32: Eigen GEMM logits [N, V] materialised, fp32 softmax and gradient, loss "
         "summed in double, two Eigen fp32 gradient GEMMs";
     if (bf16) res.reference += ", on the bf16 input values widened to fp32";
+  }
+  if (c.exact) {
+    // The same computation in float64 on the same input values (untimed).
+    std::vector<double> xd(static_cast<std::size_t>(n * h)), wd(static_cast<std::size_t>(v * h)),
+        zd(static_cast<std::size_t>(n * v)), dxd(xd.size()), dwd(wd.size());
+    widen_to_double(x32.as<float>(), xd.data(), n * h, threads);
+    widen_to_double(w32.as<float>(), wd.data(), v * h, threads);
+    const double l64 = Naive<double>(xd.data(), wd.data(), y, h, v, valid, threads)
+                           .run(zd.data(), dxd.data(), dwd.data());
+    res.f64_err_loss = std::abs(res.loss_value - l64) / std::abs(l64);
+    res.f64_err_grad_hidden = bf16 ? rel_norm_err(dx.as<BFloat16>(), dxd.data(), n * h, threads)
+                                   : rel_norm_err(dx.as<float>(), dxd.data(), n * h, threads);
+    res.f64_err_grad_weight = bf16 ? rel_norm_err(dw.as<BFloat16>(), dwd.data(), v * h, threads)
+                                   : rel_norm_err(dw.as<float>(), dwd.data(), v * h, threads);
   }
   res.load_after = loadavg();
   return res;

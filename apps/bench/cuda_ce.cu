@@ -111,7 +111,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
   gr.weight = TensorView(dw.data(), dt, {v, h}, Device::kCuda);
   const Plan plan = ce.plan(in, gr);
   res.plan = plan;
-  res.extra_bytes = plan.workspace_bytes();
+  res.workspace_bytes = plan.workspace_bytes();
   res.floor_what = std::string("3 cuBLAS GEMMs at full size (logits, dX, dW), ") +
                    (bf16 ? "bf16" : "fp32") +
                    " operands and outputs, fp32 accumulation; timed in rounds alternating with "
@@ -246,7 +246,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
     res.err_loss = e_loss;
     res.err_grad_hidden = e_dx;
     res.err_grad_weight = e_dw;
-    res.max_rel_err_vs_naive = std::max({e_loss, e_dx, e_dw});
+    res.max_rel_err_vs_naive = worst_error({e_loss, e_dx, e_dw});
   }
   if (c.exact) {
     // float64 on the same input values: widened operands, fp64 GEMMs, fp64 softmax gradient.

@@ -202,7 +202,7 @@ CaseResult run_ce_cuda_vocab_parallel(const CaseConfig& c, BenchDevice&) {
     measured = std::max(measured, rk.measured);
     res.loss_repeatable = res.loss_repeatable && rk.repeatable && rk.loss == ranks[0].loss;
   }
-  res.extra_bytes = workspace;
+  res.workspace_bytes = workspace;
   res.extra_measured = {measured,
                         "cudaMemGetInfo on each device: free before allocating the workspace minus "
                         "free after the first call (NCCL's connection buffers included); the "

@@ -212,11 +212,11 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
   gr.hidden = dev_rows(dx, n);
   gr.weight = dev_rows(dw, v);
   res.plan = loss.plan(in, gr);
-  res.extra_bytes = loss.workspace_bytes(in, gr);
+  res.workspace_bytes = loss.workspace_bytes(in, gr);
   res.device_desc +=
       ", gpu::Context (cuBLAS workspace) " + std::to_string(context_bytes >> 20) + " MiB";
   const std::size_t before_ws = free_bytes();
-  gpu::DeviceBuffer ws(res.extra_bytes);
+  gpu::DeviceBuffer ws(res.workspace_bytes);
   const Workspace wsv(ws.data(), ws.bytes(), Device::kCuda);
   const PreferenceResult first = loss.forward_backward(ctx, in, gr, wsv);
   res.extra_measured = {before_ws - free_bytes(),
@@ -282,7 +282,7 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
     grad_err(ndx.as<float>(), ndw.as<float>(), e_dx, e_dw);
     res.err_grad_hidden = e_dx;
     res.err_grad_weight = e_dw;
-    res.max_rel_err_vs_naive = std::max({*res.err_loss, e_dx, e_dw});
+    res.max_rel_err_vs_naive = worst_error({*res.err_loss, e_dx, e_dw});
     res.reference = std::string("materialised fp32 logits [N, V] from the ") +
                     (bf16 ? "bf16" : "fp32") + " GEMM" +
                     (ref_head ? " (reference, then policy)" : "") +

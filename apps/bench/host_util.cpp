@@ -67,6 +67,11 @@ double rel_norm_err_of(const A* a, const B* b, std::int64_t n, int threads) {
 
 }  // namespace
 
+void widen_to_double(const float* src, double* dst, std::int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = static_cast<double>(src[i]);
+}
+
 double rel_norm_err(const float* a, const float* b, std::int64_t n, int threads) {
   return rel_norm_err_of(a, b, n, threads);
 }

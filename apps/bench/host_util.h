@@ -42,6 +42,9 @@ void fill_normal(float* p, std::int64_t n, float stddev, std::uint64_t seed, int
 /// dst[i] = bf16(src[i]) and src[i] = float(dst[i]): the fp32 copy holds the bf16 values.
 void round_to_bf16(float* src, BFloat16* dst, std::int64_t n, int threads);
 
+/// dst[i] = double(src[i]).
+void widen_to_double(const float* src, double* dst, std::int64_t n, int threads);
+
 /// ||a - b|| / ||b|| in double (||a - b|| when b is zero); a in f32, bf16 or f64, b f32 or f64.
 double rel_norm_err(const float* a, const float* b, std::int64_t n, int threads);
 double rel_norm_err(const BFloat16* a, const float* b, std::int64_t n, int threads);
@@ -53,6 +56,10 @@ double bf16_storage_err(const float* b, std::int64_t n, int threads);
 
 /// /proc/loadavg, one line.
 std::string loadavg();
+
+/// A row-major Eigen matrix of S.
+template <typename S>
+using RowMat = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
 /// Row statistics of materialised logits z [N, V] (row-major), for rows whose target is not
 /// `ignore`: lse[t] = log sum_j exp(z_tj) (max-shifted, Eigen's vectorised exp) and

@@ -124,7 +124,7 @@ Cli parse(int argc, char** argv) {
     ("fp32-dw-accum", po::bool_switch()->default_value(false, "off"), "accumulate dW in an fp32 workspace buffer (V*H*4 bytes on top of the budget; matters for bf16)")
     ("gemm-selection", po::value<std::string>()->default_value("default"), "cuda ce: default (cuBLAS's own algorithm per GEMM shape) | measured (gpu::GemmSelection::kMeasured: cuBLAS's and cuBLASLt's candidates timed on the first calls of each shape, the fastest kept; the floor and the loss alike, warmed up until every shape has its algorithm)")
     ("vocab-parallel", po::value<int>()->default_value(1), "cuda ce: split the weight by rows over the first K CUDA devices (NCCL, a thread per device); the floor is every device's three GEMMs on its shard at once, and the results are checked against the unsplit call on device 0, whose time is reported too")
-    ("exact", po::bool_switch()->default_value(false, "off"), "also compare the loss and gradients with a float64 computation on the same input values (ce: cuda; preference losses: cpu and cuda)");
+    ("exact", po::bool_switch()->default_value(false, "off"), "also compare the loss and gradients with a float64 computation on the same input values");
   // clang-format on
   po::variables_map vm;
   po::store(po::command_line_parser(argc, argv).options(desc).positional({}).run(), vm);
@@ -279,7 +279,8 @@ Cli parse(int argc, char** argv) {
 }
 
 // Runs every case of the command line, printing each case's details as it finishes, then the
-// table; with --json the records so far are rewritten after every case.
+// table; with --json the records so far are rewritten after every case. Exit code 1 when a case
+// failed its checks (failed_checks).
 int run(const Cli& cli, int argc, char** argv) {
   const std::vector<std::string> words(argv, argv + argc);
   const std::string invoked = apps::shell_join(words);
@@ -309,7 +310,12 @@ int run(const Cli& cli, int argc, char** argv) {
   }
   std::cout << "\n" << table_markdown(records) << "\ncommand: " << invoked << "\n";
   if (!cli.json.empty()) std::cout << "json: " << cli.json << "\n";
-  return 0;
+  std::size_t failed = 0;
+  for (const CaseRecord& rec : records) failed += !failed_checks(rec).empty();
+  if (failed == 0) return 0;
+  std::fprintf(stderr, "%s: %zu of %zu cases failed their checks (CHECK FAILED above)\n", kProg,
+               failed, records.size());
+  return 1;
 }
 
 }  // namespace

@@ -21,9 +21,6 @@
 namespace chunkloss::bench {
 namespace {
 
-template <typename S>
-using RowMat = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-
 constexpr float kReferenceNoise = 0.1f;  // reference = policy + this much relative noise
 
 // The naive computation in precision S (float: the baseline; double: the float64 check):
@@ -74,11 +71,6 @@ struct NaivePreference {
     return r.loss;
   }
 };
-
-void widen_to_double(const float* src, double* dst, std::int64_t n, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (std::int64_t i = 0; i < n; ++i) dst[i] = static_cast<double>(src[i]);
-}
 
 // dst = base + N(0, (noise * stddev)^2), the reference head's operand near the policy's.
 void fill_perturbed(float* dst, const float* base, std::int64_t n, float stddev, std::uint64_t seed,
@@ -165,7 +157,7 @@ CaseResult run_preference_cpu(const CaseConfig& c, BenchDevice& dev) {
   gr.hidden = TensorView(dx.as<void>(), c.dtype, {n, h});
   gr.weight = TensorView(dw.as<void>(), c.dtype, {v, h});
   res.plan = loss.plan(in, gr);
-  res.extra_bytes = loss.workspace_bytes(in, gr);
+  res.workspace_bytes = loss.workspace_bytes(in, gr);
 
   // The floor's buffers: the [N, V] logits (also the gradient operand), dX [N, H], dW [V, H].
   using Map = Eigen::Map<RowMat<float>>;
@@ -227,7 +219,7 @@ CaseResult run_preference_cpu(const CaseConfig& c, BenchDevice& dev) {
   gemm_dw();
   res.floor_measured = dev.end_peak();
   dev.begin_peak();
-  HostBuffer ws_buf(res.extra_bytes);
+  HostBuffer ws_buf(res.workspace_bytes);
   const Workspace ws(ws_buf.as<void>(), ws_buf.bytes());
   const PreferenceResult first = loss.forward_backward(ctx, in, gr, ws);
   res.extra_measured = dev.end_peak();
@@ -282,7 +274,7 @@ CaseResult run_preference_cpu(const CaseConfig& c, BenchDevice& dev) {
     grad_err(ndx.as<float>(), ndw.as<float>(), e_dx, e_dw);
     res.err_grad_hidden = e_dx;
     res.err_grad_weight = e_dw;
-    res.max_rel_err_vs_naive = std::max({*res.err_loss, e_dx, e_dw});
+    res.max_rel_err_vs_naive = worst_error({*res.err_loss, e_dx, e_dw});
     if (bf16)
       res.bf16_storage_err = std::max(bf16_storage_err(ndx.as<float>(), n * h, threads),
                                       bf16_storage_err(ndw.as<float>(), v * h, threads));

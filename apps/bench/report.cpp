@@ -24,7 +24,36 @@ nlohmann::json opt(const std::optional<T>& v) {
   return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
 }
 
+// The naive computation's measured extra memory over the loss's.
+double naive_over_extra(const CaseResult& r) {
+  return static_cast<double>(r.naive_extra->bytes) / static_cast<double>(r.extra_measured.bytes);
+}
+
 }  // namespace
+
+std::vector<std::string> failed_checks(const CaseRecord& rec) {
+  const CaseConfig& c = rec.config;
+  const CaseResult& r = rec.result;
+  const double tol = c.logits_dtype == DType::kBF16 ? 1e-1 : c.dtype == DType::kBF16 ? 2e-2 : 1e-4;
+  std::vector<std::string> failed;
+  const auto check = [&](const char* what, const std::optional<double>& err) {
+    if (err && !(*err <= tol))
+      failed.push_back(std::string(what) + " relative error " + fmt("%.3g", *err) +
+                       " is not within " + fmt("%g", tol));
+  };
+  check("loss vs naive", r.err_loss);
+  check("dX vs naive", r.err_grad_hidden);
+  check("dW vs naive", r.err_grad_weight);
+  check("loss vs float64", r.f64_err_loss);
+  check("dX vs float64", r.f64_err_grad_hidden);
+  check("dW vs float64", r.f64_err_grad_weight);
+  check("loss vs the unsplit call", r.unsplit_err_loss);
+  check("dX vs the unsplit call", r.unsplit_err_grad_hidden);
+  check("dW vs the unsplit call", r.unsplit_err_grad_weight);
+  if (!r.loss_repeatable && r.gemm_shapes_unsettled == 0)
+    failed.push_back("the loss was not bitwise the same in every call");
+  return failed;
+}
 
 std::string case_details(const CaseRecord& rec) {
   const CaseConfig& c = rec.config;
@@ -75,8 +104,8 @@ std::string case_details(const CaseRecord& rec) {
     for (const auto& [name, ms] : r.phase_ms) os << " " << name << " " << fmt("%.2f", ms) << " ms;";
     os << " all " << fmt("%.2f", r.time_ms) << " ms\n";
   }
-  os << "  extra memory: workspace " << mib(r.extra_bytes) << " MiB; measured over the first call "
-     << mib(r.extra_measured.bytes) << " MiB (" << r.extra_measured.method << ")";
+  os << "  extra memory: measured over the first call " << mib(r.extra_measured.bytes) << " MiB ("
+     << r.extra_measured.method << "); the plan's workspace " << mib(r.workspace_bytes) << " MiB";
   if (r.floor_measured)
     os << "; the floor GEMMs' own temporaries, measured alike: " << mib(r.floor_measured->bytes)
        << " MiB";
@@ -110,6 +139,9 @@ std::string case_details(const CaseRecord& rec) {
        << ", p99 " << fmt("%.3g", (*q)[1]) << ", max " << fmt("%.3g", (*q)[2]) << "\n";
   os << "  device: " << r.device_desc << "\n";
   os << "  loadavg before: " << r.load_before << ", after: " << r.load_after << "\n";
+  const std::vector<std::string> failed = failed_checks(rec);
+  if (failed.empty()) os << "  checks: passed\n";
+  for (const std::string& f : failed) os << "  CHECK FAILED: " << f << "\n";
   return os.str();
 }
 
@@ -119,7 +151,7 @@ std::string table_markdown(const std::vector<CaseRecord>& records) {
   for (const CaseRecord& rec : records) pref = pref || rec.config.preference();
   std::ostringstream os;
   os << "| loss | device | N | " << (pref ? "P x T | regime | " : "")
-     << "H | V | dtype | budget MiB | time ms | floor ms | ratio | extra MiB "
+     << "H | V | dtype | budget MiB | time ms | floor ms | ratio | extra MiB measured "
         "| naive ms | naive extra MiB | naive/extra | max rel err |\n";
   os << "|---|---|---|" << (pref ? "---|---|" : "")
      << "---|---|---|---|---|---|---|---|---|---|---|---|\n";
@@ -137,13 +169,12 @@ std::string table_markdown(const std::vector<CaseRecord>& records) {
     }
     os << c.hidden << " | " << c.vocab << " | " << dtype_name(c.dtype) << " | "
        << fmt("%g", c.budget_mib) << " | " << fmt("%.1f", r.time_ms) << " | "
-       << fmt("%.1f", r.floor_ms) << " | " << fmt("%.3f", r.ratio) << " | " << mib(r.extra_bytes)
-       << " | ";
+       << fmt("%.1f", r.floor_ms) << " | " << fmt("%.3f", r.ratio) << " | "
+       << mib(r.extra_measured.bytes) << " | ";
     if (r.naive_ms)
       os << fmt("%.1f", *r.naive_ms) << " | " << mib(r.naive_extra->bytes) << " | "
-         << fmt("%.1fx",
-                static_cast<double>(r.naive_extra->bytes) / static_cast<double>(r.extra_bytes))
-         << " | " << fmt("%.2e", *r.max_rel_err_vs_naive) << " |\n";
+         << fmt("%.1fx", naive_over_extra(r)) << " | " << fmt("%.2e", *r.max_rel_err_vs_naive)
+         << " |\n";
     else
       os << "- | - | - | - |\n";
   }
@@ -165,7 +196,7 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   j["time_ms"] = r.time_ms;
   j["floor_ms"] = r.floor_ms;
   j["ratio"] = r.ratio;
-  j["extra_bytes"] = r.extra_bytes;
+  j["extra_bytes"] = r.extra_measured.bytes;
   j["naive_ms"] = opt(r.naive_ms);
   j["naive_extra_bytes"] = r.naive_extra ? nlohmann::json(r.naive_extra->bytes) : nullptr;
   j["max_rel_err_vs_naive"] = opt(r.max_rel_err_vs_naive);
@@ -220,10 +251,7 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   j["naive_times_ms"] = r.naive_times_ms;
   j["naive_extra_method"] = r.naive_extra ? nlohmann::json(r.naive_extra->method) : nullptr;
   j["naive_logits_bytes"] = opt(r.naive_logits_bytes);
-  j["naive_extra_over_extra"] = r.naive_extra
-                                    ? nlohmann::json(static_cast<double>(r.naive_extra->bytes) /
-                                                     static_cast<double>(r.extra_bytes))
-                                    : nullptr;
+  j["naive_extra_over_extra"] = r.naive_extra ? nlohmann::json(naive_over_extra(r)) : nullptr;
   j["err_loss"] = opt(r.err_loss);
   j["err_grad_hidden"] = opt(r.err_grad_hidden);
   j["err_grad_weight"] = opt(r.err_grad_weight);
@@ -251,7 +279,8 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   j["plan_over_budget"] = p.over_budget;
   j["fp32_weight_grad_accumulator"] = c.fp32_weight_grad_accumulator;
   j["logits_dtype"] = std::string(dtype_name(p.logits_dtype));
-  j["workspace_bytes"] = p.workspace_bytes();
+  j["workspace_bytes"] = r.workspace_bytes;
+  j["failed_checks"] = failed_checks(rec);
   j["device_desc"] = r.device_desc;
   j["loadavg_before"] = r.load_before;
   j["loadavg_after"] = r.load_after;

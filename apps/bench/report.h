@@ -24,6 +24,13 @@ std::string case_details(const CaseRecord& r);
 /// A markdown table, one row per case.
 std::string table_markdown(const std::vector<CaseRecord>& records);
 
+/// The case's correctness checks that failed, one line each (empty: all passed). The loss and
+/// gradients must agree with the naive computation, with float64 (--exact) and with the unsplit
+/// call (vocabulary split) within a tolerance meant to catch wrong results, not to grade
+/// rounding: 1e-4 in fp32, 2e-2 with bf16 inputs, 1e-1 with bf16 logits; NaN fails. The loss
+/// must be bitwise the same in every call unless measured GEMM selection was still choosing.
+std::vector<std::string> failed_checks(const CaseRecord& r);
+
 /// The case as a JSON object (the documented keys and more); `argv` is the invocation.
 nlohmann::json case_json(const CaseRecord& r, const std::string& argv);
 

@@ -5,7 +5,7 @@
 # also times the library's own GEMMs over its chunks, so a ratio splits into the chunking's share
 # and the epilogue's; --phases also times the loss with no gradients, dX only and dW only, so each
 # gradient's share shows. OUT/gpu-trace.csv samples the clocks, power and throttle reasons while it
-# runs. About 1-2 minutes of GPU time at REPEATS=10 on the H200. GEMMS=measured runs every case with
+# runs. About 2-3 minutes of GPU time at REPEATS=10 on the H200. GEMMS=measured runs every case with
 # --gemm-selection measured (the context times cuBLAS's and cuBLASLt's candidates per GEMM shape;
 # the floor's GEMMs alike). Then the opt-in bf16 logits chunk at the same shapes, and exactness
 # with larger logits (--logit-std 8).
@@ -48,6 +48,16 @@ run exact-bf16-4096x4096x128256-fp32dw "${ce[@]}" --rows 4096 --hidden 4096 --vo
   --budget-mib 1024 --exact --fp32-dw-accum --no-naive
 run exact-f32-4096x4096x32768 --loss ce --device cuda --dtype f32 --repeats "$repeats" "${sel[@]}" \
   --rows 4096 --hidden 4096 --vocab 32768 --budget-mib 1024 --exact
+run exact-f32-4096x4096x128256 --loss ce --device cuda --dtype f32 --repeats 1 "${sel[@]}" \
+  --rows 4096 --hidden 4096 --vocab 128256 --budget-mib 1024 --exact --no-naive
+# Exactness at the table's own shapes and budgets: a bf16 dW accumulated in its bf16 buffer is
+# rounded once per chunk (4 to 32 chunks here), so its error grows with the chunk count.
+for shape in 8192x4096x128256-1024 16384x4096x128256-1024 16384x2304x256000-1024 \
+  16384x4096x128256-256; do
+  IFS=x- read -r n h v b <<<"$shape"
+  run "exact-bf16-${n}x${h}x${v}-${b}m" --loss ce --device cuda --dtype bf16 --repeats 1 \
+    "${sel[@]}" --rows "$n" --hidden "$h" --vocab "$v" --budget-mib "$b" --exact --no-naive
+done
 
 # The opt-in bf16 logits chunk (logits_dtype bf16): the table's shapes, and its exactness.
 for shape in 8192x4096x128256-1024 16384x4096x128256-1024 16384x2304x256000-1024 \
