@@ -383,6 +383,14 @@ TEST_CASE("checkpoint errors: config.json") {
                  "num_key_value_heads=3"));
   CHECK(contains(with("\"rope_scaling\": null", "\"rope_scaling\": {\"type\": \"linear\"}"),
                  "rope_scaling"));
+  // transformers 5's rope_parameters: other RoPE types are refused, a disagreeing theta too.
+  CHECK(contains(with("\"rope_scaling\": null",
+                      "\"rope_parameters\": {\"rope_type\": \"llama3\", \"rope_theta\": 500}"),
+                 path + ": rope_parameters: field \"rope_type\" is \"llama3\""));
+  CHECK(contains(with("\"rope_scaling\": null", "\"rope_parameters\": {\"rope_theta\": 500}"),
+                 "rope_theta 500 differs from the top-level rope_theta"));
+  CHECK(contains(with("\"rope_scaling\": null", "\"rope_parameters\": 5"),
+                 "rope_parameters must be an object"));
   CHECK(contains(with("\"tie_word_embeddings\": false", "\"tie_word_embeddings\": 0"),
                  "field \"tie_word_embeddings\" must be a boolean"));
   // Sizes whose products would overflow are refused before anything is allocated.
@@ -403,6 +411,14 @@ TEST_CASE("checkpoint errors: config.json") {
   CHECK(minimal.rms_norm_eps == 1e-6);
   CHECK(!minimal.tie_word_embeddings);
   CHECK(!minimal.pad_token_id.has_value());
+  CHECK(minimal.rope_theta == 10000.0);
+  // As transformers 5 writes it: the theta only inside rope_parameters.
+  const LlamaConfig v5 = config_from_json(
+      R"({"vocab_size": 11, "hidden_size": 12, "intermediate_size": 20, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "rope_parameters": {"rope_type": "default",
+          "rope_theta": 500.0}})",
+      "v5.json");
+  CHECK(v5.rope_theta == 500.0);
   const LlamaConfig back = config_from_json(config_to_json(s.config), "round");
   CHECK(back.hidden_size == s.config.hidden_size);
   CHECK(back.rope_theta == s.config.rope_theta);

@@ -2,7 +2,8 @@
 //   L = sum(hidden * R) + sum(lm_head * S)
 // (R: the hidden-state gradient a loss would hand back, S: its lm_head gradient), for every
 // parameter in float64 and for sampled parameters of the public fp32 model, with GQA on and off
-// and tied and untied embeddings; plus accumulation, zero_grad and scale_grads.
+// (over one and two KV heads) and tied and untied embeddings; plus accumulation, zero_grad and
+// scale_grads.
 #include <doctest/doctest.h>
 
 #include <chunkloss/model/decoder.h>
@@ -51,37 +52,49 @@ double objective(model::detail::Decoder<T>& dec, const Problem& p) {
   return l;
 }
 
+// tiny_config's configurations (MHA and GQA over one KV head, untied and tied), and 4 query heads
+// over 2 KV heads: one KV head cannot tell the query-to-KV mapping apart from any other.
+std::vector<LlamaConfig> gradient_configs() {
+  std::vector<LlamaConfig> all;
+  for (bool gqa : {false, true})
+    for (bool tied : {false, true}) all.push_back(tiny_config(gqa, tied));
+  LlamaConfig four_over_two = tiny_config(true, false);
+  four_over_two.hidden_size = 16;
+  four_over_two.num_attention_heads = 4;
+  four_over_two.num_key_value_heads = 2;
+  all.push_back(four_over_two);
+  return all;
+}
+
 TEST_CASE("gradients: float64 backward equals central differences for every parameter") {
-  for (bool gqa : {false, true}) {
-    for (bool tied : {false, true}) {
-      CAPTURE(gqa);
-      CAPTURE(tied);
-      const LlamaConfig c = tiny_config(gqa, tied);
-      model::detail::Decoder<double> dec(c);
-      model::detail::init_parameters(c, dec.layout(), 17, dec.params());
-      const Problem p = make_problem(c, 3);
-      dec.forward(p.tokens.data(), p.b, p.t);
-      dec.backward(p.r.data(), p.s.data());
-      const std::vector<double> analytic = dec.grads();
-      const double step = 1e-5;
-      for (const auto& info : dec.layout()) {
-        double worst = 0, scale = 0;
-        for (std::size_t j = 0; j < info.numel; ++j) {
-          double& x = dec.params()[info.offset + j];
-          const double saved = x;
-          x = saved + step;
-          const double up = objective(dec, p);
-          x = saved - step;
-          const double down = objective(dec, p);
-          x = saved;
-          const double fd = (up - down) / (2 * step);
-          worst = std::max(worst, std::abs(fd - analytic[info.offset + j]));
-          scale = std::max(scale, std::abs(fd));
-        }
-        CAPTURE(info.name);
-        CHECK(scale > 1e-3);  // every tensor gets a real gradient
-        CHECK(worst <= 1e-6 * std::max(1.0, scale));
+  for (const LlamaConfig& c : gradient_configs()) {
+    CAPTURE(c.num_attention_heads);
+    CAPTURE(c.num_key_value_heads);
+    CAPTURE(c.tie_word_embeddings);
+    model::detail::Decoder<double> dec(c);
+    model::detail::init_parameters(c, dec.layout(), 17, dec.params());
+    const Problem p = make_problem(c, 3);
+    dec.forward(p.tokens.data(), p.b, p.t);
+    dec.backward(p.r.data(), p.s.data());
+    const std::vector<double> analytic = dec.grads();
+    const double step = 1e-5;
+    for (const auto& info : dec.layout()) {
+      double worst = 0, scale = 0;
+      for (std::size_t j = 0; j < info.numel; ++j) {
+        double& x = dec.params()[info.offset + j];
+        const double saved = x;
+        x = saved + step;
+        const double up = objective(dec, p);
+        x = saved - step;
+        const double down = objective(dec, p);
+        x = saved;
+        const double fd = (up - down) / (2 * step);
+        worst = std::max(worst, std::abs(fd - analytic[info.offset + j]));
+        scale = std::max(scale, std::abs(fd));
       }
+      CAPTURE(info.name);
+      CHECK(scale > 1e-3);  // every tensor gets a real gradient
+      CHECK(worst <= 1e-6 * std::max(1.0, scale));
     }
   }
 }

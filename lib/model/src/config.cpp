@@ -186,6 +186,18 @@ LlamaConfig config_from_json(std::string_view text, std::string_view source) {
   c.max_position_embeddings = r.integer("max_position_embeddings", 2048);
   c.rms_norm_eps = r.real("rms_norm_eps", 1e-6);
   c.rope_theta = r.real("rope_theta", 10000.0);
+  // transformers 5 writes RoPE's settings as rope_parameters {"rope_type", "rope_theta", ...}
+  // (4 wrote rope_theta and rope_scaling); only the default RoPE is supported either way.
+  if (const json* v = r.find("rope_parameters"); v && !v->is_null()) {
+    const std::string where = std::string(source) + ": rope_parameters";
+    CHUNKLOSS_CHECK(v->is_object(), where, " must be an object, got ", v->type_name());
+    const Reader p{*v, where};
+    p.require_string("rope_type", "default", false);
+    const double theta = p.real("rope_theta", c.rope_theta);
+    CHUNKLOSS_CHECK(!r.find("rope_theta") || theta == c.rope_theta, where, ": rope_theta ", theta,
+                    " differs from the top-level rope_theta ", c.rope_theta);
+    c.rope_theta = theta;
+  }
   c.initializer_range = r.real("initializer_range", 0.02);
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
   const std::optional<std::int64_t> bos = r.token("bos_token_id", 1);
