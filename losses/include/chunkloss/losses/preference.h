@@ -58,8 +58,8 @@ struct OrpoOptions {
 
 /// SimPO (Meng et al. 2024): z = beta (avg(c) - avg(r)) - gamma, with gamma a margin in reward
 /// units. TRL's CPO trainer (loss_type "simpo") writes the same z as
-/// beta (avg(c) - avg(r) - gamma_beta_ratio), with gamma_beta_ratio = gamma / beta. Defaults are
-/// the paper's beta = 2, gamma = 0.5 (TRL's CPOConfig: beta 0.1 and an NLL term, cpo_alpha 1).
+/// beta (avg(c) - avg(r) - simpo_gamma / beta), with simpo_gamma = gamma. Defaults are the
+/// paper's beta = 2, gamma = 0.5 (TRL's CPOConfig: beta 0.1 and an NLL term, cpo_alpha 1).
 /// Reference-free.
 struct SimpoOptions {
   float beta = 2.0f;
