@@ -75,5 +75,15 @@ for ld in f32 bf16; do
     --logit-std 8 --rows 4096 --hidden 4096 --vocab 128256 --budget-mib 1024 --exact --no-naive
 done
 
+# PyTorch eager at the table's shapes, where this machine's python3 has torch (torch_ce.py).
+if python3 -c 'import torch' 2>/dev/null; then
+  echo "== torch-eager: apps/bench/torch_ce.py"
+  python3 "$(dirname "$0")/torch_ce.py" --shapes 8192x4096x128256 16384x4096x128256 \
+    16384x2304x256000 --repeats "$repeats" --json "$out/torch-eager.json" \
+    >"$out/torch-eager.txt" 2>&1 || { echo "FAILED: torch-eager"; failed=$((failed + 1)); }
+else
+  echo "torch-eager: skipped, python3 has no torch here" | tee "$out/torch-eager.txt"
+fi
+
 summarize "chunkloss-bench cross-entropy cases"
 [ "$failed" = 0 ]
