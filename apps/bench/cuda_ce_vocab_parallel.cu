@@ -130,6 +130,9 @@ CaseResult run_ce_cuda_vocab_parallel(const CaseConfig& c, BenchDevice&) {
     const std::size_t before_ws = free_bytes();
     rk.ws = gpu::DeviceBuffer(rk.workspace);
     const Workspace wsv(rk.ws.data(), rk.ws.bytes(), Device::kCuda, r);
+    // Every rank allocated before any waits in a collective (a rank waiting for one while
+    // another is in cudaMalloc can deadlock in the driver).
+    sync.arrive_and_wait();
     rk.loss = ce.forward_backward(*rk.ctx, in, gr, {}, wsv).loss;  // warm-up (NCCL connects)
     rk.measured = before_ws - free_bytes();
     Gemms fm{static_cast<cublasHandle_t>(rk.ctx->cublas()), ct, ct, rk.ctx.get()};

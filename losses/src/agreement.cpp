@@ -45,7 +45,8 @@ std::pair<double, bool> exchange(const GroupSum& sum, bool failed, std::span<con
 
 std::size_t first_exchange_bytes(std::size_t vocab_kind, std::size_t data_kind,
                                  std::size_t data_sums) {
-  return std::max(exchange_size(vocab_kind, 0), exchange_size(data_kind, data_sums)) *
+  // (the vocabulary group's kind also holds whether the rank has a data group)
+  return std::max(exchange_size(vocab_kind + 1, 0), exchange_size(data_kind, data_sums)) *
          sizeof(double);
 }
 
@@ -72,26 +73,31 @@ void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_grou
                   ":", ctx.device_index(), ") and hold at least ", device_bytes, " bytes; got ",
                   ws.bytes(), " bytes on ", device_name(ws.device()), ":", ws.device_index());
   double* device = exchange_memory(ctx, ws);
+  // Whether the rank has a data group is part of its vocabulary kind: in a grid the data groups'
+  // verdict goes back over the vocabulary group, a collective that every rank of it must make.
+  std::vector<double> vocab_kind(x.vocab_kind.begin(), x.vocab_kind.end());
+  vocab_kind.push_back(data_group ? 1.0 : 0.0);
   double vocab_failed = 0;
   bool vocab_same = true;
   if (vocab_group)
     std::tie(vocab_failed, vocab_same) =
-        exchange(GroupSum{ctx, vocab_group, device}, rejected != nullptr, x.vocab_kind, {});
+        exchange(GroupSum{ctx, vocab_group, device}, rejected != nullptr, vocab_kind, {});
   double data_failed = 0;
   bool data_same = true;
   if (data_group)
     std::tie(data_failed, data_same) =
         exchange(GroupSum{ctx, data_group, device}, rejected || vocab_failed > 0 || !vocab_same,
                  x.data_kind, x.data_sums);
+  // (vocab_same, the same on every rank of the vocabulary group, says they all have one)
   double grid_failed = data_failed > 0 || !data_same ? 1 : 0;
-  if (vocab_group && data_group) GroupSum{ctx, vocab_group, device}(&grid_failed, 1);
+  if (vocab_group && data_group && vocab_same) GroupSum{ctx, vocab_group, device}(&grid_failed, 1);
   if (rejected) std::rethrow_exception(rejected);
   CHUNKLOSS_CHECK(vocab_failed == 0, who, ": ", vocab_failed,
                   " rank(s) of vocab_shard.group rejected their calls; this rank's was valid, and "
                   "nothing was written");
-  CHUNKLOSS_CHECK(vocab_same, who,
-                  ": the ranks of vocab_shard.group make different kinds of calls (",
-                  x.vocab_differs, " differ); nothing was written");
+  CHUNKLOSS_CHECK(
+      vocab_same, who, ": the ranks of vocab_shard.group make different kinds of calls (",
+      x.vocab_differs, ", or whether they pass a data_group, differ); nothing was written");
   CHUNKLOSS_CHECK(data_failed == 0, who, ": ", data_failed,
                   " rank(s) of data_group rejected their calls; this rank's was valid, and "
                   "nothing was written");

@@ -33,7 +33,9 @@ date -u >>"$out/machine.txt"
 
 check ce_suite "$ce"
 check pref_suite "$pref"
-check parallel_suite "$par"
+# Under a timeout, with kernels loaded up front: over NCCL a hang would otherwise take the whole
+# call (a rank waiting in a collective while another loads a module or allocates can deadlock).
+check parallel_suite timeout 300 env CUDA_MODULE_LOADING=EAGER NCCL_DEBUG=WARN "$par"
 check smoke_cuda python3 tests/apps/smoke.py "$train" "$build/apps/eval/chunkloss-eval" \
   /tmp/chunkloss-smoke cuda
 # The sanitizers on the smaller cases (each under `timeout`: they run kernels many times slower).

@@ -15,6 +15,7 @@
 #include <chunkloss/losses/cross_entropy.h>
 
 #include <algorithm>
+#include <barrier>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -141,6 +142,9 @@ struct Part {
   int device = 0;
   /// Changes the rank's call before it is made (a bad call among good ones).
   std::function<void(CrossEntropyInputs&, CrossEntropyOptions&)> tweak = {};
+  /// Every rank waits here once its buffers and workspace are allocated: over NCCL, a rank
+  /// waiting for a collective while another is in cudaMalloc can deadlock in the driver.
+  std::barrier<>* allocated = nullptr;
 };
 
 // One call; gradient buffers hold 0.25 before it with accumulate.
@@ -197,12 +201,14 @@ Result call(const Case& c, const Data& d, const Part& pt) {
   Result res;
   if (gctx) {
     gpu::DeviceBuffer ws(wsb);
+    if (pt.allocated) pt.allocated->arrive_and_wait();
     res.r =
         ce.forward_backward(*gctx, in, gr, out, Workspace(ws.data(), wsb, Device::kCuda, index));
     gctx->synchronize();
   } else {
     CpuContext ctx(2);
     AlignedBuffer ws(wsb);
+    if (pt.allocated) pt.allocated->arrive_and_wait();
     res.r = ce.forward_backward(ctx, in, gr, out, ws.workspace());
   }
   res.dx = gx.read(t);
@@ -218,8 +224,10 @@ Result call(const Case& c, const Data& d, const Part& pt) {
 
 Part whole(const Case& c, int device) { return {0, c.n, 0, c.v, nullptr, nullptr, device}; }
 
-// Every part on its own thread.
-std::vector<Result> call_parts(const Case& c, const Data& d, const std::vector<Part>& parts) {
+// Every part on its own thread, the calls made once every rank has allocated.
+std::vector<Result> call_parts(const Case& c, const Data& d, std::vector<Part> parts) {
+  std::barrier<> allocated(static_cast<std::ptrdiff_t>(parts.size()));
+  for (Part& p : parts) p.allocated = &allocated;
   return on_threads(parts.size(), [&](std::size_t r) { return call(c, d, parts[r]); });
 }
 

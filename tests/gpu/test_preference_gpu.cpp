@@ -923,8 +923,8 @@ TEST_CASE(
   });
   for (const auto& [dpo, lp, host] : errors) {
     INFO(dpo, " | ", lp, " | ", host);
-    CHECK(dpo.find("hold at least 200 bytes; got 160 bytes on cuda:0") != std::string::npos);
-    CHECK(lp.find("hold at least 88 bytes; got 64 bytes on cuda:0") != std::string::npos);
+    CHECK(dpo.find("hold at least 216 bytes; got 160 bytes on cuda:0") != std::string::npos);
+    CHECK(lp.find("hold at least 104 bytes; got 64 bytes on cuda:0") != std::string::npos);
     CHECK(host.find("must be on the context's device (cuda:0)") != std::string::npos);
     CHECK(host.find("bytes on cpu:0") != std::string::npos);
   }

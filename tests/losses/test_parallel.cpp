@@ -430,31 +430,35 @@ TEST_CASE("bad values on one rank: every rank of the groups throws") {
   }
 }
 
-// The two ranks of a vocabulary split (`vocab`) or a data group of spec_of(f32, 91), each making
-// its call after `tweak(rank, inputs, grads, options)`, with a 4 MiB workspace (not
-// workspace_bytes(), which a rank's bad call throws from); each rank's error ("" when it
-// returned), after checking that a rank that threw wrote nothing.
+// The ranks of a grid of `nr` row parts x `nv` vocabulary parts (1 or 2 each) of spec_of(f32,
+// 91), rank k = ri * nv + vi in a vocabulary group per row part and a data group per vocabulary
+// part (when split that way), each making its call after `tweak(k, inputs, grads, options)`, with
+// a 4 MiB workspace (not workspace_bytes(), which a rank's bad call throws from); each rank's
+// error ("" when it returned), after checking that a rank that threw wrote nothing.
 using Tweak =
     std::function<void(std::size_t, CrossEntropyInputs&, CrossEntropyGrads&, CrossEntropyOptions&)>;
-std::vector<std::string> pair_errors(bool vocab, const Tweak& tweak) {
+std::vector<std::string> grid_errors(std::size_t nr, std::size_t nv, const Tweak& tweak) {
   const CeSpec spec = spec_of(DType::kF32, 91);
   const CeData d(spec);
-  dist::InProcessGroup group(2);
-  return on_threads(2, [&](std::size_t r) {
-    const std::int64_t v0 = vocab ? 253 * static_cast<std::int64_t>(r) : 0,
-                       v = vocab ? 253 + static_cast<std::int64_t>(r) : spec.v;
-    const std::int64_t n0 = vocab ? 0 : 75 * static_cast<std::int64_t>(r), n = vocab ? 150 : 75;
+  std::vector<std::unique_ptr<dist::InProcessGroup>> vocab_groups, data_groups;
+  for (std::size_t i = 0; nv > 1 && i < nr; ++i)
+    vocab_groups.push_back(std::make_unique<dist::InProcessGroup>(static_cast<int>(nv)));
+  for (std::size_t i = 0; nr > 1 && i < nv; ++i)
+    data_groups.push_back(std::make_unique<dist::InProcessGroup>(static_cast<int>(nr)));
+  return on_threads(nr * nv, [&](std::size_t k) {
+    const auto ri = static_cast<std::int64_t>(k / nv), vi = static_cast<std::int64_t>(k % nv);
+    const std::int64_t v0 = nv > 1 ? 253 * vi : 0, v = nv > 1 ? 253 + vi : spec.v;
+    const std::int64_t n0 = nr > 1 ? 75 * ri : 0, n = nr > 1 ? 75 : 150;
     CrossEntropyInputs in = d.inputs({});
     in.hidden = TensorView::of(d.hidden.data() + n0 * spec.h, {n, spec.h});
     in.targets = TensorView::of(d.targets32.data() + n0, {n});
     in.weight = TensorView::of(d.weight.data() + v0 * spec.h, {v, spec.h});
-    dist::Communicator* comm = &group.comm(static_cast<int>(r));
-    if (vocab) in.vocab_shard = {comm, v0, spec.v};
-    if (!vocab) in.data_group = comm;
+    if (nv > 1) in.vocab_shard = {&vocab_groups[ri]->comm(static_cast<int>(vi)), v0, spec.v};
+    if (nr > 1) in.data_group = &data_groups[vi]->comm(static_cast<int>(ri));
     GradStorage buffers(DType::kF32, true, true, false, n, spec.h, v, NAN);
     CrossEntropyGrads grads = buffers.views_as<CrossEntropyGrads>(false);
     CrossEntropyOptions o;
-    tweak(r, in, grads, o);
+    tweak(k, in, grads, o);
     CpuContext ctx(1);
     const AlignedBuffer ws(std::size_t{4} << 20);
     try {
@@ -466,6 +470,11 @@ std::vector<std::string> pair_errors(bool vocab, const Tweak& tweak) {
     }
     return std::string();
   });
+}
+
+// The two ranks of a vocabulary split (`vocab`) or of a data group (see grid_errors).
+std::vector<std::string> pair_errors(bool vocab, const Tweak& tweak) {
+  return vocab ? grid_errors(1, 2, tweak) : grid_errors(2, 1, tweak);
 }
 
 TEST_CASE("a call one rank rejects, or calls whose collectives differ, fail on every rank") {
@@ -528,6 +537,25 @@ TEST_CASE("a call one rank rejects, or calls whose collectives differ, fail on e
     CHECK(e[0].empty());
     CHECK(e[1].empty());
   }
+}
+
+TEST_CASE("a grid whose data groups are passed by some ranks only fails on every rank") {
+  // Only vocabulary part 0 passes its data group. Its ranks would go back over their vocabulary
+  // groups with the data group's verdict while the others went on to the passes (over NCCL a
+  // hang); the vocabulary kind holds whether a rank has a data group, so all four throw.
+  const std::vector<std::string> e = grid_errors(
+      2, 2, [](std::size_t k, CrossEntropyInputs& in, CrossEntropyGrads&, CrossEntropyOptions&) {
+        if (k % 2 == 1) in.data_group = nullptr;
+      });
+  for (const std::string& m : e)
+    CHECK_MESSAGE(m.find("vocab_shard.group make different kinds of calls (their rows, plans, H, "
+                         "or grad_hidden asked for, or whether they pass a data_group, differ)") !=
+                      std::string::npos,
+                  m);
+  // Passed by every rank, the same grid returns on every rank.
+  for (const std::string& m : grid_errors(
+           2, 2, [](std::size_t, CrossEntropyInputs&, CrossEntropyGrads&, CrossEntropyOptions&) {}))
+    CHECK(m.empty());
 }
 
 TEST_CASE("in-process group: sums in rank order, gathers, and rejects mismatched sizes") {

@@ -29,15 +29,18 @@ void* init_rank(const NcclCommunicator::UniqueId& id, int rank, int size, int de
   const int n = gpu::device_count();
   CHUNKLOSS_CHECK(device >= 0 && device < n, "NcclCommunicator: device ", device,
                   " does not exist (", n, " CUDA devices visible)");
-  int previous = 0;
-  CHUNKLOSS_GPU_CHECK(cudaGetDevice(&previous));
+  struct Restore {  // the caller's device stays current, after an error's message names `device`
+    int previous = -1;
+    ~Restore() {
+      if (previous >= 0) (void)cudaSetDevice(previous);
+    }
+  } restore;
+  CHUNKLOSS_GPU_CHECK(cudaGetDevice(&restore.previous));
   CHUNKLOSS_GPU_CHECK(cudaSetDevice(device));
   ncclUniqueId uid;
   std::memcpy(&uid, id.data(), sizeof uid);
   ncclComm_t comm = nullptr;
-  const ncclResult_t r = ncclCommInitRank(&comm, size, uid, rank);
-  (void)cudaSetDevice(previous);  // the caller's device stays current
-  CHUNKLOSS_GPU_CHECK(r);
+  CHUNKLOSS_GPU_CHECK(ncclCommInitRank(&comm, size, uid, rank));
   return comm;
 }
 

@@ -81,7 +81,7 @@ struct CrossEntropyInputs {
   /// whether any rank rejected its call (shapes, shard, plan, workspace; on the CPU also targets
   /// and check_finite's values) or makes a call whose collectives differ (rows, H, chunks, dH
   /// asked for; over data_group, H, V, and dW and db summed or not), and then all throw. On CUDA
-  /// that exchange passes through the workspace's first 72 bytes and waits for the stream once
+  /// that exchange passes through the workspace's first 88 bytes and waits for the stream once
   /// per group (once more in a grid); a workspace that is smaller or on another device is thrown
   /// by its rank alone. On CUDA, out-of-range
   /// targets and check_finite's findings are counted and thrown per rank at the end
