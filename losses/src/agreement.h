@@ -38,12 +38,12 @@ struct GroupSum {
 /// The ranks of `vocab_group`, then of `data_group` (either may be null; both: a grid, whose
 /// data groups each hold one rank of every vocabulary group), exchange whether they `rejected`
 /// their call and their kinds (the vocabulary group's kind also holds whether the rank passes a
-/// data group); in a grid the data group's verdict then goes back over the vocabulary group. On CUDA the values pass through the workspace's first bytes, of which the
-/// call needs `device_bytes` (at least first_exchange_bytes()); a rank whose workspace is not on
-/// the context's device or is smaller cannot take part and throws alone. Then rethrows
-/// `rejected`, or throws when any rank of the groups rejected its call or the kinds differ,
-/// naming the group; else returns with x.data_sums summed over the data group. Without groups
-/// it only rethrows `rejected`.
+/// data group); in a grid the data group's verdict then goes back over the vocabulary group. On
+/// CUDA the values pass through the workspace's first bytes, of which the call needs `device_bytes`
+/// (at least first_exchange_bytes()); a rank whose workspace is not on the context's device or is
+/// smaller cannot take part and throws alone. Then rethrows `rejected`, or throws when any rank of
+/// the groups rejected its call or the kinds differ, naming the group; else returns with
+/// x.data_sums summed over the data group. Without groups it only rethrows `rejected`.
 void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_group,
                    dist::Communicator* data_group, const Workspace& ws, std::size_t device_bytes,
                    std::exception_ptr rejected, const FirstExchange& x);

@@ -53,7 +53,8 @@ std::string config_to_json(const LlamaConfig& config, std::string_view extra_fie
 /// "llama", hidden_act other than "silu", attention_bias or mlp_bias true, a non-null
 /// rope_scaling, a rope_parameters.rope_type other than "default" (transformers 5 keeps RoPE's
 /// settings there; its rope_theta is read), a head_dim other than hidden_size /
-/// num_attention_heads. Unknown fields are ignored. Throws chunkloss::Error naming `source` and the field, then validate()s.
+/// num_attention_heads. Unknown fields are ignored. Throws chunkloss::Error naming `source` and the
+/// field, then validate()s.
 LlamaConfig config_from_json(std::string_view text, std::string_view source);
 
 }  // namespace chunkloss::model
