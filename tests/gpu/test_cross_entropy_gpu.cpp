@@ -40,6 +40,9 @@ struct Problem {
   std::int64_t masked_every = 0;
   /// With class weights: every valid target is column 3, whose weight is 0 (the mean's D = 0).
   bool zero_divisor = false;
+  /// The gradient buffers' dtype when it differs from the inputs' (bf16 inputs, fp32 gradients).
+  std::optional<DType> grad_dtype = std::nullopt;
+  DType grads() const { return grad_dtype.value_or(dtype); }
 };
 
 // Host-side data in the problem's storage dtype.
@@ -131,13 +134,14 @@ std::vector<unsigned char> nan_floats(std::int64_t count, DType t) {
 Outcome run(const Problem& p, const HostData& d, const CrossEntropyOptions& o, Device dev,
             bool grads = true, bool accumulate = false, gpu::Context* shared = nullptr) {
   const std::int64_t n = p.n, h = p.h, v = p.v;
-  std::vector<unsigned char> dx0 = nan_floats(n * h, p.dtype), dw0 = nan_floats(v * h, p.dtype),
-                             db0 = nan_floats(v, p.dtype);
+  const DType gt = p.grads();
+  std::vector<unsigned char> dx0 = nan_floats(n * h, gt), dw0 = nan_floats(v * h, gt),
+                             db0 = nan_floats(v, gt);
   if (accumulate) {
     std::mt19937_64 g(99);
-    dx0 = random_floats(n * h, p.dtype, 0.01f, g);
-    dw0 = random_floats(v * h, p.dtype, 0.01f, g);
-    db0 = random_floats(v, p.dtype, 0.01f, g);
+    dx0 = random_floats(n * h, gt, 0.01f, g);
+    dw0 = random_floats(v * h, gt, 0.01f, g);
+    db0 = random_floats(v, gt, 0.01f, g);
   }
   // Host mirror buffers; on CUDA they are copied to device buffers.
   struct Buf {
@@ -182,9 +186,9 @@ Outcome run(const Problem& p, const HostData& d, const CrossEntropyOptions& o, D
     in.grad_output = TensorView(bup.ptr(dev), DType::kF32, {n}, dev);
   CrossEntropyGrads gr;
   if (grads) {
-    gr.hidden = TensorView(gx.ptr(dev), p.dtype, {n, h}, dev);
-    gr.weight = TensorView(gw.ptr(dev), p.dtype, {v, h}, dev);
-    if (p.bias) gr.bias = TensorView(gb.ptr(dev), p.dtype, {v}, dev);
+    gr.hidden = TensorView(gx.ptr(dev), gt, {n, h}, dev);
+    gr.weight = TensorView(gw.ptr(dev), gt, {v, h}, dev);
+    if (p.bias) gr.bias = TensorView(gb.ptr(dev), gt, {v}, dev);
     gr.accumulate = accumulate;
   }
   CrossEntropyOutputs out;
@@ -208,9 +212,9 @@ Outcome run(const Problem& p, const HostData& d, const CrossEntropyOptions& o, D
     std::free(mem);
   }
   for (Buf* b : {&gx, &gw, &gb, &olse, &oloss, &opred}) fetch(*b);
-  res.dx = as_floats(gx.host, p.dtype);
-  res.dw = as_floats(gw.host, p.dtype);
-  res.db = as_floats(gb.host, p.dtype);
+  res.dx = as_floats(gx.host, gt);
+  res.dw = as_floats(gw.host, gt);
+  res.db = as_floats(gb.host, gt);
   res.lse = as_floats(olse.host, DType::kF32);
   res.row_loss = as_floats(oloss.host, DType::kF32);
   res.pred.resize(static_cast<std::size_t>(n));
@@ -243,11 +247,12 @@ void check_close(const Problem& p, const CrossEntropyOptions& o, const Outcome& 
   const bool f32 = p.dtype == DType::kF32;
   // bf16: both paths round the same fp32 gradients to bf16 (1 ulp = 2^-8 relative); a bf16 dW
   // summed over several chunks also rounds each partial sum, which cancellation can amplify.
-  const bool bf16_partials = !f32 && g.plan.num_chunks > 1 && !o.fp32_weight_grad_accumulator;
+  const bool bf16_partials =
+      p.grads() == DType::kBF16 && g.plan.num_chunks > 1 && !o.fp32_weight_grad_accumulator;
   const double tol_loss = f32 ? 2e-5 : 2e-4, tol_grad = f32 ? 2e-5 : 1.5e-2;
   const double tol_dw = bf16_partials ? 6e-2 : tol_grad;
   INFO("N=", p.n, " H=", p.h, " V=", p.v, " dtype=", dtype_name(p.dtype),
-       " gpu plan: ", g.plan.str());
+       " gradients=", dtype_name(p.grads()), " gpu plan: ", g.plan.str());
   CHECK(g.r.valid_rows == c.r.valid_rows);
   CHECK(std::abs(g.r.loss - c.r.loss) <= tol_loss * (1 + std::abs(c.r.loss)));
   CHECK(std::abs(g.r.z_loss - c.r.z_loss) <= tol_loss * (1 + std::abs(c.r.z_loss)));
@@ -332,6 +337,13 @@ TEST_CASE("gpu: LinearCrossEntropy matches the CPU path for every option and bot
         o.compute_entropy = true;
         o.z_loss = 1e-3f;
         compare(p, o);
+      }
+      SUBCASE("bf16 inputs with fp32 gradient buffers (dW accumulated in fp32 over chunks)") {
+        if (t == DType::kF32) return;
+        p.bias = true;
+        p.grad_dtype = DType::kF32;
+        compare(p, o);
+        compare(p, o, true);
       }
       SUBCASE("valid rows whose class weights sum to 0: zero mean and gradients") {
         p.class_weights = p.zero_divisor = true;

@@ -46,7 +46,8 @@ struct CrossEntropyOptions {
   /// Accumulate dW across chunks in an fp32 buffer in the workspace (V*H*4 bytes, on top of
   /// the budget), rounding once into the caller's dW. Only matters for a bf16 dW: accumulated in
   /// the caller's buffer, it is rounded once per chunk, so its error grows with the number of
-  /// chunks (against float64: about 1.7e-3 in one chunk, 3.4e-3 in 8, 5.4e-3 in 32).
+  /// chunks (against float64: about 1.7e-3 in one chunk, 3.4e-3 in 8, 5.4e-3 in 32). An fp32
+  /// grads.weight (allowed with bf16 inputs) accumulates in fp32 without this buffer.
   bool fp32_weight_grad_accumulator = false;
   /// With inputs.data_group: sum dW and db over the group inside the call, so every rank ends
   /// with the gradient of the group's mean (else each rank has its rows' share). The sums are
