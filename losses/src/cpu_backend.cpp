@@ -146,12 +146,14 @@ class CpuTokenBackend final : public TokenBackend {
       std::int64_t arg = 0;
       while (z[arg] != st.m && arg + 1 < v_) ++arg;
       st.arg = static_cast<std::int32_t>(c_.vocab_offset + arg);
-      st.s = (z - st.m).exp().sum();
-      // (a -inf logit, a column masked through the bias, adds 0 rather than 0 * -inf)
-      st.sez = c_.entropy ? (z == -std::numeric_limits<float>::infinity())
-                                .select(0.0f, (z - st.m).exp() * z)
-                                .sum()
-                          : 0.0f;
+      // A -inf logit (a column masked through the bias) adds nothing to s and sez; logits that
+      // are all -inf here (with a vocabulary split, a whole masked shard) add nothing at all,
+      // as on CUDA, where exp(z - m) would be NaN.
+      constexpr float kMasked = -std::numeric_limits<float>::infinity();
+      const bool all_masked = st.m == kMasked;
+      st.s = all_masked ? 0.0f : (z - st.m).exp().sum();
+      st.sez = c_.entropy && !all_masked ? (z == kMasked).select(0.0f, (z - st.m).exp() * z).sum()
+                                         : 0.0f;
       st.sz = want_sum ? z.sum() : 0.0f;
       st.swz = want_sum && cw ? (z * CArrMap(cw, v_)).sum() : 0.0f;
       const std::int64_t y = target(t) - c_.vocab_offset;

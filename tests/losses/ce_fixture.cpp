@@ -33,12 +33,13 @@ CeData::CeData(const CeSpec& s) : spec(s) {
   if (s.token_weights) token_weights = uniform_floats(sz(s.n), 0.0f, 2.0f, seed + 5);
   grad_output = uniform_floats(sz(s.n), -1.0f, 2.0f, seed + 6);
   targets64 = random_targets(s.n, s.v, s.ignore_fraction, s.ignore_index, seed + 7);
-  if (s.masked_every > 0) {
-    for (std::int64_t k = 0; k < s.v; k += s.masked_every)
-      bias.at(sz(k)) = -std::numeric_limits<float>::infinity();
-    for (std::int64_t& y : targets64)
-      if (y != s.ignore_index && y % s.masked_every == 0) y = (y + 1) % s.v;
-  }
+  const auto masked = [&](std::int64_t k) {
+    return (s.masked_every > 0 && k % s.masked_every == 0) || k >= s.v - s.masked_tail;
+  };
+  for (std::int64_t k = 0; k < s.v; ++k)
+    if (masked(k)) bias.at(sz(k)) = -std::numeric_limits<float>::infinity();
+  for (std::int64_t& y : targets64)
+    while (y != s.ignore_index && masked(y)) y = (y + 1) % s.v;
   sync();
   if (s.hits) {
     // Every third valid row predicts its target: argmax of the (monotone-softcapped) logits.

@@ -31,6 +31,9 @@ struct CeSpec {
   /// With a bias: -inf on every k-th column from 0 (a vocabulary mask), and targets moved off
   /// those columns. 0: no mask.
   std::int64_t masked_every = 0;
+  /// With a bias: -inf on the last k columns too (with a vocabulary split, a whole shard), and
+  /// targets moved off them.
+  std::int64_t masked_tail = 0;
   /// Logits are about N(0, logit_scale^2): hidden ~ N(0, 1), weight ~ N(0, logit_scale^2 / H).
   float logit_scale = 1.0f;
   std::uint64_t seed = 1;

@@ -292,6 +292,20 @@ TEST_CASE("vocab x data parallel: a 2 x 2 grid of ranks") {
   check_split(spec, o, s);
 }
 
+TEST_CASE("vocab parallel: a shard whose columns are all masked (-inf bias)") {
+  // The second shard's statistics are those of no column at all: they must merge as nothing
+  // (exp(z - m) of an all -inf row would be NaN), as the unsplit call sees them.
+  CeSpec spec = spec_of(DType::kF32, 83);
+  spec.bias = true;
+  spec.masked_every = 5;
+  spec.masked_tail = 254;  // the whole of shard [253, 507)
+  CrossEntropyOptions o;
+  o.compute_entropy = true;
+  Split s;
+  s.vocab = {0, 253};
+  check_split(spec, o, s);
+}
+
 TEST_CASE("bad input: vocab shards") {
   const CeSpec spec = spec_of(DType::kF32, 51);
   const CeData d(spec);
