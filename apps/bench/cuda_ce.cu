@@ -56,7 +56,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
   const std::size_t before_ctx = free_bytes();
   gpu::Context ctx(0, nullptr,
                    c.measured_gemms ? gpu::GemmSelection::kMeasured : gpu::GemmSelection::kDefault);
-  const std::size_t context_bytes = before_ctx - free_bytes();
+  const std::size_t context_bytes = taken_since(before_ctx);
   auto s = static_cast<cudaStream_t>(ctx.stream());
 
   // Inputs, gradients and targets (not counted as extra memory).
@@ -144,7 +144,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
   gpu::DeviceBuffer ws(plan.workspace_bytes());
   const Workspace wsv(ws.data(), ws.bytes(), Device::kCuda);
   res.loss_value = ce.forward_backward(ctx, in, gr, {}, wsv).loss;
-  res.extra_measured = {before_ws - free_bytes(),
+  res.extra_measured = {taken_since(before_ws),
                         "cudaMemGetInfo: free before allocating the workspace minus free after the "
                         "first call"};
   std::vector<std::function<void()>> variants = {floor};
@@ -220,7 +220,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
     const std::size_t before_naive = free_bytes();
     gpu::DeviceBuffer z(n * v * 4), zg(bf16 ? n * v * 2 : 0), lse(n * 8), zy(n * 8), ndx(n * h * 4),
         ndw(v * h * 4);
-    res.naive_extra = PeakMemory{before_naive - free_bytes() - (n * h * 4 + v * h * 4),
+    res.naive_extra = PeakMemory{taken_since(before_naive, n * h * 4 + v * h * 4),
                                  "cudaMemGetInfo around its buffers, less its fp32 gradients"};
     res.naive_logits_bytes = static_cast<std::size_t>(n * v * 4);
     res.reference = std::string("materialised fp32 logits [N, V] from the ") +

@@ -84,7 +84,7 @@ CaseResult run_ce_cuda_vocab_parallel(const CaseConfig& c, BenchDevice&) {
   const std::size_t before_nccl = free_bytes();
   auto comms = dist::NcclCommunicator::create_all(ids);
   BENCH_CHECK(cudaSetDevice(0));
-  const std::size_t nccl_bytes = before_nccl - free_bytes();
+  const std::size_t nccl_bytes = taken_since(before_nccl);
 
   CrossEntropyOptions o;
   o.memory_budget_bytes = c.budget_bytes;
@@ -134,7 +134,7 @@ CaseResult run_ce_cuda_vocab_parallel(const CaseConfig& c, BenchDevice&) {
     // another is in cudaMalloc can deadlock in the driver).
     sync.arrive_and_wait();
     rk.loss = ce.forward_backward(*rk.ctx, in, gr, {}, wsv).loss;  // warm-up (NCCL connects)
-    rk.measured = before_ws - free_bytes();
+    rk.measured = taken_since(before_ws);
     Gemms fm{static_cast<cublasHandle_t>(rk.ctx->cublas()), ct, ct, rk.ctx.get()};
     const void* ws_rows = rk.w.as<unsigned char>() + rk.off * h * es;
     const int ni = int(n), hi = int(h), vi = int(rk.rows);

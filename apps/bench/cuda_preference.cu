@@ -113,7 +113,7 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
 
   const std::size_t before_ctx = free_bytes();
   gpu::Context ctx(0);
-  const std::size_t context_bytes = before_ctx - free_bytes();
+  const std::size_t context_bytes = taken_since(before_ctx);
   auto s = static_cast<cudaStream_t>(ctx.stream());
 
   // Inputs, gradients, targets and labels (not counted as extra memory). The reference head is
@@ -219,7 +219,7 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
   gpu::DeviceBuffer ws(res.workspace_bytes);
   const Workspace wsv(ws.data(), ws.bytes(), Device::kCuda);
   const PreferenceResult first = loss.forward_backward(ctx, in, gr, wsv);
-  res.extra_measured = {before_ws - free_bytes(),
+  res.extra_measured = {taken_since(before_ws),
                         "cudaMemGetInfo: free before allocating the workspace minus free after the "
                         "first call"};
   res.loss_value = first.loss;
@@ -244,7 +244,7 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
     gpu::DeviceBuffer z(static_cast<std::size_t>(n * v) * 4),
         zg(bf16 ? static_cast<std::size_t>(n * v) * 2 : 0), lse(n * 8), zy(n * 8), coef(n * 8),
         ndx(nh * 4), ndw(vh * 4);
-    res.naive_extra = PeakMemory{before_naive - free_bytes() - (nh * 4 + vh * 4),
+    res.naive_extra = PeakMemory{taken_since(before_naive, nh * 4 + vh * 4),
                                  "cudaMemGetInfo around its buffers, less its fp32 gradients"};
     res.naive_logits_bytes = static_cast<std::size_t>(n * v) * 4;
     NaiveCuda<float> naive{c,

@@ -278,4 +278,9 @@ std::size_t free_bytes() {
   return f;
 }
 
+std::size_t taken_since(std::size_t before, std::size_t known) {
+  const std::size_t after = free_bytes();
+  return before > after + known ? before - after - known : 0;
+}
+
 }  // namespace chunkloss::bench

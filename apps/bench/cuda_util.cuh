@@ -84,6 +84,10 @@ std::array<double, 3> row_err_quantiles(const __nv_bfloat16* a, const double* b,
 /// Free device memory after synchronising the device (cudaMemGetInfo).
 std::size_t free_bytes();
 
+/// Device memory taken since free_bytes() returned `before`, less `known` bytes (0 rather than
+/// a wrapped value when less was taken).
+std::size_t taken_since(std::size_t before, std::size_t known = 0);
+
 /// Times variants in interleaved rounds on stream `s` with CUDA events: one warm-up call of
 /// each, then `repeats` rounds that call every variant once in turn, so drift of the clocks or
 /// the temperature during the run hits all of them alike. Returns each variant's samples (ms).

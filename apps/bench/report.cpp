@@ -24,9 +24,21 @@ nlohmann::json opt(const std::optional<T>& v) {
   return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
 }
 
-// The naive computation's measured extra memory over the loss's.
-double naive_over_extra(const CaseResult& r) {
+// The naive computation's measured extra memory over the loss's (none when the loss's
+// measured nothing: on a device its small allocations may come from memory already reserved).
+std::optional<double> naive_over_extra(const CaseResult& r) {
+  if (!r.naive_extra || r.extra_measured.bytes == 0) return std::nullopt;
   return static_cast<double>(r.naive_extra->bytes) / static_cast<double>(r.extra_measured.bytes);
+}
+
+// What failed_checks() compared in this case, in words.
+std::string checks_made(const CaseResult& r) {
+  std::string s;
+  if (r.err_loss) s += "naive, ";
+  if (r.f64_err_loss || r.f64_err_grad_hidden) s += "float64, ";
+  if (r.unsplit_err_loss) s += "unsplit call, ";
+  return s +
+         (r.gemm_shapes_unsettled == 0 ? "repeatable loss" : "no repeatability (GEMMs unsettled)");
 }
 
 }  // namespace
@@ -140,7 +152,7 @@ std::string case_details(const CaseRecord& rec) {
   os << "  device: " << r.device_desc << "\n";
   os << "  loadavg before: " << r.load_before << ", after: " << r.load_after << "\n";
   const std::vector<std::string> failed = failed_checks(rec);
-  if (failed.empty()) os << "  checks: passed\n";
+  if (failed.empty()) os << "  checks: passed (" << checks_made(r) << ")\n";
   for (const std::string& f : failed) os << "  CHECK FAILED: " << f << "\n";
   return os.str();
 }
@@ -173,8 +185,8 @@ std::string table_markdown(const std::vector<CaseRecord>& records) {
        << mib(r.extra_measured.bytes) << " | ";
     if (r.naive_ms)
       os << fmt("%.1f", *r.naive_ms) << " | " << mib(r.naive_extra->bytes) << " | "
-         << fmt("%.1fx", naive_over_extra(r)) << " | " << fmt("%.2e", *r.max_rel_err_vs_naive)
-         << " |\n";
+         << (naive_over_extra(r) ? fmt("%.1fx", *naive_over_extra(r)) : "-") << " | "
+         << fmt("%.2e", *r.max_rel_err_vs_naive) << " |\n";
     else
       os << "- | - | - | - |\n";
   }
@@ -251,7 +263,7 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   j["naive_times_ms"] = r.naive_times_ms;
   j["naive_extra_method"] = r.naive_extra ? nlohmann::json(r.naive_extra->method) : nullptr;
   j["naive_logits_bytes"] = opt(r.naive_logits_bytes);
-  j["naive_extra_over_extra"] = r.naive_extra ? nlohmann::json(naive_over_extra(r)) : nullptr;
+  j["naive_extra_over_extra"] = opt(naive_over_extra(r));
   j["err_loss"] = opt(r.err_loss);
   j["err_grad_hidden"] = opt(r.err_grad_hidden);
   j["err_grad_weight"] = opt(r.err_grad_weight);

@@ -364,18 +364,24 @@ std::map<std::string, std::string> run_options(const Settings& s,
 
 // Refuses to resume `st` (saved in `dir`) with other options than it was saved with, or from a
 // step the run cannot continue from. A value the save lacks was not recorded by the build that
-// saved it: the first four below were implied, the rest cannot be compared.
+// saved it: the first four below were implied, the rest cannot be compared. Builds before
+// 2026-12-05 saved the default budget as 0: it is the saved device's default.
 void check_resume(const Settings& s, const std::string& dir, const model::TrainerState& st,
                   const std::map<std::string, std::string>& now, std::int64_t optimizer_step) {
   static const std::map<std::string, std::string> kImplied = {
       {"device", "cpu"}, {"data_parallel", "1"}, {"vocab_parallel", "1"}};
+  const auto saved_value = [&](const std::string& key) -> std::optional<std::string> {
+    if (const auto it = st.strings.find(key); it != st.strings.end()) return it->second;
+    if (const auto it = kImplied.find(key); it != kImplied.end()) return it->second;
+    return std::nullopt;
+  };
   for (const auto& [key, value] : now) {
-    const auto it = st.strings.find(key);
-    const auto implied = kImplied.find(key);
-    if (it == st.strings.end() && implied == kImplied.end()) continue;
-    const std::string& saved = it != st.strings.end() ? it->second : implied->second;
-    CHUNKLOSS_CHECK(saved == value, "--resume ", dir, ": the run was saved with ", key, " = ",
-                    saved, ", this one has ", value, " (exact resume needs the same)");
+    std::optional<std::string> saved = saved_value(key);
+    if (!saved) continue;
+    if (key == "budget_bytes" && *saved == "0")
+      saved = std::to_string(apps::budget_bytes(0, *saved_value("device")));
+    CHUNKLOSS_CHECK(*saved == value, "--resume ", dir, ": the run was saved with ", key, " = ",
+                    *saved, ", this one has ", value, " (exact resume needs the same)");
   }
   CHUNKLOSS_CHECK(st.global_step == optimizer_step, "--resume ", dir,
                   ": trainer_state.json's global_step ", st.global_step,

@@ -142,7 +142,8 @@ __global__ void __launch_bounds__(kStatsThreads)
     apply_row_rule(p, t, y, r);
     return;
   }
-  if (r.arg != INT_MAX) r.arg += static_cast<int>(p.vocab_offset);  // INT_MAX: a row of NaNs
+  // INT_MAX: a row of NaNs, or of -inf (columns masked through the bias)
+  if (r.arg != INT_MAX) r.arg += static_cast<int>(p.vocab_offset);
   p.partials[i] = r;
 }
 

@@ -704,15 +704,21 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
           std::throw_with_nested(Error(detail::error_message(__FILE__, __LINE__, who,
                                                              ": the objective threw for unit ", u,
                                                              ": ", e.what(), written)));
+        } catch (...) {
+          std::throw_with_nested(Error(detail::error_message(__FILE__, __LINE__, who,
+                                                             ": the objective threw for unit ", u,
+                                                             " (not a std::exception)", written)));
         }
         const UnitResult& res = results[ui];
+        bool inputs = true;  // the unit's log-probs are finite
+        for (std::size_t k = 0; k < m; ++k)
+          inputs = inputs && std::isfinite(st[k].logp) && std::isfinite(st[k].ref_logp);
         for (std::size_t k = 0; k < m; ++k) {
-          const bool inputs = std::isfinite(st[k].logp) && std::isfinite(st[k].ref_logp);
           CHUNKLOSS_CHECK(std::isfinite(res.loss) && std::isfinite(res.dlogp[k]), who,
                           ": the objective returned a non-finite loss or derivative for unit ", u,
                           " (logp ", st[k].logp, ", ref ", st[k].ref_logp, ")",
                           inputs ? ""
-                                 : "; the log-probs are not finite, so the inputs are not: "
+                                 : "; the unit's log-probs are not finite, so the inputs are not: "
                                    "check_finite names the tensor",
                           written);
           const auto seq = static_cast<std::size_t>(static_cast<std::int64_t>(k) * units + u);

@@ -130,6 +130,17 @@ def main():
         p = run([train, "--resume", a] + common[:8] + ["--batch-size", "16"], expect=1)
         if "(it has finished)" not in p.stderr:
             fail("resuming a finished run must say so:\n" + p.stderr)
+        # A save of a build before 2026-12-05 recorded the default budget as 0.
+        old = os.path.join(work, "old_budget")
+        shutil.rmtree(old, ignore_errors=True)
+        shutil.copytree(os.path.join(a, "checkpoint-7"), old)
+        with open(os.path.join(old, "trainer_state.json")) as f:
+            st = json.load(f)
+        st["strings"]["budget_bytes"] = "0"
+        with open(os.path.join(old, "trainer_state.json"), "w") as f:
+            json.dump(st, f)
+        run([train, "--resume", old, "--save", os.path.join(work, "old_budget_resumed")] +
+            common[:8] + ["--batch-size", "16"])
         bad = os.path.join(work, "bad_step")
         shutil.rmtree(bad, ignore_errors=True)
         shutil.copytree(os.path.join(a, "checkpoint-7"), bad)

@@ -1509,7 +1509,7 @@ TEST_CASE("bad input: check_finite names the head's tensor, the KL batch's too")
   // Without check_finite the NaN reaches the objective, and the message points at the inputs.
   BadCall unchecked(BadCall::spec());
   unchecked.d.weight[0] = nan;
-  unchecked.expect(DpoOptions{}, "the log-probs are not finite, so the inputs are not");
+  unchecked.expect(DpoOptions{}, "the unit's log-probs are not finite, so the inputs are not");
 }
 
 TEST_CASE("bad input: references where none is allowed, both kinds at once, labels") {
@@ -1716,17 +1716,21 @@ class WeightedAverageNll final : public SequenceObjective {
 
 // Sigmoid DPO without reference, except a NaN loss for the pair whose chosen log-prob is
 // `poison` (as a log1p(-exp(0)) would give on real data).
-// On the pair whose chosen log-prob is `poison`: returns a NaN loss, or throws.
+// How BrokenObjective fails on its pair: a NaN loss, a std::exception, or another exception.
+enum class Breaks { kNaN, kStd, kOther };
+
+// On the pair whose chosen log-prob is `poison`: fails as `breaks` says.
 class BrokenObjective final : public SequenceObjective {
  public:
-  BrokenObjective(double poison, bool throws) : poison_(poison), throws_(throws) {}
+  BrokenObjective(double poison, Breaks breaks) : poison_(poison), breaks_(breaks) {}
   std::string_view name() const override { return "BrokenObjective"; }
   Unit unit() const override { return Unit::kPair; }
   UnitResult evaluate(std::span<const SequenceStats> seqs, const BatchConstants&,
                       std::span<double>) const override {
     const double d = 0.1 * (seqs[0].logp - seqs[1].logp);
     const bool poisoned = std::abs(seqs[0].logp - poison_) < 1e-3;
-    if (poisoned && throws_) throw std::invalid_argument("a poisoned pair");
+    if (poisoned && breaks_ == Breaks::kStd) throw std::invalid_argument("a poisoned pair");
+    if (poisoned && breaks_ == Breaks::kOther) throw 42;
     UnitResult u;
     u.loss = poisoned ? std::numeric_limits<double>::quiet_NaN() : -reference::log_sigmoid(d);
     u.dlogp = {-0.1 * reference::sigmoid(-d), 0.1 * reference::sigmoid(-d)};
@@ -1735,7 +1739,7 @@ class BrokenObjective final : public SequenceObjective {
 
  private:
   double poison_;
-  bool throws_;
+  Breaks breaks_;
 };
 
 TEST_CASE("extension point: a user objective on single sequences with extras and an NLL term") {
@@ -1798,28 +1802,29 @@ TEST_CASE("extension point: an objective returning NaN or throwing raises Error 
       oracle(d, PrefConfig::from(DpoOptions{}), false).logps[static_cast<std::size_t>(pairs - 1)];
   for (Regime r : kRegimes) {
     for (bool accumulate : {false, true}) {
-      for (bool throws : {false, true}) {
+      for (Breaks breaks : {Breaks::kNaN, Breaks::kStd, Breaks::kOther}) {
         SequenceOptions o;
         o.regime = r;
         const PrefGradRequest req;
         DpoOptions as_dpo;
         as_dpo.engine.regime = r;
         o.memory_budget_bytes = min_budget(d, as_dpo, r, req);
-        const SequenceLoss broken(std::make_shared<BrokenObjective>(poison, throws), o);
+        const SequenceLoss broken(std::make_shared<BrokenObjective>(poison, breaks), o);
         PrefGradBuffers g(d, req, 3.25f), pristine(d, req, 3.25f);
         AlignedBuffer ws(broken.workspace_bytes(d.inputs(), g.views()));
         CpuContext ctx;
         CAPTURE(regime_name(r));
         CAPTURE(accumulate);
-        CAPTURE(throws);
+        CAPTURE(static_cast<int>(breaks));
         INFO(broken.plan(d.inputs(), g.views()).str());
         const std::string what = error_message(
             [&] { broken.forward_backward(ctx, d.inputs(), g.views(accumulate), ws.workspace()); });
         CHECK_MESSAGE(what.find("BrokenObjective") != std::string::npos, what);
-        if (throws)
-          CHECK_MESSAGE(what.find("the objective threw for unit " + std::to_string(pairs - 1) +
-                                  ": a poisoned pair") != std::string::npos,
-                        what);
+        const std::string threw = "the objective threw for unit " + std::to_string(pairs - 1);
+        if (breaks == Breaks::kStd)
+          CHECK_MESSAGE(what.find(threw + ": a poisoned pair") != std::string::npos, what);
+        if (breaks == Breaks::kOther)
+          CHECK_MESSAGE(what.find(threw + " (not a std::exception)") != std::string::npos, what);
         const Plan p = broken.plan(d.inputs(), g.views());
         if (p.regime == Regime::kResident && p.num_groups > 1)
           CHECK_MESSAGE(what.find("unspecified") != std::string::npos, what);

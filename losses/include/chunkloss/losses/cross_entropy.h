@@ -63,7 +63,9 @@ struct CrossEntropyOptions {
 };
 
 /// Inputs. Shapes: hidden [N, H], weight [V, H] (same float dtype), bias [V] optional (same
-/// dtype), targets [N] i32 or i64 in [0, V) or ignore_index, class_weights [V] f32 optional,
+/// dtype; a -inf entry masks its column: probability 0, no gradient, check_finite refuses it,
+/// label smoothing then makes the loss infinite as in PyTorch, and a row whose columns are all
+/// masked is NaN), targets [N] i32 or i64 in [0, V) or ignore_index, class_weights [V] f32 optional,
 /// token_weights [N] f32 optional (scale each row's loss; not part of the mean's divisor),
 /// grad_output [N] f32: the upstream gradient, required with Reduction::kNone when any gradient
 /// is requested, not allowed otherwise.
@@ -81,7 +83,8 @@ struct CrossEntropyInputs {
   /// loss, lse, predictions and dH; dW and db are the shard's. With groups, the ranks first agree
   /// whether any rank rejected its call (shapes, shard, plan, workspace; on the CPU also targets
   /// and check_finite's values) or makes a call whose collectives differ (rows, H, chunks, dH
-  /// asked for; over data_group, H, V, and dW and db summed or not), and then all throw. On CUDA
+  /// asked for, a data_group passed or not; over data_group, H, V, and dW and db summed or not),
+  /// and then all throw. On CUDA
   /// that exchange passes through the workspace's first 88 bytes and waits for the stream once
   /// per group (once more in a grid); a workspace that is smaller or on another device is thrown
   /// by its rank alone. On CUDA, out-of-range
