@@ -95,9 +95,11 @@ void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_grou
   CHUNKLOSS_CHECK(vocab_failed == 0, who, ": ", vocab_failed,
                   " rank(s) of vocab_shard.group rejected their calls; this rank's was valid, and "
                   "nothing was written");
-  CHUNKLOSS_CHECK(
-      vocab_same, who, ": the ranks of vocab_shard.group make different kinds of calls (",
-      x.vocab_differs, ", or whether they pass a data_group, differ); nothing was written");
+  // (a call without data_kind, SequenceLogProbs, never takes a data group)
+  CHUNKLOSS_CHECK(vocab_same, who,
+                  ": the ranks of vocab_shard.group make different kinds of calls (",
+                  x.vocab_differs, x.data_kind.empty() ? "" : ", or whether they pass a data_group",
+                  ", differ); nothing was written");
   CHUNKLOSS_CHECK(data_failed == 0, who, ": ", data_failed,
                   " rank(s) of data_group rejected their calls; this rank's was valid, and "
                   "nothing was written");
