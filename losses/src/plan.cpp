@@ -62,13 +62,21 @@ struct DeviceModel {
 DeviceModel device_model(Device d) {
   // CUDA: H200 cuBLAS bf16 (../shared/GPU.md: ~700 TFLOP/s at large C, ~450 at C=128, ~4 TB/s);
   // its GEMMs hold the output tile across the whole reduction.
-  // CPU: two cores through Eigen; a GEMM saturates at a few dozen rows, and Eigen's blocking
-  // walks the reduction in panels of a few hundred rows (kc = 520 for fp32 at 512 KiB of L2),
-  // rewriting the output once per panel. The model takes 256 rows, at most one such panel, which
-  // measurement backs: at 4096 x 1024 x 32768 fp32 on 2 cores, 192-row chunks ran at 0.92x the
-  // full-size GEMMs and 1984-row chunks at 1.04x (the machine's run-to-run noise is larger).
+  // CPU: two cores through Eigen; a GEMM saturates at a few dozen rows. Built for SSE2 alone,
+  // Eigen's blocking walks the reduction in panels of a few hundred rows (kc = 520 for fp32 at
+  // 512 KiB of L2), rewriting the output once per panel, and the model takes 256 rows, at most
+  // one such panel: at 4096 x 1024 x 32768 fp32 on 2 cores, 192-row chunks ran at 0.92x the
+  // full-size GEMMs and 1984-row chunks at 1.04x. Built with AVX2 (CHUNKLOSS_CPU_LEVEL v3 or
+  // native), longer chunks keep gaining (2026-12-05, the same shape: the loss at 1.23x the
+  // full-size GEMMs with 256-row chunks, 1.11x with 512, 1.08x with 1024, 1.02x with 2048), so
+  // there the budget alone bounds a chunk.
+#ifdef __AVX2__
+  constexpr std::int64_t kCpuPanelRows = 0;
+#else
+  constexpr std::int64_t kCpuPanelRows = 256;
+#endif
   return d == Device::kCuda ? DeviceModel{7.0e14, 48.0, 3.5e12, 0}
-                            : DeviceModel{1.0e11, 16.0, 1.0e10, 256};
+                            : DeviceModel{1.0e11, 16.0, 1.0e10, kCpuPanelRows};
 }
 
 // Bytes for plans' lines: "512 B", "6.3 KiB", "256.0 MiB".

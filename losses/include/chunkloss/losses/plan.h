@@ -110,7 +110,8 @@ struct Plan {
 
 /// The most rows a chunk gets on device `d` however large the budget (0: no such bound): the
 /// depth panel of the device's GEMM, beyond which a longer chunk saves no rewrite of dW and only
-/// takes memory. 256 on the CPU (Eigen), none on CUDA.
+/// takes memory. On the CPU 256 when Eigen is built without AVX2, none with it (the default
+/// x86-64-v3 build, see CHUNKLOSS_CPU_LEVEL); none on CUDA.
 std::int64_t max_chunk_rows(Device d);
 
 /// The workspace budget of a call whose options give 0: 256 MiB on the CPU, 1 GiB on CUDA.
