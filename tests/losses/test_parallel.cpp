@@ -87,20 +87,33 @@ RankRun call_rank(const CeData& d, const CrossEntropyOptions& o, const Split& s,
   return run;
 }
 
+// The groups of a grid of `nr` row parts x `nv` vocabulary parts: a vocabulary group per row part
+// and a data group per vocabulary part (when split that way), the rank (ri, vi) their
+// vocab(ri, vi) and data(ri, vi) (null: not split that way).
+struct Grid {
+  Grid(std::size_t nr, std::size_t nv) {
+    for (std::size_t i = 0; nv > 1 && i < nr; ++i)
+      vocab_groups.push_back(std::make_unique<dist::InProcessGroup>(static_cast<int>(nv)));
+    for (std::size_t i = 0; nr > 1 && i < nv; ++i)
+      data_groups.push_back(std::make_unique<dist::InProcessGroup>(static_cast<int>(nr)));
+  }
+  dist::Communicator* vocab(std::size_t ri, std::size_t vi) const {
+    return vocab_groups.empty() ? nullptr : &vocab_groups[ri]->comm(static_cast<int>(vi));
+  }
+  dist::Communicator* data(std::size_t ri, std::size_t vi) const {
+    return data_groups.empty() ? nullptr : &data_groups[vi]->comm(static_cast<int>(ri));
+  }
+  std::vector<std::unique_ptr<dist::InProcessGroup>> vocab_groups, data_groups;
+};
+
 // Every rank on its own thread, rank (ri, vi) at [ri * vocab parts + vi], in a vocabulary group
 // per row part and a data group per vocabulary part (when split that way).
 std::vector<RankRun> call_split(const CeData& d, const CrossEntropyOptions& o, const Split& s) {
   const std::size_t nv = s.vocab.size(), nr = s.rows.size();
-  std::vector<std::unique_ptr<dist::InProcessGroup>> vocab_groups, data_groups;
-  for (std::size_t i = 0; nv > 1 && i < nr; ++i)
-    vocab_groups.push_back(std::make_unique<dist::InProcessGroup>(static_cast<int>(nv)));
-  for (std::size_t i = 0; nr > 1 && i < nv; ++i)
-    data_groups.push_back(std::make_unique<dist::InProcessGroup>(static_cast<int>(nr)));
+  const Grid grid(nr, nv);
   return on_threads(nv * nr, [&](std::size_t k) {
     const std::size_t ri = k / nv, vi = k % nv;
-    dist::Communicator* vg = nv > 1 ? &vocab_groups[ri]->comm(static_cast<int>(vi)) : nullptr;
-    dist::Communicator* dg = nr > 1 ? &data_groups[vi]->comm(static_cast<int>(ri)) : nullptr;
-    return call_rank(d, o, s, ri, vi, vg, dg);
+    return call_rank(d, o, s, ri, vi, grid.vocab(ri, vi), grid.data(ri, vi));
   });
 }
 
@@ -454,11 +467,7 @@ using Tweak =
 std::vector<std::string> grid_errors(std::size_t nr, std::size_t nv, const Tweak& tweak) {
   const CeSpec spec = spec_of(DType::kF32, 91);
   const CeData d(spec);
-  std::vector<std::unique_ptr<dist::InProcessGroup>> vocab_groups, data_groups;
-  for (std::size_t i = 0; nv > 1 && i < nr; ++i)
-    vocab_groups.push_back(std::make_unique<dist::InProcessGroup>(static_cast<int>(nv)));
-  for (std::size_t i = 0; nr > 1 && i < nv; ++i)
-    data_groups.push_back(std::make_unique<dist::InProcessGroup>(static_cast<int>(nr)));
+  const Grid grid(nr, nv);
   return on_threads(nr * nv, [&](std::size_t k) {
     const auto ri = static_cast<std::int64_t>(k / nv), vi = static_cast<std::int64_t>(k % nv);
     const std::int64_t v0 = nv > 1 ? 253 * vi : 0, v = nv > 1 ? 253 + vi : spec.v;
@@ -467,8 +476,9 @@ std::vector<std::string> grid_errors(std::size_t nr, std::size_t nv, const Tweak
     in.hidden = TensorView::of(d.hidden.data() + n0 * spec.h, {n, spec.h});
     in.targets = TensorView::of(d.targets32.data() + n0, {n});
     in.weight = TensorView::of(d.weight.data() + v0 * spec.h, {v, spec.h});
-    if (nv > 1) in.vocab_shard = {&vocab_groups[ri]->comm(static_cast<int>(vi)), v0, spec.v};
-    if (nr > 1) in.data_group = &data_groups[vi]->comm(static_cast<int>(ri));
+    const auto rk = static_cast<std::size_t>(ri), vk = static_cast<std::size_t>(vi);
+    if (nv > 1) in.vocab_shard = {grid.vocab(rk, vk), v0, spec.v};
+    in.data_group = grid.data(rk, vk);
     GradStorage buffers(DType::kF32, true, true, false, n, spec.h, v, NAN);
     CrossEntropyGrads grads = buffers.views_as<CrossEntropyGrads>(false);
     CrossEntropyOptions o;
