@@ -257,7 +257,10 @@ void check_close(const Problem& p, const CrossEntropyOptions& o, const Outcome& 
   CHECK(std::abs(g.r.loss - c.r.loss) <= tol_loss * (1 + std::abs(c.r.loss)));
   CHECK(std::abs(g.r.z_loss - c.r.z_loss) <= tol_loss * (1 + std::abs(c.r.z_loss)));
   CHECK(std::abs(g.r.weight_sum - c.r.weight_sum) <= 1e-6 * (1 + c.r.weight_sum));
-  CHECK(std::abs(g.r.entropy - c.r.entropy) <= tol_loss * (1 + std::abs(c.r.entropy)));
+  // The entropy, lse - sum(e z) / sum(e), cancels: over 250000 fp32 columns summed in another
+  // order the paths differed by 2.8e-4 relative (H200, 2026-12-05).
+  const double tol_entropy = f32 ? 1e-3 : 2e-3;
+  CHECK(std::abs(g.r.entropy - c.r.entropy) <= tol_entropy * (1 + std::abs(c.r.entropy)));
   CHECK(std::abs(g.r.accuracy - c.r.accuracy) <= 0.011);  // the predictions' allowance below
   CHECK(rel_err(g.dx, c.dx) <= tol_grad);
   CHECK(rel_err(g.dw, c.dw) <= tol_dw);
