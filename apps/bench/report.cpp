@@ -150,7 +150,8 @@ std::string case_details(const CaseRecord& rec) {
     os << "  dX rows vs float64 (relative norm of each row): median " << fmt("%.3g", (*q)[0])
        << ", p99 " << fmt("%.3g", (*q)[1]) << ", max " << fmt("%.3g", (*q)[2]) << "\n";
   os << "  device: " << r.device_desc << "\n";
-  os << "  loadavg before: " << r.load_before << ", after: " << r.load_after << "\n";
+  if (!r.load_before.empty())  // recorded by the CPU cases
+    os << "  loadavg before: " << r.load_before << ", after: " << r.load_after << "\n";
   const std::vector<std::string> failed = failed_checks(rec);
   if (failed.empty()) os << "  checks: passed (" << checks_made(r) << ")\n";
   for (const std::string& f : failed) os << "  CHECK FAILED: " << f << "\n";
@@ -294,8 +295,10 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   j["workspace_bytes"] = r.workspace_bytes;
   j["failed_checks"] = failed_checks(rec);
   j["device_desc"] = r.device_desc;
-  j["loadavg_before"] = r.load_before;
-  j["loadavg_after"] = r.load_after;
+  if (!r.load_before.empty()) {
+    j["loadavg_before"] = r.load_before;
+    j["loadavg_after"] = r.load_after;
+  }
   j["compiler"] = __VERSION__;
   return j;
 }
