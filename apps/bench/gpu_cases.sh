@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by the run_*_gpu.sh scripts (sourced, not run): each case as its own chunkloss-bench
 # call writing OUT/NAME.json, OUT/NAME.txt (details and table) and OUT/NAME.err; a failing case
 # is reported and the rest still run.

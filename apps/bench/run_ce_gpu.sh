@@ -13,6 +13,7 @@
 #   apps/bench/run_ce_gpu.sh OUT_DIR [path/to/chunkloss-bench]
 #   (env: REPEATS, default 10; GEMMS, default or measured, default default)
 set -u
+# shellcheck source=apps/bench/gpu_cases.sh
 source "$(dirname "$0")/gpu_cases.sh"
 parse_case_args "$@"
 repeats=${REPEATS:-10}

@@ -7,6 +7,7 @@
 #   apps/bench/run_preference_gpu.sh OUT_DIR [path/to/chunkloss-bench]
 #   (env: REPEATS, default 5)
 set -u
+# shellcheck source=apps/bench/gpu_cases.sh
 source "$(dirname "$0")/gpu_cases.sh"
 parse_case_args "$@"
 repeats=${REPEATS:-5}
