@@ -4,8 +4,8 @@
 # memcheck over the suites and CUDA training runs (one rank and --data-parallel 2), racecheck of
 # most of the suites' cases (see below) and synccheck of the project's kernels. Test binaries run directly, not through CTest:
 # CTest files hold the build machine's paths. Writes OUT/NAME.txt per check and OUT/summary.txt.
-# PART picks the suites and memcheck (about 4 minutes on the H200), the racecheck and synccheck
-# runs (about 6), or both; the parts fit one device call each.
+# PART picks the suites and memcheck (2 minutes on the H200 on 2026-12-05), the racecheck and
+# synccheck runs (4 minutes), or both; each part fits one device call.
 #
 #   tests/gpu/run_gpu_checks.sh BUILD_DIR OUT_DIR [all|suites|races]
 set -u
