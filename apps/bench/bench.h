@@ -76,6 +76,8 @@ struct CaseResult {
   double ratio = 0;     ///< time_ms / floor_ms
   std::vector<std::pair<std::string, double>> gemm_ms;  ///< each floor GEMM's median
   std::optional<double> chunked_floor_ms;               ///< floor GEMMs at the plan's chunk rows
+  /// The floor at full size with dW beside dX on the context's side (CUDA, --chunked-floor).
+  std::optional<double> side_floor_ms;
   /// `phases`: the loss's median time with only some gradients ("loss only", "dX only", ...).
   std::vector<std::pair<std::string, double>> phase_ms;
   /// measured_gemms: warm-up rounds of every timed call until each GEMM shape had its

@@ -119,26 +119,39 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
   res.device_desc +=
       ", gpu::Context (cuBLAS workspace) " + std::to_string(context_bytes >> 20) + " MiB";
   // The floor over the plan's token chunks, as the library runs its GEMMs: fp32 logits chunk,
-  // the input-dtype gradient operand in place in it (rows one fp32 row apart), dW accumulated;
-  // with bf16 the dX rows in fp32 in the chunk's free halves, as the library's mean does.
+  // the input-dtype gradient operand in place in it (rows one fp32 row apart), dW accumulated
+  // on the context's side beside dX; with bf16 the dX rows in fp32 in the chunk's free halves,
+  // as the library's mean does.
   const bool do_chunked = c.chunked_floor && plan.order == LoopOrder::kTokenChunk;
   const std::int64_t cr = plan.chunk_rows;
   gpu::DeviceBuffer chunk(do_chunked ? cr * v * 4 : 0);
+  const gpu::Context& side = ctx.side();
+  Gemms sm{static_cast<cublasHandle_t>(side.cublas()), ct, ct, &side};
   auto chunked_floor = [&] {
     for (std::int64_t r0 = 0; r0 < n; r0 += cr) {
       const int rows = static_cast<int>(std::min(n, r0 + cr) - r0);
       const auto* xr = static_cast<const unsigned char*>(x.data()) + r0 * h * es;
       fm.logits(xr, w.data(), chunk.data(), rows, int(h), int(v), CUDA_R_32F, CUBLAS_COMPUTE_32F);
       const int ldg = static_cast<int>(v * 4 / es);
+      ctx.fork();
       if (bf16)
         fm.dx(chunk.data(), w.data(), chunk.as<unsigned char>() + v * 2, rows, int(h), int(v), ct,
               ct, CUDA_R_32F, CUBLAS_COMPUTE_32F, ldg, int(v));
       else
         fm.dx(chunk.data(), w.data(), static_cast<unsigned char*>(dx.data()) + r0 * h * es, rows,
               int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F, ldg);
-      fm.dw(chunk.data(), xr, dw.data(), rows, int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F, ldg,
+      sm.dw(chunk.data(), xr, dw.data(), rows, int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F, ldg,
             r0 > 0);
+      ctx.join();
     }
+  };
+  // The floor's GEMMs at full size with dW on the side beside dX, as the library runs them.
+  auto side_floor = [&] {
+    fm.logits(x.data(), w.data(), z->data(), int(n), int(h), int(v), ct, CUBLAS_COMPUTE_32F);
+    ctx.fork();
+    fm.dx(z->data(), w.data(), dx.data(), int(n), int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F);
+    sm.dw(z->data(), x.data(), dw.data(), int(n), int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F);
+    ctx.join();
   };
   const std::size_t before_ws = free_bytes();
   gpu::DeviceBuffer ws(plan.workspace_bytes());
@@ -148,7 +161,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
                         "cudaMemGetInfo: free before allocating the workspace minus free after the "
                         "first call"};
   std::vector<std::function<void()>> variants = {floor};
-  if (do_chunked) variants.emplace_back(chunked_floor);
+  if (do_chunked) variants.insert(variants.end(), {chunked_floor, side_floor});
   // --phases: the loss with only some gradients, in the same rounds.
   CrossEntropyGrads only_dx, only_dw;
   only_dx.hidden = gr.hidden;
@@ -193,7 +206,10 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
     for (cudaEvent_t e : m) BENCH_CHECK(cudaEventDestroy(e));
   res.floor_times_ms = t[0];
   res.floor_ms = median(res.floor_times_ms);
-  if (do_chunked) res.chunked_floor_ms = median(t[1]);
+  if (do_chunked) {
+    res.chunked_floor_ms = median(t[1]);
+    res.side_floor_ms = median(t[2]);
+  }
   res.times_ms = t.back();
   res.time_ms = median(res.times_ms);
   res.ratio = res.time_ms / res.floor_ms;

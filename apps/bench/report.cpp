@@ -102,6 +102,9 @@ std::string case_details(const CaseRecord& rec) {
     os << "  floor at the plan's " << r.plan.chunk_rows
        << "-row chunks: " << fmt("%.2f", *r.chunked_floor_ms) << " ms (ratio "
        << fmt("%.3f", r.time_ms / *r.chunked_floor_ms) << " of the loss over it)\n";
+  if (r.side_floor_ms)
+    os << "  floor with dW beside dX (the context's side): " << fmt("%.2f", *r.side_floor_ms)
+       << " ms (ratio " << fmt("%.3f", r.time_ms / *r.side_floor_ms) << " of the loss over it)\n";
   if (r.gemm_settle_rounds) {
     os << "  GEMM algorithms measured (gpu::GemmSelection::kMeasured): " << *r.gemm_settle_rounds
        << " warm-up rounds of every timed call";
@@ -251,6 +254,7 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   j["floor_times_ms"] = r.floor_times_ms;
   for (const auto& [name, ms] : r.gemm_ms) j["gemm_" + name + "_ms"] = ms;
   j["chunked_floor_ms"] = opt(r.chunked_floor_ms);
+  j["side_floor_ms"] = opt(r.side_floor_ms);
   for (const auto& [name, ms] : r.phase_ms) j["phase_" + name + "_ms"] = ms;
   j["gemm_selection"] = r.gemm_settle_rounds ? "measured" : "default";
   j["gemm_settle_rounds"] = opt(r.gemm_settle_rounds);

@@ -1,5 +1,6 @@
 // The CUDA backend of the token engine: cuBLAS GEMMs (bf16 or fp32 operands, fp32 accumulation)
-// and the kernels of kernels/, all enqueued on the context's stream. No allocation and no host
+// and the kernels of kernels/, enqueued on the context's stream, the weight-gradient work on its
+// side (beside the hidden-gradient GEMMs that read the same tile). No allocation and no host
 // synchronisation until finish(), which copies the scalar results once.
 #include <cuda_runtime.h>
 
@@ -27,7 +28,12 @@ class CudaTokenBackend final : public TokenBackend {
  public:
   CudaTokenBackend(const gpu::Context& ctx, const TokenCall& call, const Plan& plan,
                    const Workspace& ws, bool check_finite)
-      : ctx_(ctx), c_(call), plan_(plan), stream_(ctx.stream()), check_finite_(check_finite) {
+      : ctx_(ctx),
+        c_(call),
+        plan_(plan),
+        lane_(&ctx),
+        stream_(ctx.stream()),
+        check_finite_(check_finite) {
     tile_ = tile_base_ = ws.at<unsigned char>(plan.logits);
     // The plan may be shared with a forward-only call (a reference head): accumulators only
     // for the gradients this call computes.
@@ -64,6 +70,14 @@ class CudaTokenBackend final : public TokenBackend {
     p_.scalars = scalars_;
     ctx.activate();
   }
+  ~CudaTokenBackend() override {
+    try {  // a call that threw: the stream still waits for the side's work
+      settle();
+    } catch (const Error&) {
+    }
+  }
+  CudaTokenBackend(const CudaTokenBackend&) = delete;
+  CudaTokenBackend& operator=(const CudaTokenBackend&) = delete;
 
   void begin() override {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_token_begin(p_, stream_));
@@ -81,6 +95,7 @@ class CudaTokenBackend final : public TokenBackend {
   }
 
   void logits(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1) override {
+    settle();
     gpu::gemm(ctx_, x_rows(r0, r1), false, w_rows(v0, v1), true, tile_, plan_.logits_dtype, v1 - v0,
               0.0f);
   }
@@ -88,6 +103,7 @@ class CudaTokenBackend final : public TokenBackend {
   // With the vocabulary split: each row's statistics of this rank's columns, all-gathered and
   // merged in rank order, then the row rule (equal on every rank).
   void row_stats(std::int64_t r0, std::int64_t r1) override {
+    settle();
     kern::TokenParams p = p_;
     p.partials = vp_.own;
     CHUNKLOSS_LAUNCH_CHECK(
@@ -102,6 +118,7 @@ class CudaTokenBackend final : public TokenBackend {
 
   // The bias gradient is summed from the fp32 logits first, then the tile becomes the gradient.
   void grad_epilogue(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1) override {
+    settle();
     if (db_acc_)
       CHUNKLOSS_LAUNCH_CHECK(kern::launch_bias_grad(p_, tile_, elem(plan_.logits_dtype), v1 - v0,
                                                     r0, r1 - r0, v0, v1 - v0, db_acc_ + v0,
@@ -114,6 +131,7 @@ class CudaTokenBackend final : public TokenBackend {
   void grad_x(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
               bool first) override {
     if (!c_.grad_x.defined()) return;
+    fork();
     const std::int64_t h = c_.hidden;
     auto* dst =
         static_cast<unsigned char*>(c_.grad_x.data()) + r0 * h * dtype_size(c_.grad_x.dtype());
@@ -151,14 +169,17 @@ class CudaTokenBackend final : public TokenBackend {
 
   void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
               bool first) override {
+    const OnSide side(*this);
     weight_grad(r0, r1, v0, v1, first, std::nullopt, shared_mantissa());
   }
 
   void grad_w_rescaled(std::int64_t r0, std::int64_t r1, bool first, float factor) override {
+    const OnSide side(*this);
     weight_grad(r0, r1, 0, c_.vocab, first, factor, shared_mantissa());
   }
 
   void clear_grad_x() override {
+    settle();
     const auto s = static_cast<cudaStream_t>(stream_);
     if (dh_acc_)
       CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(
@@ -172,6 +193,7 @@ class CudaTokenBackend final : public TokenBackend {
 
   // In place, the rows as one contiguous run scaled by the device factor.
   void scale_grad_x_rows(std::int64_t r0, std::int64_t r1, float factor) override {
+    settle();
     if (!dh_acc_) return;
     float* rows = dh_acc_ + r0 * c_.hidden;
     const std::int64_t n = (r1 - r0) * c_.hidden;
@@ -186,6 +208,7 @@ class CudaTokenBackend final : public TokenBackend {
   // instead of once per range. With row scales, runs of ranges sharing a mantissa get one GEMM
   // each with the mantissa as alpha instead, when every run is long enough (mantissa_runs).
   void grad_w_ranges(const std::vector<RowRange>& ranges, bool first) override {
+    const OnSide side(*this);
     std::vector<Run> runs = mantissa_runs(ranges);
     if (runs.empty()) runs.push_back({0, ranges.size(), 0, shared_mantissa()});
     for (const Run& run : runs) {
@@ -199,6 +222,7 @@ class CudaTokenBackend final : public TokenBackend {
   }
 
   void fetch_rows(std::int64_t r0, std::int64_t r1, float* loss, float* logit_sum) override {
+    settle();
     const auto s = static_cast<cudaStream_t>(stream_);
     const std::size_t bytes = static_cast<std::size_t>(r1 - r0) * sizeof(float);
     CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(loss, p_.row.loss + r0, bytes, cudaMemcpyDeviceToHost, s));
@@ -213,6 +237,7 @@ class CudaTokenBackend final : public TokenBackend {
   // m in [0.5, 1) scales the dH rows, and the dW GEMM's alpha when every row since the last dW
   // GEMM shares it (as a pair of an antisymmetric sum objective does), else the X rows.
   void set_coefficients(std::int64_t r0, std::int64_t r1, const float* c) override {
+    settle();
     const auto s = static_cast<cudaStream_t>(stream_);
     const std::size_t bytes = static_cast<std::size_t>(r1 - r0) * sizeof(float);
     const float* ab = c;
@@ -242,6 +267,7 @@ class CudaTokenBackend final : public TokenBackend {
   }
 
   TokenTotals finish() override {
+    settle();
     if (c_.weight_grad_group) {  // the group's sums, before the one rounding
       if (dw_acc_) c_.weight_grad_group->all_reduce_sum(ctx_, dw_acc_, c_.vocab * c_.hidden);
       if (db_acc_) c_.weight_grad_group->all_reduce_sum(ctx_, db_acc_, c_.vocab);
@@ -323,12 +349,12 @@ class CudaTokenBackend final : public TokenBackend {
     auto* dst =
         static_cast<unsigned char*>(c_.grad_w.data()) + v0 * h * dtype_size(c_.grad_w.dtype());
     if (host_dw_ && r1 < c_.rows) {  // alpha deferred to the last chunk (see host_dw_)
-      gpu::gemm(ctx_, g, true, x, false, dst, c_.grad_w.dtype(), h, first ? 0.0f : 1.0f);
+      gpu::gemm(*lane_, g, true, x, false, dst, c_.grad_w.dtype(), h, first ? 0.0f : 1.0f);
       return;
     }
     if (host_dw_) {  // the last chunk: dw = alpha (dw + tile^T x)
       const float* mean_alpha = gemm_scalar(kern::kAlpha);
-      gpu::gemm_device_scalars(ctx_, g, true, x, false, dst, c_.grad_w.dtype(), h, mean_alpha,
+      gpu::gemm_device_scalars(*lane_, g, true, x, false, dst, c_.grad_w.dtype(), h, mean_alpha,
                                mean_alpha);
       return;
     }
@@ -516,24 +542,62 @@ class CudaTokenBackend final : public TokenBackend {
   void grad_gemm(const gpu::Matrix& a, bool trans_a, const gpu::Matrix& b, void* dst,
                  DType dst_dtype, std::int64_t ld, std::optional<float> alpha, float beta) {
     if (alpha == 1.0f) {
-      gpu::gemm(ctx_, a, trans_a, b, false, dst, dst_dtype, ld, beta);
+      gpu::gemm(*lane_, a, trans_a, b, false, dst, dst_dtype, ld, beta);
       return;
     }
     const float* a_dev = alpha ? set_scalar(kern::kWeightAlpha, *alpha) : gemm_scalar(kern::kAlpha);
     const float* b_dev = beta == 0.0f   ? gemm_scalar(kern::kZero)
                          : beta == 1.0f ? gemm_scalar(kern::kOne)
                                         : set_scalar(kern::kFactor, beta);
-    gpu::gemm_device_scalars(ctx_, a, trans_a, b, false, dst, dst_dtype, ld, a_dev, b_dev);
+    gpu::gemm_device_scalars(*lane_, a, trans_a, b, false, dst, dst_dtype, ld, a_dev, b_dev);
   }
   void flush(const TensorView& dst, const float* acc) {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_store_f32(dst.data(), elem(dst.dtype()), acc, dst.numel(),
                                                   c_.accumulate, stream_));
   }
 
+  // The side (gpu::Context::side()) runs the weight-gradient steps beside the hidden-gradient
+  // GEMMs: both read the gradient tile, and write disjoint buffers (dW or its fp32 accumulator
+  // and scaled X rows; dH, its accumulator or fp32 rows in the tile's free halves apart from the
+  // scaled X rows). The first of grad_x and grad_w* after any other step forks the side after
+  // that step's work; every other step that enqueues work joins it first, so nothing else runs
+  // beside it. The device scalar slots the side writes (the dW GEMM's alpha and beta) are not
+  // read by grad_x.
+  void fork() {
+    if (forked_) return;
+    ctx_.fork();
+    forked_ = true;
+  }
+  void settle() {
+    if (!forked_) return;
+    ctx_.join();
+    forked_ = false;
+  }
+  // The steps of its scope enqueue their GEMMs, kernels and copies on the side.
+  class OnSide {
+   public:
+    explicit OnSide(CudaTokenBackend& b) : b_(b) {
+      b.fork();
+      b.lane_ = &b.ctx_.side();
+      b.stream_ = b.lane_->stream();
+    }
+    ~OnSide() {
+      b_.lane_ = &b_.ctx_;
+      b_.stream_ = b_.ctx_.stream();
+    }
+    OnSide(const OnSide&) = delete;
+    OnSide& operator=(const OnSide&) = delete;
+
+   private:
+    CudaTokenBackend& b_;
+  };
+
   const gpu::Context& ctx_;
   const TokenCall& c_;
   const Plan& plan_;
-  void* stream_;
+  const gpu::Context* lane_;  // the context of the GEMMs enqueued now: ctx_ or its side
+  void* stream_;              // its stream
+  bool forked_ = false;
   bool check_finite_;
   unsigned char *tile_ = nullptr, *tile_base_ = nullptr, *x_stage_ = nullptr;
   unsigned char* x_scaled_ = nullptr;

@@ -1,8 +1,9 @@
 // GPU suite of LinearCrossEntropy: the CUDA path against the CPU path (itself checked against
 // the float64 oracle) on the same inputs, every option, both loop orders, fp32 and bf16, odd
 // shapes, budget invariance, bitwise run-to-run equality, measured GEMM selection (every call
-// exact, then bitwise repeatable), all-ignored rows and bad targets.
+// exact, then bitwise repeatable), all-ignored rows and bad targets; the context's side stream.
 // Skips itself, with a message, when no CUDA device exists.
+#include <cuda_runtime.h>
 #include <doctest/doctest.h>
 
 #include <chunkloss/core/error.h>
@@ -10,6 +11,8 @@
 #include <chunkloss/losses/cross_entropy.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +21,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -552,4 +556,52 @@ TEST_CASE("gpu: results left on the device match the host copy; no synchronisati
   CHECK(s[0] == doctest::Approx(host.r.loss).epsilon(1e-6));
   CHECK(s[4] == static_cast<float>(host.r.valid_rows));
   CHECK(s[6] == 0.0f);
+}
+
+TEST_CASE("gpu: the context's side: fork() and join() order its work with the stream's") {
+  if (!have_gpu()) return;
+  gpu::Context ctx(0);
+  const gpu::Context& side = ctx.side();
+  CHECK(&side != &ctx);
+  CHECK(&side.side() == &side);
+  CHECK(side.stream() != ctx.stream());
+  CHECK(side.cublas() != ctx.cublas());
+  CHECK(side.gemm_selection() == ctx.gemm_selection());
+  const auto main_stream = static_cast<cudaStream_t>(ctx.stream());
+  const auto side_stream = static_cast<cudaStream_t>(side.stream());
+  // Host functions on the two streams: the first one of each pair sleeps, then writes; the
+  // second reads, and must see the write only if it was ordered after it.
+  struct Flags {
+    std::atomic<int> written{0}, seen_by_side{-1}, seen_by_stream{-1};
+  } f;
+  const auto slow_write = [](void* p) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    static_cast<Flags*>(p)->written += 1;
+  };
+  REQUIRE(cudaLaunchHostFunc(main_stream, slow_write, &f) == cudaSuccess);
+  ctx.fork();
+  REQUIRE(cudaLaunchHostFunc(
+              side_stream,
+              [](void* p) {
+                auto* g = static_cast<Flags*>(p);
+                g->seen_by_side = g->written.load();
+              },
+              &f) == cudaSuccess);
+  REQUIRE(cudaLaunchHostFunc(side_stream, slow_write, &f) == cudaSuccess);
+  ctx.join();
+  REQUIRE(cudaLaunchHostFunc(
+              main_stream,
+              [](void* p) {
+                auto* g = static_cast<Flags*>(p);
+                g->seen_by_stream = g->written.load();
+              },
+              &f) == cudaSuccess);
+  ctx.synchronize();  // the stream only: the side's work is done too
+  CHECK(cudaStreamQuery(side_stream) == cudaSuccess);
+  CHECK(f.seen_by_side == 1);
+  CHECK(f.seen_by_stream == 2);
+  // On the side itself they order nothing and do nothing.
+  side.fork();
+  side.join();
+  side.synchronize();
 }

@@ -1,5 +1,7 @@
-// The CUDA context (device, stream, cuBLAS handle and workspace) and device buffers.
+// The CUDA context (device, stream, cuBLAS handle and workspace, and its side) and device buffers.
 #include "chunkloss/gpu/context.h"
+
+#include <sstream>
 
 #include "chunkloss/gpu/check.h"
 #include "gemm_selector.h"
@@ -17,9 +19,20 @@ struct Context::Impl {
   cublasHandle_t cublas = nullptr;
   void* cublas_ws = nullptr;
   std::unique_ptr<GemmSelector> selector;
+  // The side and the events that order it with the stream (none on the side itself).
+  std::unique_ptr<Context> side;
+  cudaEvent_t forked = nullptr, joined = nullptr;
 };
 
+// The side is made once the stream's context is complete, so that a failure destroys both.
 Context::Context(int device, void* stream, GemmSelection gemm_selection)
+    : Context(device, stream, gemm_selection, false) {
+  impl_->side.reset(new Context(device, nullptr, gemm_selection, false));
+  CHUNKLOSS_GPU_CHECK(cudaEventCreateWithFlags(&impl_->forked, cudaEventDisableTiming));
+  CHUNKLOSS_GPU_CHECK(cudaEventCreateWithFlags(&impl_->joined, cudaEventDisableTiming));
+}
+
+Context::Context(int device, void* stream, GemmSelection gemm_selection, bool)
     : impl_(std::make_unique<Impl>()) {
   const int n = device_count();
   CHUNKLOSS_CHECK(device >= 0 && device < n, "gpu::Context: device ", device, " does not exist (",
@@ -42,6 +55,10 @@ Context::Context(int device, void* stream, GemmSelection gemm_selection)
 
 Context::~Context() {
   (void)cudaSetDevice(impl_->device);
+  if (impl_->side) (void)cudaStreamSynchronize(impl_->side->impl_->stream);
+  if (impl_->forked) (void)cudaEventDestroy(impl_->forked);
+  if (impl_->joined) (void)cudaEventDestroy(impl_->joined);
+  impl_->side.reset();
   if (impl_->stream) (void)cudaStreamSynchronize(impl_->stream);
   impl_->selector.reset();
   if (impl_->cublas) (void)cublasDestroy(impl_->cublas);
@@ -55,9 +72,31 @@ void* Context::cublas() const { return impl_->cublas; }
 void Context::activate() const { CHUNKLOSS_GPU_CHECK(cudaSetDevice(impl_->device)); }
 void Context::synchronize() const { CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(impl_->stream)); }
 GemmSelection Context::gemm_selection() const { return impl_->selector->mode(); }
-int Context::gemm_shapes_measuring() const { return impl_->selector->shapes_measuring(); }
-std::string Context::gemm_report() const { return impl_->selector->report(); }
+int Context::gemm_shapes_measuring() const {
+  return impl_->selector->shapes_measuring() +
+         (impl_->side ? impl_->side->gemm_shapes_measuring() : 0);
+}
+std::string Context::gemm_report() const {
+  std::string r = impl_->selector->report();
+  if (!impl_->side) return r;
+  std::istringstream side(impl_->side->gemm_report());
+  for (std::string line; std::getline(side, line);) r += "side: " + line + "\n";
+  return r;
+}
 GemmSelector& Context::gemm_selector() const { return *impl_->selector; }
+const Context& Context::side() const { return impl_->side ? *impl_->side : *this; }
+
+void Context::fork() const {
+  if (!impl_->side) return;
+  CHUNKLOSS_GPU_CHECK(cudaEventRecord(impl_->forked, impl_->stream));
+  CHUNKLOSS_GPU_CHECK(cudaStreamWaitEvent(impl_->side->impl_->stream, impl_->forked));
+}
+
+void Context::join() const {
+  if (!impl_->side) return;
+  CHUNKLOSS_GPU_CHECK(cudaEventRecord(impl_->joined, impl_->side->impl_->stream));
+  CHUNKLOSS_GPU_CHECK(cudaStreamWaitEvent(impl_->stream, impl_->joined));
+}
 
 int device_count() {
   int n = 0;

@@ -1,5 +1,6 @@
-// The CUDA execution context: one device, one stream and a cuBLAS handle with its workspace,
-// owned explicitly by the caller (no hidden globals). No CUDA header is included here.
+// The CUDA execution context: one device, one stream and a cuBLAS handle with its workspace (and a
+// side stream with its own), owned explicitly by the caller (no hidden globals). No CUDA header is
+// included here.
 #pragma once
 
 #include <cstddef>
@@ -29,8 +30,9 @@ enum class GemmSelection {
 class GemmSelector;  // internal (lib/gpu/src/gemm_selector.h)
 
 /// A CUDA context. Streams are passed as void* (a cudaStream_t); with `stream == nullptr` the
-/// context creates and owns a non-blocking stream. Work is enqueued on the stream; calls of the
-/// loss objects synchronise it once at the end to copy the scalar results to the host.
+/// context creates and owns a non-blocking stream. Work is enqueued on the stream (and on the
+/// side, see side(), joined back into the stream before a loss call returns); calls of the loss
+/// objects synchronise the stream once at the end to copy the scalar results to the host.
 /// Throws chunkloss::Error when the device does not exist or CUDA/cuBLAS fail.
 class Context final : public chunkloss::Context {
  public:
@@ -53,15 +55,30 @@ class Context final : public chunkloss::Context {
 
   GemmSelection gemm_selection() const;
   /// GemmSelection::kMeasured: the number of GEMM shapes seen whose algorithm is not chosen yet
-  /// (a shape is decided at its next call once its timed calls have finished); 0 otherwise.
+  /// (a shape is decided at its next call once its timed calls have finished); 0 otherwise. The
+  /// side's shapes included.
   int gemm_shapes_measuring() const;
   /// One line per GEMM shape seen under kMeasured: the shape, the algorithm serving it and the
-  /// measured times (empty under kDefault).
+  /// measured times (empty under kDefault); the stream's shapes, then the side's ("side: ").
   std::string gemm_report() const;
   /// The selector gpu::gemm runs its calls through (internal).
   GemmSelector& gemm_selector() const;
 
+  /// The side: a second non-blocking stream on the same device, with a cuBLAS handle, workspace
+  /// (32 MiB) and GEMM selection of its own, made with this context. The side's own side() is
+  /// itself, and its fork() and join() do nothing.
+  /// Its work runs beside the stream's: the loss objects run each chunk's weight-gradient GEMM
+  /// there, beside the chunk's hidden-gradient GEMM, between a fork() and a join().
+  const Context& side() const;
+  /// Work enqueued on the side from now on waits for the work enqueued on the stream so far.
+  void fork() const;
+  /// Work enqueued on the stream from now on waits for the work enqueued on the side so far.
+  void join() const;
+
  private:
+  // The stream, handle, workspace and selector, without a side (the bool tells it apart).
+  Context(int device, void* stream, GemmSelection gemm_selection, bool);
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
