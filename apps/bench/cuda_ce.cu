@@ -121,8 +121,9 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
   // The floor over the plan's token chunks, as the library runs its GEMMs: fp32 logits chunk,
   // the input-dtype gradient operand in place in it (rows one fp32 row apart), dW accumulated
   // on the context's side beside dX; with bf16 the dX rows in fp32 in the chunk's free halves,
-  // as the library's mean does.
-  const bool do_chunked = c.chunked_floor && plan.order == LoopOrder::kTokenChunk;
+  // as the library's mean does (which needs H <= V / 2 for them to fit there; else none).
+  const bool do_chunked =
+      c.chunked_floor && plan.order == LoopOrder::kTokenChunk && (!bf16 || 2 * h <= v);
   const std::int64_t cr = plan.chunk_rows;
   gpu::DeviceBuffer chunk(do_chunked ? cr * v * 4 : 0);
   const gpu::Context& side = ctx.side();
