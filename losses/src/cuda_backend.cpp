@@ -28,12 +28,7 @@ class CudaTokenBackend final : public TokenBackend {
  public:
   CudaTokenBackend(const gpu::Context& ctx, const TokenCall& call, const Plan& plan,
                    const Workspace& ws, bool check_finite)
-      : ctx_(ctx),
-        c_(call),
-        plan_(plan),
-        lane_(&ctx),
-        stream_(ctx.stream()),
-        check_finite_(check_finite) {
+      : ctx_(ctx), c_(call), plan_(plan), lane_(&ctx), check_finite_(check_finite) {
     tile_ = tile_base_ = ws.at<unsigned char>(plan.logits);
     // The plan may be shared with a forward-only call (a reference head): accumulators only
     // for the gradients this call computes.
@@ -80,18 +75,18 @@ class CudaTokenBackend final : public TokenBackend {
   CudaTokenBackend& operator=(const CudaTokenBackend&) = delete;
 
   void begin() override {
-    CHUNKLOSS_LAUNCH_CHECK(kern::launch_token_begin(p_, stream_));
+    CHUNKLOSS_LAUNCH_CHECK(kern::launch_token_begin(p_, stream()));
     if (c_.data_group) {  // the valid rows and the divisor over the group's rows
       c_.data_group->all_reduce_sum(ctx_, scalars_ + kern::kValidRows, 2);
-      CHUNKLOSS_LAUNCH_CHECK(kern::launch_set_divisor(p_, stream_));
+      CHUNKLOSS_LAUNCH_CHECK(kern::launch_set_divisor(p_, stream()));
     }
     if (check_finite_) {
       for (const TensorView* t : {&c_.x, &c_.w, &c_.bias})
         if (t->defined())
           CHUNKLOSS_LAUNCH_CHECK(kern::launch_count_nonfinite(t->data(), elem(t->dtype()),
-                                                              t->numel(), scalars_, stream_));
+                                                              t->numel(), scalars_, stream()));
     }
-    if (db_acc_) CHUNKLOSS_LAUNCH_CHECK(kern::launch_zero(db_acc_, c_.vocab, stream_));
+    if (db_acc_) CHUNKLOSS_LAUNCH_CHECK(kern::launch_zero(db_acc_, c_.vocab, stream()));
   }
 
   void logits(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1) override {
@@ -106,14 +101,14 @@ class CudaTokenBackend final : public TokenBackend {
     settle();
     kern::TokenParams p = p_;
     p.partials = vp_.own;
-    CHUNKLOSS_LAUNCH_CHECK(
-        kern::launch_row_stats(p, tile_, elem(plan_.logits_dtype), c_.vocab, r0, r1 - r0, stream_));
+    CHUNKLOSS_LAUNCH_CHECK(kern::launch_row_stats(p, tile_, elem(plan_.logits_dtype), c_.vocab, r0,
+                                                  r1 - r0, stream()));
     if (!vp_.own) return;
     const std::int64_t rows = r1 - r0;
     c_.vocab_group->all_gather(ctx_, vp_.own, vp_.all,
                                static_cast<std::size_t>(rows) * sizeof(kern::RowStats));
     CHUNKLOSS_LAUNCH_CHECK(
-        kern::launch_merge_row_stats(p_, vp_.all, c_.vocab_group->size(), r0, rows, stream_));
+        kern::launch_merge_row_stats(p_, vp_.all, c_.vocab_group->size(), r0, rows, stream()));
   }
 
   // The bias gradient is summed from the fp32 logits first, then the tile becomes the gradient.
@@ -122,10 +117,10 @@ class CudaTokenBackend final : public TokenBackend {
     if (db_acc_)
       CHUNKLOSS_LAUNCH_CHECK(kern::launch_bias_grad(p_, tile_, elem(plan_.logits_dtype), v1 - v0,
                                                     r0, r1 - r0, v0, v1 - v0, db_acc_ + v0,
-                                                    stream_));
+                                                    stream()));
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_grad_epilogue(p_, tile_, elem(plan_.logits_dtype),
                                                       elem(c_.x.dtype()), v1 - v0, r0, r1 - r0, v0,
-                                                      v1 - v0, stream_));
+                                                      v1 - v0, stream()));
   }
 
   void grad_x(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
@@ -142,7 +137,7 @@ class CudaTokenBackend final : public TokenBackend {
       const float* scale = c_.row_scales ? p_.row.scale + r0 : gemm_scalar(kern::kOne);
       CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(
           dst, elem(c_.grad_x.dtype()), h, vp_.dh, kern::Elem::kF32, h, scale, r1 - r0, h,
-          !first || c_.accumulate, stream_, c_.row_scales ? 1 : 0));
+          !first || c_.accumulate, stream(), c_.row_scales ? 1 : 0));
       return;
     }
     if (dh_acc_) {
@@ -160,7 +155,7 @@ class CudaTokenBackend final : public TokenBackend {
       const float* scale = host_dx_ ? gemm_scalar(kern::kAlpha) : p_.row.scale + r0;
       CHUNKLOSS_LAUNCH_CHECK(
           kern::launch_scale_rows(dst, elem(c_.grad_x.dtype()), h, st, kern::Elem::kF32, ld, scale,
-                                  r1 - r0, h, !first || c_.accumulate, stream_, host_dx_ ? 0 : 1));
+                                  r1 - r0, h, !first || c_.accumulate, stream(), host_dx_ ? 0 : 1));
       return;
     }
     grad_gemm(grad_tile(r0, r1, v0, v1), false, w_rows(v0, v1), dst, c_.grad_x.dtype(), h,
@@ -180,7 +175,7 @@ class CudaTokenBackend final : public TokenBackend {
 
   void clear_grad_x() override {
     settle();
-    const auto s = static_cast<cudaStream_t>(stream_);
+    const auto s = static_cast<cudaStream_t>(stream());
     if (dh_acc_)
       CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(
           dh_acc_, 0, static_cast<std::size_t>(c_.rows * c_.hidden) * sizeof(float), s));
@@ -199,7 +194,7 @@ class CudaTokenBackend final : public TokenBackend {
     const std::int64_t n = (r1 - r0) * c_.hidden;
     CHUNKLOSS_LAUNCH_CHECK(
         kern::launch_scale_rows(rows, kern::Elem::kF32, n, rows, kern::Elem::kF32, n,
-                                set_scalar(kern::kFactor, factor), 1, n, false, stream_));
+                                set_scalar(kern::kFactor, factor), 1, n, false, stream()));
   }
 
   // Several ranges (a resident group's or a packed chunk's sequences, their tiles one after
@@ -223,7 +218,7 @@ class CudaTokenBackend final : public TokenBackend {
 
   void fetch_rows(std::int64_t r0, std::int64_t r1, float* loss, float* logit_sum) override {
     settle();
-    const auto s = static_cast<cudaStream_t>(stream_);
+    const auto s = static_cast<cudaStream_t>(stream());
     const std::size_t bytes = static_cast<std::size_t>(r1 - r0) * sizeof(float);
     CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(loss, p_.row.loss + r0, bytes, cudaMemcpyDeviceToHost, s));
     CHUNKLOSS_GPU_CHECK(
@@ -238,7 +233,7 @@ class CudaTokenBackend final : public TokenBackend {
   // GEMM shares it (as a pair of an antisymmetric sum objective does), else the X rows.
   void set_coefficients(std::int64_t r0, std::int64_t r1, const float* c) override {
     settle();
-    const auto s = static_cast<cudaStream_t>(stream_);
+    const auto s = static_cast<cudaStream_t>(stream());
     const std::size_t bytes = static_cast<std::size_t>(r1 - r0) * sizeof(float);
     const float* ab = c;
     if (c_.row_scales) {
@@ -276,7 +271,7 @@ class CudaTokenBackend final : public TokenBackend {
     if (dh_acc_ && c_.row_scales)
       CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(
           c_.grad_x.data(), elem(c_.grad_x.dtype()), c_.hidden, dh_acc_, kern::Elem::kF32,
-          c_.hidden, p_.row.scale, c_.rows, c_.hidden, c_.accumulate, stream_));
+          c_.hidden, p_.row.scale, c_.rows, c_.hidden, c_.accumulate, stream()));
     else if (dh_acc_)
       flush(c_.grad_x, dh_acc_);
     if (db_acc_) flush(c_.grad_bias, db_acc_);
@@ -284,19 +279,19 @@ class CudaTokenBackend final : public TokenBackend {
         p_, c_.out_row_loss.defined() ? c_.out_row_loss.data_as<float>() : nullptr,
         c_.out_lse.defined() ? c_.out_lse.data_as<float>() : nullptr,
         c_.out_pred.defined() ? c_.out_pred.data_as<std::int32_t>() : nullptr,
-        c_.data_group != nullptr, stream_));
+        c_.data_group != nullptr, stream()));
     if (c_.data_group) {
       c_.data_group->all_reduce_sum(ctx_, scalars_ + kern::kLoss, 4);
-      CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_totals(p_, stream_));
+      CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_totals(p_, stream()));
     }
     if (c_.out_scalars.defined())
       CHUNKLOSS_LAUNCH_CHECK(
-          kern::launch_export_scalars(scalars_, c_.out_scalars.data_as<float>(), stream_));
+          kern::launch_export_scalars(scalars_, c_.out_scalars.data_as<float>(), stream()));
     if (!c_.copy_results) return {};
     double s[kern::kNumScalars];
     CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(s, scalars_, sizeof s, cudaMemcpyDeviceToHost,
-                                        static_cast<cudaStream_t>(stream_)));
-    CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
+                                        static_cast<cudaStream_t>(stream())));
+    CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream())));
     CHUNKLOSS_CHECK(s[kern::kBadTargets] == 0, "LinearCrossEntropy: targets ", c_.targets.str(),
                     " has ", s[kern::kBadTargets], " values outside [0, V=", c_.total_vocab(),
                     ") that are not ignore_index (", c_.ignore_index,
@@ -427,7 +422,7 @@ class CudaTokenBackend final : public TokenBackend {
       return;
     }
     const std::size_t elt = dtype_size(c_.x.dtype());
-    const auto s = static_cast<cudaStream_t>(stream_);
+    const auto s = static_cast<cudaStream_t>(stream());
     std::int64_t rows = 0;
     for (std::size_t i = run.i0; i < run.i1; ++i) {
       const RowRange& r = ranges[i];
@@ -491,7 +486,7 @@ class CudaTokenBackend final : public TokenBackend {
     const kern::Elem e = elem(c_.x.dtype());
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(
         dst, e, dst_ld, static_cast<const unsigned char*>(c_.x.data()) + r0 * x_row_bytes(), e,
-        c_.hidden, p_.row.scale + r0, r1 - r0, c_.hidden, false, stream_));
+        c_.hidden, p_.row.scale + r0, r1 - r0, c_.hidden, false, stream()));
   }
   // The scaled X rows kept in the free halves of `rows` fp32 tile rows from `tile`, after the
   // fp32 dH rows (tile_staging.h).
@@ -526,7 +521,7 @@ class CudaTokenBackend final : public TokenBackend {
     const float* slot = gemm_scalar(i);
     CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(const_cast<float*>(slot), &value, sizeof value,
                                         cudaMemcpyHostToDevice,
-                                        static_cast<cudaStream_t>(stream_)));
+                                        static_cast<cudaStream_t>(stream())));
     return slot;
   }
   // The alpha of a gradient GEMM over tiles of the uniform coefficient: the mantissa of the
@@ -553,9 +548,11 @@ class CudaTokenBackend final : public TokenBackend {
   }
   void flush(const TensorView& dst, const float* acc) {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_store_f32(dst.data(), elem(dst.dtype()), acc, dst.numel(),
-                                                  c_.accumulate, stream_));
+                                                  c_.accumulate, stream()));
   }
 
+  // The stream work is enqueued on now: the context's, or its side's (OnSide).
+  void* stream() const { return lane_->stream(); }
   // The side (gpu::Context::side()) runs the weight-gradient steps beside the hidden-gradient
   // GEMMs: both read the gradient tile, and write disjoint buffers (dW or its fp32 accumulator
   // and scaled X rows; dH, its accumulator or fp32 rows in the tile's free halves apart from the
@@ -579,12 +576,8 @@ class CudaTokenBackend final : public TokenBackend {
     explicit OnSide(CudaTokenBackend& b) : b_(b) {
       b.fork();
       b.lane_ = &b.ctx_.side();
-      b.stream_ = b.lane_->stream();
     }
-    ~OnSide() {
-      b_.lane_ = &b_.ctx_;
-      b_.stream_ = b_.ctx_.stream();
-    }
+    ~OnSide() { b_.lane_ = &b_.ctx_; }
     OnSide(const OnSide&) = delete;
     OnSide& operator=(const OnSide&) = delete;
 
@@ -595,8 +588,7 @@ class CudaTokenBackend final : public TokenBackend {
   const gpu::Context& ctx_;
   const TokenCall& c_;
   const Plan& plan_;
-  const gpu::Context* lane_;  // the context of the GEMMs enqueued now: ctx_ or its side
-  void* stream_;              // its stream
+  const gpu::Context* lane_;  // where work is enqueued now: ctx_ or its side
   bool forked_ = false;
   bool check_finite_;
   unsigned char *tile_ = nullptr, *tile_base_ = nullptr, *x_stage_ = nullptr;
