@@ -67,8 +67,9 @@ class Context final : public chunkloss::Context {
   /// The side: a second non-blocking stream on the same device, with a cuBLAS handle, workspace
   /// (32 MiB) and GEMM selection of its own, made with this context. Its work runs beside the
   /// stream's: the loss objects run each chunk's weight-gradient GEMM there, beside the chunk's
-  /// hidden-gradient GEMM, between a fork() and a join(). The side's own side() is itself, and
-  /// its fork() and join() do nothing.
+  /// hidden-gradient GEMM, between a fork() and a join(). Under kMeasured the side's GEMMs are
+  /// timed while the stream's run beside them. The side's own side() is itself, and its fork()
+  /// and join() do nothing.
   const Context& side() const;
   /// Work enqueued on the side from now on waits for the work enqueued on the stream so far.
   void fork() const;
