@@ -55,6 +55,10 @@ struct CaseConfig {
   /// cuda ce: the weight split by rows over the first vocab_ranks CUDA devices (NCCL, a thread
   /// per device); 1: one device
   int vocab_ranks = 1;
+  /// ce: 0, one row in 7 ignored; T > 0, the rows are sequences of T rows whose first
+  /// floor(prompt_frac T) targets are ignored (prompts)
+  std::int64_t ce_seq_len = 0;
+  bool skip_ignored_rows = false;  ///< the CrossEntropyOptions field of that name
 
   // Preference losses: S = 2P sequences of T rows (chosen [0, P), rejected [P, 2P); KTO: the
   // same S sequences, labels alternating desirable/undesirable).
@@ -149,6 +153,11 @@ CaseRunner find_runner(std::string_view loss, std::string_view device);
 /// The names accepted by --loss and --device in this build.
 std::vector<std::string> known_losses();
 std::vector<std::string> known_devices();
+
+/// The cross-entropy cases' targets [config.rows] in [0, config.vocab), from a generator seeded
+/// with config.seed: one row in 7 ignored (-100), or with config.ce_seq_len the prompts; sets
+/// res's ignored_rows, reduction (mean) and valid_rows.
+std::vector<std::int64_t> ce_targets(const CaseConfig& config, CaseResult& res);
 
 /// Cross-entropy on the CPU (ce_cpu.cpp): the loss against the 3 bare Eigen GEMMs and a naive
 /// materialised fp32 computation (float64 too with config.exact).

@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <random>
 
 #include "bench.h"
 #include "host_util.h"
@@ -20,7 +19,6 @@ namespace chunkloss::bench {
 namespace {
 
 constexpr std::int64_t kIgnoreIndex = -100;
-constexpr std::int64_t kIgnoreEvery = 7;  // rows 3, 10, 17, ... are ignored (as torch_ce.py)
 
 using MatMap = Eigen::Map<RowMat<float>>;
 using CMatMap = Eigen::Map<const RowMat<float>>;
@@ -94,20 +92,10 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
     round_to_bf16(x32.as<float>(), xb.as<BFloat16>(), n * h, threads);
     round_to_bf16(w32.as<float>(), wb.as<BFloat16>(), v * h, threads);
   }
-  std::vector<std::int64_t> y(static_cast<std::size_t>(n));
-  std::mt19937_64 gen(c.seed * 2 + 7);
-  std::uniform_int_distribution<std::int64_t> pick(0, v - 1);
-  std::int64_t valid = 0;
-  for (std::int64_t t = 0; t < n; ++t) {
-    const std::int64_t target = pick(gen);
-    y[static_cast<std::size_t>(t)] = t % kIgnoreEvery == 3 ? kIgnoreIndex : target;
-    valid += t % kIgnoreEvery != 3;
-  }
+  const std::vector<std::int64_t> y = ce_targets(c, res);
+  const std::int64_t valid = res.valid_rows;
   const CMatMap xm(x32.as<float>(), n, h), wm(w32.as<float>(), v, h);
   res.inputs = "hidden ~ N(0, 1), weight ~ N(0, 1/H), targets uniform in [0, V)";
-  res.ignored_rows = "1 in 7 (rows t with t % 7 == 3)";
-  res.reduction = "mean";
-  res.valid_rows = valid;
 
   // The library's operands and gradient buffers (zeroed, so their pages are resident).
   HostBuffer dx(static_cast<std::size_t>(n * h) * es), dw(static_cast<std::size_t>(v * h) * es);
@@ -118,6 +106,7 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
   opt.loop_order = c.order;
   opt.fp32_weight_grad_accumulator = c.fp32_weight_grad_accumulator;
   opt.logits_dtype = c.logits_dtype;
+  opt.skip_ignored_rows = c.skip_ignored_rows;
   const LinearCrossEntropy ce(opt);
   CrossEntropyInputs in;
   in.hidden = TensorView(bf16 ? xb.as<void>() : x32.as<void>(), c.dtype, {n, h});
@@ -137,6 +126,15 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
   auto gemm_logits = [&] { fzm.noalias() = xm * wm.transpose(); };
   auto gemm_dx = [&] { fdxm.noalias() = fzm * wm; };
   auto gemm_dw = [&] { fdwm.noalias() = fzm.transpose() * xm; };
+  // With prompts (ce_seq_len): the three GEMMs over as many rows as are valid, the work left when
+  // the ignored rows are skipped.
+  auto valid_floor = [&] {
+    MatMap zv(fz.as<float>(), valid, v);
+    zv.noalias() = xm.topRows(valid) * wm.transpose();
+    fdxm.topRows(valid).noalias() = zv * wm;
+    fdwm.noalias() = zv.transpose() * xm.topRows(valid);
+  };
+  const bool do_valid = c.ce_seq_len > 0;
   // The same three GEMMs over the plan's token chunks (dW accumulated chunk by chunk).
   const std::int64_t chunk = res.plan.chunk_rows;
   auto chunked_floor = [&] {
@@ -189,7 +187,7 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
   }
 
   // Timed rounds, interleaved so drift in the machine's load hits every variant alike.
-  std::vector<double> t_logits, t_dx, t_dw, t_chunked;
+  std::vector<double> t_logits, t_dx, t_dw, t_chunked, t_valid;
   double naive_loss = 0;
   for (int r = 0; r < c.repeats; ++r) {
     t_logits.push_back(dev.time_ms(gemm_logits));
@@ -197,6 +195,7 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
     t_dw.push_back(dev.time_ms(gemm_dw));
     res.floor_times_ms.push_back(t_logits.back() + t_dx.back() + t_dw.back());
     if (do_chunked) t_chunked.push_back(dev.time_ms(chunked_floor));
+    if (do_valid) t_valid.push_back(dev.time_ms(valid_floor));
     double loss = 0;
     res.times_ms.push_back(
         dev.time_ms([&] { loss = ce.forward_backward(ctx, in, gr, {}, ws).loss; }));
@@ -211,6 +210,7 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
   res.gemm_ms = {
       {"logits", median(t_logits)}, {"grad_hidden", median(t_dx)}, {"grad_weight", median(t_dw)}};
   if (do_chunked) res.chunked_floor_ms = median(t_chunked);
+  if (do_valid) res.valid_floor_ms = median(t_valid);
 
   if (c.naive) {
     res.naive_ms = median(res.naive_times_ms);

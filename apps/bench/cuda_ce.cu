@@ -21,25 +21,6 @@ constexpr int kMaxSettleRounds = 64;  // warm-up rounds at most under measured G
 
 }  // namespace
 
-std::vector<int> ce_targets(const CaseConfig& c, std::int64_t* valid, CaseResult* res) {
-  constexpr int kIgnoreEvery = 7;  // one row in 7 ignored
-  std::vector<int> y(static_cast<std::size_t>(c.rows));
-  std::uint64_t state = c.seed;
-  *valid = 0;
-  for (std::int64_t i = 0; i < c.rows; ++i) {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    y[static_cast<std::size_t>(i)] =
-        i % kIgnoreEvery == 3
-            ? -100
-            : static_cast<int>((state >> 33) % static_cast<std::uint64_t>(c.vocab));
-    *valid += y[static_cast<std::size_t>(i)] >= 0;
-  }
-  res->ignored_rows = "1 in 7 (rows t with t % 7 == 3)";
-  res->reduction = "mean";
-  res->valid_rows = *valid;
-  return y;
-}
-
 CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
   if (c.vocab_ranks > 1) return run_ce_cuda_vocab_parallel(c, dev);
   CHUNKLOSS_CHECK(gpu::device_count() > 0, "bench: --device cuda but no CUDA device is visible");
@@ -62,8 +43,8 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
   // Inputs, gradients and targets (not counted as extra memory).
   gpu::DeviceBuffer x(n * h * es), w(v * h * es), dx(n * h * es), dw(v * h * es), y(n * 4);
   const RandomOperands ops = fill_operands(c, x.data(), w.data(), n * h, v * h, h, bf16, s);
-  std::int64_t valid = 0;
-  const std::vector<int> hy = ce_targets(c, &valid, &res);
+  const std::vector<int> hy = int_targets(ce_targets(c, res));
+  const std::int64_t valid = res.valid_rows;
   gpu::copy_to_device(y.data(), hy.data(), hy.size() * 4);
   res.inputs = ops.description;
 
@@ -101,6 +82,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
   o.fp32_weight_grad_accumulator = c.fp32_weight_grad_accumulator;
   o.logits_dtype = c.logits_dtype;
   o.loop_order = c.order;
+  o.skip_ignored_rows = c.skip_ignored_rows;
   const LinearCrossEntropy ce(o);
   CrossEntropyInputs in;
   in.hidden = TensorView(x.data(), dt, {n, h}, Device::kCuda);
@@ -154,6 +136,15 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
     sm.dw(z->data(), x.data(), dw.data(), int(n), int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F);
     ctx.join();
   };
+  // With prompts (ce_seq_len): the floor's GEMMs over as many rows as are valid, the work left
+  // when the ignored rows are skipped.
+  const bool do_valid = c.ce_seq_len > 0;
+  auto valid_floor = [&] {
+    const int nv = static_cast<int>(valid);
+    fm.logits(x.data(), w.data(), z->data(), nv, int(h), int(v), ct, CUBLAS_COMPUTE_32F);
+    fm.dx(z->data(), w.data(), dx.data(), nv, int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F);
+    fm.dw(z->data(), x.data(), dw.data(), nv, int(h), int(v), ct, ct, ct, CUBLAS_COMPUTE_32F);
+  };
   const std::size_t before_ws = free_bytes();
   gpu::DeviceBuffer ws(plan.workspace_bytes());
   const Workspace wsv(ws.data(), ws.bytes(), Device::kCuda);
@@ -163,6 +154,8 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
                         "first call"};
   std::vector<std::function<void()>> variants = {floor};
   if (do_chunked) variants.insert(variants.end(), {chunked_floor, side_floor});
+  const std::size_t valid_at = variants.size();
+  if (do_valid) variants.push_back(valid_floor);
   // --phases: the loss with only some gradients, in the same rounds.
   CrossEntropyGrads only_dx, only_dw;
   only_dx.hidden = gr.hidden;
@@ -211,6 +204,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
     res.chunked_floor_ms = median(t[1]);
     res.side_floor_ms = median(t[2]);
   }
+  if (do_valid) res.valid_floor_ms = median(t[valid_at]);
   res.times_ms = t.back();
   res.time_ms = median(res.times_ms);
   res.ratio = res.time_ms / res.floor_ms;

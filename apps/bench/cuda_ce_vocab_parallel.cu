@@ -75,8 +75,7 @@ CaseResult run_ce_cuda_vocab_parallel(const CaseConfig& c, BenchDevice&) {
   const bool bf16 = dt == DType::kBF16;
   const std::size_t es = dtype_size(dt);
   const cudaDataType_t ct = bf16 ? CUDA_R_16BF : CUDA_R_32F;
-  std::int64_t valid = 0;
-  const std::vector<int> hy = ce_targets(c, &valid, &res);
+  const std::vector<int> hy = int_targets(ce_targets(c, res));
 
   std::vector<int> ids(static_cast<std::size_t>(k));
   for (int r = 0; r < k; ++r) ids[static_cast<std::size_t>(r)] = r;
@@ -88,6 +87,7 @@ CaseResult run_ce_cuda_vocab_parallel(const CaseConfig& c, BenchDevice&) {
 
   CrossEntropyOptions o;
   o.memory_budget_bytes = c.budget_bytes;
+  o.skip_ignored_rows = c.skip_ignored_rows;
   o.fp32_weight_grad_accumulator = c.fp32_weight_grad_accumulator;
   o.logits_dtype = c.logits_dtype;
   const LinearCrossEntropy ce(o);

@@ -283,4 +283,8 @@ std::size_t taken_since(std::size_t before, std::size_t known) {
   return before > after + known ? before - after - known : 0;
 }
 
+std::vector<int> int_targets(const std::vector<std::int64_t>& y) {
+  return std::vector<int>(y.begin(), y.end());
+}
+
 }  // namespace chunkloss::bench

@@ -49,10 +49,8 @@ struct RandomOperands {
 RandomOperands fill_operands(const CaseConfig& c, void* x, void* w, std::size_t nh, std::size_t vh,
                              std::int64_t h, bool bf16, cudaStream_t s_);
 
-/// The cross-entropy cases' targets [c.rows] in [0, c.vocab) from a generator seeded with
-/// c.seed, one row in 7 ignored (-100); sets *valid and res's ignored_rows, reduction (mean) and
-/// valid_rows.
-std::vector<int> ce_targets(const CaseConfig& c, std::int64_t* valid, CaseResult* res);
+/// Targets as the i32 the CUDA cases pass.
+std::vector<int> int_targets(const std::vector<std::int64_t>& y);
 
 /// dst[i] = double(src[i]) / bf16(src[i]), on stream s.
 void widen(const float* src, double* dst, std::size_t n, cudaStream_t s);

@@ -1,15 +1,42 @@
-// Host-side helpers of the CPU cases (see host_util.h).
+// Host-side helpers of the CPU cases (see host_util.h), and the cross-entropy cases' targets.
 #include "host_util.h"
 
 #include <chunkloss/core/error.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <random>
+#include <string>
+#include <vector>
 
 #include <sys/mman.h>
 
+#include "bench.h"
+
 namespace chunkloss::bench {
+
+std::vector<std::int64_t> ce_targets(const CaseConfig& c, CaseResult& res) {
+  constexpr std::int64_t kIgnoreEvery = 7;  // rows 3, 10, 17, ... (as torch_ce.py)
+  const std::int64_t t = c.ce_seq_len,
+                     prompt = static_cast<std::int64_t>(std::floor(c.prompt_frac * t));
+  std::vector<std::int64_t> y(static_cast<std::size_t>(c.rows));
+  std::uint64_t state = c.seed;
+  res.valid_rows = 0;
+  for (std::int64_t i = 0; i < c.rows; ++i) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    const bool ignored = t ? i % t < prompt : i % kIgnoreEvery == 3;
+    y[static_cast<std::size_t>(i)] =
+        ignored ? -100
+                : static_cast<std::int64_t>((state >> 33) % static_cast<std::uint64_t>(c.vocab));
+    res.valid_rows += !ignored;
+  }
+  res.ignored_rows = t ? "the first " + std::to_string(prompt) + " of each " + std::to_string(t) +
+                             " rows (prompts)"
+                       : "1 in 7 (rows t with t % 7 == 3)";
+  res.reduction = "mean";
+  return y;
+}
 
 HostBuffer::HostBuffer(std::size_t bytes) : bytes_(bytes) {
   if (bytes == 0) return;

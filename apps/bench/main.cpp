@@ -69,6 +69,10 @@ std::string case_command(const std::string& prog, const CaseConfig& c) {
       w.insert(w.end(), {"--label-smoothing", fmt("%g", c.label_smoothing)});
   } else {
     w.insert(w.end(), {"--rows", std::to_string(c.rows)});
+    if (c.ce_seq_len)
+      w.insert(w.end(), {"--ce-seq-len", std::to_string(c.ce_seq_len), "--prompt-frac",
+                         fmt("%g", c.prompt_frac)});
+    if (c.skip_ignored_rows) w.emplace_back("--skip-ignored-rows");
   }
   w.insert(w.end(), {"--hidden", std::to_string(c.hidden), "--vocab", std::to_string(c.vocab),
                      "--dtype", std::string(dtype_name(c.dtype)), "--logits-dtype",
@@ -102,7 +106,9 @@ Cli parse(int argc, char** argv) {
     ("rows", po::value<std::string>()->default_value("4096"), "ce: N, rows (tokens); list")
     ("pairs", po::value<std::string>()->default_value("2"), "preference losses: P pairs, S = 2P sequences (kto: 2P sequences, labels alternating); list")
     ("seq-len", po::value<std::string>()->default_value("256"), "preference losses: T rows per sequence (N = 2 P T); list")
-    ("prompt-frac", po::value<double>()->default_value(0.25), "preference losses: the first floor(f T) targets of each sequence are ignore_index (prompt)")
+    ("prompt-frac", po::value<double>()->default_value(0.25), "preference losses, and ce with --ce-seq-len: the first floor(f T) targets of each sequence are ignore_index (prompt)")
+    ("ce-seq-len", po::value<std::int64_t>()->default_value(0, "0 = one row in 7 ignored"), "ce: the rows are sequences of T rows, each with a prompt (--prompt-frac); also times the floor over the valid rows only")
+    ("skip-ignored-rows", po::bool_switch()->default_value(false, "off"), "ce: CrossEntropyOptions::skip_ignored_rows (runs of ignored rows are not multiplied; see --ce-seq-len)")
     ("reference", po::value<std::string>()->default_value("", "head for dpo and kto, none otherwise"), "dpo, kto: head (a reference head with its own hidden and weight, run through pass 1 without gradients) | logps (its per-sequence log-probs precomputed, untimed) | none")
     ("dpo-loss", po::value<std::string>()->default_value("sigmoid"), "dpo: loss type (TRL names: sigmoid, hinge, ipo, robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop)")
     ("label-smoothing", po::value<double>()->default_value(0.0), "dpo (sigmoid, robust, exo_pair), simpo, cpo: label smoothing eps")
@@ -148,10 +154,11 @@ Cli parse(int argc, char** argv) {
   if (!find_runner(base.loss, base.device))
     throw apps::UsageError("--loss " + base.loss + " has no runner for --device " + base.device);
   const bool pref = is_preference_loss(base.loss);
+  constexpr std::int64_t kMaxDim = std::int64_t{1} << 31;
   const auto given = [&](const char* o) { return vm.count(o) && !vm[o].defaulted(); };
   for (const char* o :
        {"pairs", "seq-len", "prompt-frac", "reference", "regime", "dpo-loss", "label-smoothing"})
-    if (!pref && given(o))
+    if (!pref && given(o) && !(o == std::string("prompt-frac") && given("ce-seq-len")))
       throw apps::UsageError("--" + std::string(o) + " is for the preference losses, not --loss " +
                              base.loss);
   if (pref && given("rows"))
@@ -184,6 +191,13 @@ Cli parse(int argc, char** argv) {
   base.prompt_frac = vm["prompt-frac"].as<double>();
   if (!(base.prompt_frac >= 0 && base.prompt_frac < 1))
     throw apps::UsageError("--prompt-frac: " + fmt("%g", base.prompt_frac) + " is not in [0, 1)");
+  base.ce_seq_len = vm["ce-seq-len"].as<std::int64_t>();
+  base.skip_ignored_rows = vm["skip-ignored-rows"].as<bool>();
+  if (pref && (base.ce_seq_len || base.skip_ignored_rows))
+    throw apps::UsageError("--ce-seq-len and --skip-ignored-rows are for --loss ce");
+  if (base.ce_seq_len < 0 || base.ce_seq_len > kMaxDim)
+    throw apps::UsageError("--ce-seq-len: " + std::to_string(base.ce_seq_len) + " is not in [0, " +
+                           std::to_string(kMaxDim) + "]");
   base.label_smoothing = vm["label-smoothing"].as<double>();
   if (!(base.label_smoothing >= 0 && base.label_smoothing < 1))
     throw apps::UsageError("--label-smoothing: " + fmt("%g", base.label_smoothing) +
@@ -225,7 +239,6 @@ Cli parse(int argc, char** argv) {
                            ")");
   cli.json = vm["json"].as<std::string>();
 
-  constexpr std::int64_t kMaxDim = std::int64_t{1} << 31;
   const auto rows = apps::parse_int_list("rows", vm["rows"].as<std::string>(), 1, kMaxDim);
   const auto hidden = apps::parse_int_list("hidden", vm["hidden"].as<std::string>(), 1, kMaxDim);
   const auto vocab = apps::parse_int_list("vocab", vm["vocab"].as<std::string>(), 1, kMaxDim - 1);

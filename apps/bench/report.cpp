@@ -233,6 +233,11 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   j["ignored_rows"] = r.ignored_rows;
   j["valid_rows"] = r.valid_rows;
   j["inputs"] = r.inputs;
+  if (!c.preference()) {
+    j["ce_seq_len"] = c.ce_seq_len;
+    j["skip_ignored_rows"] = c.skip_ignored_rows;
+    if (c.ce_seq_len) j["prompt_frac"] = c.prompt_frac;
+  }
   if (c.preference()) {
     j["pairs"] = c.pairs;
     j["seq_len"] = c.seq_len;

@@ -137,6 +137,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   loss_opts.add_options()
     ("beta", po::value<double>()->default_value(0, "0 = the loss's default: 0.1, simpo 2.0"), "beta of dpo, orpo, simpo, cpo, kto")
     ("label-smoothing", po::value<double>()->default_value(0), "ce: label smoothing; dpo, simpo, cpo: the conservative eps")
+    ("skip-ignored-rows", po::value<bool>()->default_value(true), "ce: leave the rows of long runs of ignored targets (prompts, padding) out of the loss's GEMMs (CrossEntropyOptions::skip_ignored_rows); the results agree to rounding")
     ("dpo-loss-type", po::value<std::string>()->default_value("sigmoid"), "dpo: sigmoid, hinge, ipo, robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop")
     ("rpo-alpha", po::value<double>()->default_value(0, "0 = off"), "dpo: weight of the NLL term on chosen tokens (RPO)")
     ("gamma", po::value<double>()->default_value(0.5), "simpo: target margin in reward units")
@@ -238,6 +239,7 @@ std::optional<Settings> parse(int argc, char** argv) {
 
   s.loss.beta = in_range<double>(vm, "beta", 0, 1e6);
   s.loss.label_smoothing = in_range<double>(vm, "label-smoothing", 0, 1);
+  s.loss.skip_ignored_rows = vm["skip-ignored-rows"].as<bool>();
   s.loss.dpo_loss_type = vm["dpo-loss-type"].as<std::string>();
   try {
     parse_dpo_loss(s.loss.dpo_loss_type);
@@ -338,7 +340,9 @@ std::map<std::string, std::string> run_options(const Settings& s,
   }
   const double beta = l.beta > 0 ? l.beta : l.loss == "simpo" ? SimpoOptions{}.beta : 0.1;
   const std::map<std::string, std::map<std::string, std::string>> by_loss = {
-      {"ce", {{"label_smoothing", num(l.label_smoothing)}}},
+      {"ce",
+       {{"label_smoothing", num(l.label_smoothing)},
+        {"skip_ignored_rows", l.skip_ignored_rows ? "true" : "false"}}},
       {"dpo",
        {{"beta", num(beta)},
         {"label_smoothing", num(l.label_smoothing)},

@@ -36,6 +36,7 @@ class CeTrainer final : public Trainer {
     seqs_ = data::encode_sft(tok, data::read_sft_jsonl(data.file), data.encode);
     CrossEntropyOptions o;
     o.label_smoothing = static_cast<float>(loss.label_smoothing);
+    o.skip_ignored_rows = loss.skip_ignored_rows;
     o.memory_budget_bytes = loss.budget_bytes;
     ce_ = LinearCrossEntropy(o);
   }

@@ -33,6 +33,7 @@ struct LossSettings {
   std::string loss = "ce";
   double beta = 0;  ///< 0: the loss's default
   double label_smoothing = 0;
+  bool skip_ignored_rows = true;  ///< ce: CrossEntropyOptions::skip_ignored_rows
   std::string dpo_loss_type = "sigmoid";
   double rpo_alpha = 0;                                 ///< DPO's NLL term weight (0: off)
   double gamma = 0.5;                                   ///< SimPO

@@ -43,6 +43,13 @@ std::pair<double, bool> exchange(const GroupSum& sum, bool failed, std::span<con
 
 }  // namespace
 
+double kind_digest(std::span<const std::uint8_t> bytes) {
+  constexpr std::uint64_t kPrime = 1048573;  // the largest prime below 2^20
+  std::uint64_t h = 0;
+  for (const std::uint8_t b : bytes) h = (h * 257 + b + 1) % kPrime;
+  return static_cast<double>(h);
+}
+
 std::size_t first_exchange_bytes(std::size_t vocab_kind, std::size_t data_kind,
                                  std::size_t data_sums) {
   // (the vocabulary group's kind also holds whether the rank has a data group)

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <exception>
 #include <span>
 
@@ -21,6 +22,9 @@ struct FirstExchange {
   const char* vocab_differs = "";      ///< for the message: what the vocab kind holds
   const char* data_differs = "";       ///< ... and the data kind
 };
+
+/// A digest of bytes for a kind (below 2^20, as the exchange compares kinds).
+double kind_digest(std::span<const std::uint8_t> bytes);
 
 /// The device memory (bytes) an exchange of kinds and sums of these sizes passes through on CUDA.
 std::size_t first_exchange_bytes(std::size_t vocab_kind, std::size_t data_kind,

@@ -267,6 +267,18 @@ class CpuTokenBackend final : public TokenBackend {
     std::fill(rows_.g + r0, rows_.g + r1, 0.0f);
   }
 
+  void skip_rows(std::int64_t r0, std::int64_t r1) override {
+    std::fill(rows_.loss + r0, rows_.loss + r1, 0.0f);
+    std::fill(rows_.lse + r0, rows_.lse + r1, std::numeric_limits<float>::quiet_NaN());
+    if (dh_acc_) {
+      std::fill(dh_acc_ + r0 * h_, dh_acc_ + r1 * h_, 0.0f);
+    } else if (c_.grad_x.defined() && !c_.accumulate) {
+      const std::int64_t row_bytes = h_ * static_cast<std::int64_t>(dtype_size(c_.grad_x.dtype()));
+      std::fill_n(static_cast<unsigned char*>(c_.grad_x.data()) + r0 * row_bytes,
+                  (r1 - r0) * row_bytes, 0);
+    }
+  }
+
   TokenTotals finish() override {
     if (c_.weight_grad_group) {  // the group's sums, before the one rounding
       if (dw_acc_) c_.weight_grad_group->all_reduce_sum(ctx_, dw_acc_, v_ * h_);

@@ -261,6 +261,23 @@ class CudaTokenBackend final : public TokenBackend {
     CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(p_.row.b + r0, ab, bytes, cudaMemcpyHostToDevice, s));
   }
 
+  void skip_rows(std::int64_t r0, std::int64_t r1) override {
+    settle();
+    const auto s = static_cast<cudaStream_t>(stream());
+    const std::size_t n = static_cast<std::size_t>(r1 - r0);
+    CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(p_.row.loss + r0, 0, n * sizeof(float), s));
+    CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(p_.row.lse + r0, 0xFF, n * sizeof(float), s));  // NaN
+    const std::size_t h = static_cast<std::size_t>(c_.hidden);
+    if (dh_acc_) {
+      CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(dh_acc_ + r0 * c_.hidden, 0, n * h * sizeof(float), s));
+    } else if (c_.grad_x.defined() && !c_.accumulate) {
+      const std::size_t row_bytes = h * dtype_size(c_.grad_x.dtype());
+      CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(
+          static_cast<unsigned char*>(c_.grad_x.data()) + static_cast<std::size_t>(r0) * row_bytes,
+          0, n * row_bytes, s));
+    }
+  }
+
   TokenTotals finish() override {
     settle();
     if (c_.weight_grad_group) {  // the group's sums, before the one rounding
@@ -343,7 +360,7 @@ class CudaTokenBackend final : public TokenBackend {
     }
     auto* dst =
         static_cast<unsigned char*>(c_.grad_w.data()) + v0 * h * dtype_size(c_.grad_w.dtype());
-    if (host_dw_ && r1 < c_.rows) {  // alpha deferred to the last chunk (see host_dw_)
+    if (host_dw_ && r1 < chunks_end_) {  // alpha deferred to the last chunk (see host_dw_)
       gpu::gemm(*lane_, g, true, x, false, dst, c_.grad_w.dtype(), h, first ? 0.0f : 1.0f);
       return;
     }
@@ -465,7 +482,8 @@ class CudaTokenBackend final : public TokenBackend {
     host_dx_ = token_plain && c_.grad_x.defined() && !dh_acc_ && !vp_.dh &&
                staging_fits_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype());
     host_dw_ = token_plain && c_.chunks_in_order && c_.grad_w.defined() && !dw_acc_ &&
-               !c_.accumulate && plan_.num_chunks > 1;
+               !c_.accumulate && token_chunk_count(c_, plan_) > 1;
+    chunks_end_ = c_.row_ranges.empty() ? c_.rows : c_.row_ranges.back().r1;
     if (s && c_.row_scales && !in_tile_) {
       const std::int64_t rows = vocab_order ? c_.rows : plan_.chunk_rows;
       if (!vocab_order && c_.grad_x.defined()) {
@@ -604,6 +622,7 @@ class CudaTokenBackend final : public TokenBackend {
   // last GEMM scales all of it by alpha, as the deferred regime does (one bf16 rounding per
   // chunk, as before).
   bool host_dx_ = false, host_dw_ = false;
+  std::int64_t chunks_end_ = 0;  // where the last chunk of token-chunk order ends
   std::size_t free_offset_ = 0;
   std::vector<float> pow2_, mant_;
   bool coef_consumed_ = true;

@@ -78,6 +78,28 @@ void vocab_block_pass(TokenBackend& b, std::int64_t n, std::int64_t v, std::int6
   }
 }
 
+std::vector<RowRange> rows_to_compute(const std::vector<std::uint8_t>& valid,
+                                      std::int64_t min_gap) {
+  std::vector<RowRange> ranges;
+  const auto n = static_cast<std::int64_t>(valid.size());
+  for (std::int64_t t = 0; t < n; ++t) {
+    if (!valid[static_cast<std::size_t>(t)]) continue;
+    if (!ranges.empty() && t - ranges.back().r1 < min_gap)
+      ranges.back().r1 = t + 1;
+    else
+      ranges.push_back({t, t + 1});
+  }
+  return ranges;
+}
+
+std::int64_t token_chunk_count(const TokenCall& call, const Plan& plan) {
+  const std::int64_t c = plan.chunk_rows;
+  if (call.row_ranges.empty()) return (call.rows + c - 1) / c;
+  std::int64_t chunks = 0;
+  for (const RowRange& r : call.row_ranges) chunks += (r.r1 - r.r0 + c - 1) / c;
+  return chunks;
+}
+
 TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan& plan,
                                 const Workspace& ws) {
   auto backend = make_token_backend(ctx, call, plan, ws);
@@ -85,17 +107,27 @@ TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan&
   const std::int64_t n = call.rows, v = call.vocab, c = plan.chunk_rows;
   const bool grads = call.any_grad();
   const bool token_order = plan.order == LoopOrder::kTokenChunk || !grads;
+  const bool skips = token_order && !call.row_ranges.empty();
+  const std::vector<RowRange> ranges = skips ? call.row_ranges : std::vector<RowRange>{{0, n}};
 
-  for (std::int64_t r0 = 0; r0 < n; r0 += c) {
-    const std::int64_t r1 = std::min(n, r0 + c);
-    backend->logits(r0, r1, 0, v);
-    backend->row_stats(r0, r1);
-    if (grads && token_order) {
-      backend->grad_epilogue(r0, r1, 0, v);
-      backend->grad_x(r0, r1, 0, v, true);
-      backend->grad_w(r0, r1, 0, v, r0 == 0);
+  std::int64_t done = 0;  // rows before it are computed or skipped
+  bool first = true;
+  for (const RowRange& range : ranges) {
+    if (range.r0 > done) backend->skip_rows(done, range.r0);
+    for (std::int64_t r0 = range.r0; r0 < range.r1; r0 += c) {
+      const std::int64_t r1 = std::min(range.r1, r0 + c);
+      backend->logits(r0, r1, 0, v);
+      backend->row_stats(r0, r1);
+      if (grads && token_order) {
+        backend->grad_epilogue(r0, r1, 0, v);
+        backend->grad_x(r0, r1, 0, v, true);
+        backend->grad_w(r0, r1, 0, v, first);
+        first = false;
+      }
     }
+    done = range.r1;
   }
+  if (done < n) backend->skip_rows(done, n);
   if (grads && !token_order) vocab_block_pass(*backend, n, v, plan.vocab_block);
   return backend->finish();
 }

@@ -19,6 +19,11 @@ namespace chunkloss::detail {
 /// How the per-row coefficient c_t is scaled.
 enum class RowScale : std::uint8_t { kMean, kSum, kUpstream };
 
+/// Rows [r0, r1).
+struct RowRange {
+  std::int64_t r0, r1;
+};
+
 /// A validated token-objective call: views checked for shapes, dtypes and devices.
 struct TokenCall {
   std::int64_t rows = 0, hidden = 0, vocab = 0;
@@ -48,6 +53,9 @@ struct TokenCall {
   /// run_token_objective drives the call: in token-chunk order the chunks come in row order,
   /// each with one dW GEMM over the full vocabulary.
   bool chunks_in_order = false;
+  /// run_token_objective in token-chunk order: the rows it computes, in order (see
+  /// rows_to_compute); the others are skipped (skip_rows). Empty: all rows.
+  std::vector<RowRange> row_ranges;
 
   bool any_grad() const { return grad_x.defined() || grad_w.defined() || grad_bias.defined(); }
   std::int64_t total_vocab() const { return vocab_total ? vocab_total : vocab; }
@@ -58,11 +66,6 @@ struct TokenTotals {
   double loss = 0, z_loss = 0, correct = 0, entropy = 0;
   std::int64_t valid_rows = 0;
   double weight_sum = 0;
-};
-
-/// Rows [r0, r1).
-struct RowRange {
-  std::int64_t r0, r1;
 };
 
 /// The steps the engine drives. Row ranges are [r0, r1), column ranges [v0, v1); the logits
@@ -114,6 +117,9 @@ class TokenBackend {
   /// Sets the gradient coefficients of rows [r0, r1) from host values: dL/dz_t = c_t (p_t -
   /// onehot_t) under the plain rule.
   virtual void set_coefficients(std::int64_t r0, std::int64_t r1, const float* c) = 0;
+  /// Rows [r0, r1), all ignored, are not computed: their row loss is 0, their lse NaN, and
+  /// their dH rows zero (left as they were when accumulating).
+  virtual void skip_rows(std::int64_t r0, std::int64_t r1) = 0;
   /// Flushes accumulators into the caller's buffers and reduces the scalar totals (into
   /// out_scalars when given; to the host unless copy_results is false).
   virtual TokenTotals finish() = 0;
@@ -163,6 +169,14 @@ std::uint64_t cuda_count_nonfinite(Context& ctx, const TensorView& t, double* sc
 /// Pass 2 in vocab-block order over all n rows, whose lse and coefficients are set: each block
 /// of `block` columns' logits, gradient, dW rows (written once) and dH contribution.
 void vocab_block_pass(TokenBackend& b, std::int64_t n, std::int64_t v, std::int64_t block);
+
+/// The ranges of rows [0, valid.size()) to compute when runs of at least `min_gap` rows with
+/// valid[t] = 0 are skipped (shorter runs are computed with the rows around them); empty when
+/// no row is valid.
+std::vector<RowRange> rows_to_compute(const std::vector<std::uint8_t>& valid, std::int64_t min_gap);
+/// How many chunks run_token_objective runs in token-chunk order: those of each of
+/// call.row_ranges (of all rows when empty) at plan.chunk_rows.
+std::int64_t token_chunk_count(const TokenCall& call, const Plan& plan);
 
 /// Runs the plan's loop order over the call.
 TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan& plan,

@@ -115,26 +115,12 @@ struct HostTargets {
 
 HostTargets read_targets(const char* who, const std::string& name, Context& ctx,
                          const TensorView& targets, std::int64_t v, std::int64_t ignore_index) {
-  const std::int64_t s = targets.size(0), t = targets.size(1), n = s * t;
-  std::vector<std::int64_t> y(static_cast<std::size_t>(n));
-  if (targets.dtype() == DType::kI64) {
-    detail::read_to_host(ctx, targets, y.data());
-  } else {
-    std::vector<std::int32_t> y32(static_cast<std::size_t>(n));
-    detail::read_to_host(ctx, targets, y32.data());
-    std::copy(y32.begin(), y32.end(), y.begin());
-  }
+  const std::int64_t s = targets.size(0), t = targets.size(1);
   HostTargets h;
-  h.valid.assign(static_cast<std::size_t>(n), 0);
+  h.valid = detail::read_valid_targets(ctx, who, name.c_str(), targets, v, ignore_index);
   h.tokens.assign(static_cast<std::size_t>(s), 0);
-  for (std::int64_t i = 0; i < n; ++i) {
-    const std::int64_t yi = y[static_cast<std::size_t>(i)];
-    if (yi == ignore_index) continue;
-    CHUNKLOSS_CHECK(yi >= 0 && yi < v, who, ": ", name, "[", i / t, ", ", i % t, "] = ", yi,
-                    " is outside [0, V=", v, ") and is not ignore_index (", ignore_index, ")");
-    h.valid[static_cast<std::size_t>(i)] = 1;
-    ++h.tokens[static_cast<std::size_t>(i / t)];
-  }
+  for (std::size_t i = 0; i < h.valid.size(); ++i)
+    h.tokens[i / static_cast<std::size_t>(t)] += h.valid[i];
   return h;
 }
 
@@ -524,14 +510,6 @@ Plan call_plan(const SequenceObjective& obj, const Checked& c) {
   return p;
 }
 
-// A digest of bytes, below 2^20 (as the exchange compares kinds).
-double digest(std::span<const std::uint8_t> bytes) {
-  constexpr std::uint64_t kPrime = 1048573;  // the largest prime below 2^20
-  std::uint64_t h = 0;
-  for (const std::uint8_t b : bytes) h = (h * 257 + b + 1) % kPrime;
-  return static_cast<double>(h);
-}
-
 // The objective as far as the library can see it: its name, unit, averaging, NLL weight, use of
 // the KL point and extra metrics (not its own options, such as beta).
 double objective_digest(const SequenceObjective& obj) {
@@ -540,7 +518,7 @@ double objective_digest(const SequenceObjective& obj) {
     << obj.nll_weight() << '|' << obj.uses_kl();
   for (const std::string& m : obj.extra_metrics()) s << '|' << m;
   const std::string t = s.str();
-  return digest({reinterpret_cast<const std::uint8_t*>(t.data()), t.size()});
+  return detail::kind_digest({reinterpret_cast<const std::uint8_t*>(t.data()), t.size()});
 }
 
 // What every rank of a data group must have alike for their collectives to match or for their
@@ -574,8 +552,8 @@ std::array<double, kVocabKind> vocab_call_kind(const SequenceObjective& obj, con
           d(c.kl_seq_len),
           d(c.kl_plan.chunk_rows),
           d(k.hidden),
-          digest(c.call.valid),
-          digest(c.kl_valid),
+          detail::kind_digest(c.call.valid),
+          detail::kind_digest(c.kl_valid),
           objective_digest(obj)};
 }
 
@@ -843,7 +821,7 @@ SequenceLogProbResult SequenceLogProbs::compute(Context& ctx, const Head& head,
     std::array<double, kLogProbKind> kind{};
     if (!rejected)
       kind = {d(plan.chunk_rows), d(targets.size(0)), d(targets.size(1)), d(c->hs.h),
-              digest(ht.valid)};
+              detail::kind_digest(ht.valid)};
     detail::agree_on_call(
         ctx, kLogProbs, group, nullptr, ws, detail::first_exchange_bytes(kLogProbKind, 0, 0),
         rejected, {kind, {}, {}, "their rows, H, which targets are valid, or their plans", ""});

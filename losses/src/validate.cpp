@@ -1,6 +1,7 @@
 // Boundary checks shared by the loss objects.
 #include "validate.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <sstream>
@@ -151,6 +152,37 @@ void check_targets(const char* who, const TensorView& targets, std::int64_t voca
     CHUNKLOSS_CHECK(y == ignore_index || (y >= 0 && y < vocab), who, ": targets[", i, "] = ", y,
                     " is outside [0, V=", vocab, ") and is not ignore_index (", ignore_index, ")");
   }
+}
+
+std::vector<std::uint8_t> read_valid_targets(Context& ctx, const char* who, const char* name,
+                                             const TensorView& targets, std::int64_t vocab,
+                                             std::int64_t ignore_index) {
+  const std::int64_t n = targets.numel();
+  const std::int64_t t = targets.ndim() == 2 ? targets.size(1) : 0;  // [S, T]: two indices
+  std::vector<std::int64_t> y(static_cast<std::size_t>(n));
+  if (targets.dtype() == DType::kI64) {
+    read_to_host(ctx, targets, y.data());
+  } else {
+    std::vector<std::int32_t> y32(static_cast<std::size_t>(n));
+    read_to_host(ctx, targets, y32.data());
+    std::copy(y32.begin(), y32.end(), y.begin());
+  }
+  std::vector<std::uint8_t> valid(static_cast<std::size_t>(n), 0);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t yi = y[static_cast<std::size_t>(i)];
+    if (yi == ignore_index) continue;
+    if (yi < 0 || yi >= vocab) {
+      std::ostringstream at;
+      if (t)
+        at << i / t << ", " << i % t;
+      else
+        at << i;
+      CHUNKLOSS_FAIL(who, ": ", name, "[", at.str(), "] = ", yi, " is outside [0, V=", vocab,
+                     ") and is not ignore_index (", ignore_index, ")");
+    }
+    valid[static_cast<std::size_t>(i)] = 1;
+  }
+  return valid;
 }
 
 }  // namespace chunkloss::detail

@@ -6,6 +6,7 @@
 #include <initializer_list>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "chunkloss/core/context.h"
 #include "chunkloss/core/tensor.h"
@@ -42,5 +43,11 @@ std::int64_t check_vocab_shard(const char* who, const VocabShard& shard, std::in
 /// Targets in [0, V) or equal to ignore_index (host memory only).
 void check_targets(const char* who, const TensorView& targets, std::int64_t vocab,
                    std::int64_t ignore_index);
+/// Whether each target (of [N] or [S, T], i32 or i64, in host memory or on the context's device,
+/// whose stream is then synchronised) is valid, that is not ignore_index; each must be in
+/// [0, V) or ignore_index, else the error names `name` and the element.
+std::vector<std::uint8_t> read_valid_targets(Context& ctx, const char* who, const char* name,
+                                             const TensorView& targets, std::int64_t vocab,
+                                             std::int64_t ignore_index);
 
 }  // namespace chunkloss::detail

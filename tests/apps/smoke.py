@@ -137,6 +137,7 @@ def main():
             f.writelines(lines[1:])
         for extra, word in ((["--lr", "1e-2"], "lr = "), (["--max-length", "32"], "max_length"),
                             (["--label-smoothing", "0.1"], "label_smoothing"),
+                            (["--skip-ignored-rows", "false"], "skip_ignored_rows"),
                             (["--train-file", other_data], "train_file_digest"),
                             (["--budget-mib", "128"], "budget_bytes"),
                             (["--hidden-size", "64"], "--hidden-size 64: the checkpoint")):

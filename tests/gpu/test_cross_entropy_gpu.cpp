@@ -1,7 +1,8 @@
 // GPU suite of LinearCrossEntropy: the CUDA path against the CPU path (itself checked against
 // the float64 oracle) on the same inputs, every option, both loop orders, fp32 and bf16, odd
 // shapes, budget invariance, bitwise run-to-run equality, measured GEMM selection (every call
-// exact, then bitwise repeatable), all-ignored rows and bad targets; the context's side stream.
+// exact, then bitwise repeatable), all-ignored rows, skipped runs of ignored rows and bad
+// targets; the context's side stream.
 // Skips itself, with a message, when no CUDA device exists.
 #include <cuda_runtime.h>
 #include <doctest/doctest.h>
@@ -508,6 +509,61 @@ TEST_CASE("gpu: all rows ignored gives loss 0 and zero gradients; forward only")
   const HostData d2 = make_data(p);
   const Outcome f = run(p, d2, {}, Device::kCuda, false), fb = run(p, d2, {}, Device::kCuda, true);
   CHECK(f.r.loss == doctest::Approx(fb.r.loss).epsilon(1e-6));
+}
+
+// lse with the rows skip_ignored_rows skipped (NaN) as 0: the count of such rows.
+std::int64_t skipped_as_zero(std::vector<float>& lse) {
+  std::int64_t n = 0;
+  for (float& x : lse)
+    if (std::isnan(x)) x = 0.0f, ++n;
+  return n;
+}
+
+TEST_CASE("gpu: skip_ignored_rows matches the CPU path, the skipped rows' outputs and dH too") {
+  if (!have_gpu()) return;
+  // Ignored runs: 300 leading rows, 100 rows (computed), 350 rows, 100 trailing rows; or one
+  // short span of valid rows (a single chunk although the plan has several).
+  struct Layout {
+    std::vector<std::pair<std::int64_t, std::int64_t>> valid;  // spans of valid rows
+    std::int64_t skipped;
+  };
+  const Layout layouts[] = {{{{300, 500}, {600, 900}, {1250, 1300}}, 750}, {{{300, 400}}, 1300}};
+  for (const Layout& lay : layouts) {
+    for (DType t : {DType::kF32, DType::kBF16}) {
+      for (Reduction r : {Reduction::kMean, Reduction::kSum, Reduction::kNone}) {
+        for (bool accumulate : {false, true}) {
+          CAPTURE(lay.skipped);
+          CAPTURE(dtype_name(t));
+          CAPTURE(reduction_name(r));
+          CAPTURE(accumulate);
+          Problem p{1400, 256, 4096, t, true, true};
+          HostData d = make_data(p);
+          for (std::int64_t i = 0; i < p.n; ++i) {
+            bool in_span = false;
+            for (const auto& [a, b] : lay.valid) in_span = in_span || (i >= a && i < b);
+            if (!in_span) d.y[static_cast<std::size_t>(i)] = -100;
+          }
+          for (const auto& [a, b] : lay.valid)  // the spans' ends are valid rows
+            for (std::int64_t i : {a, b - 1}) d.y[static_cast<std::size_t>(i)] = (i * 7) % p.v;
+          CrossEntropyOptions o;
+          o.reduction = r;
+          o.loop_order = LoopOrder::kTokenChunk;
+          o.skip_ignored_rows = true;
+          o.memory_budget_bytes = 128 * p.v * 4 + 100000;  // 128-row chunks, ragged at the ends
+          Outcome g = run(p, d, o, Device::kCuda, true, accumulate);
+          Outcome c = run(p, d, o, Device::kCpu, true, accumulate);
+          CHECK(g.plan.num_chunks > 2);
+          bool same_rows = true;
+          for (std::size_t i = 0; i < c.lse.size(); ++i)
+            same_rows = same_rows && std::isnan(g.lse[i]) == std::isnan(c.lse[i]);
+          CHECK(same_rows);
+          CHECK(skipped_as_zero(g.lse) == lay.skipped);
+          CHECK(skipped_as_zero(c.lse) == lay.skipped);
+          check_close(p, o, g, c);  // dH of the skipped rows: zero, or the prefill kept
+        }
+      }
+    }
+  }
 }
 
 TEST_CASE("gpu: out-of-range targets and non-finite inputs raise chunkloss::Error") {

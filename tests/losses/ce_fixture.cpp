@@ -3,6 +3,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -16,8 +17,6 @@
 
 namespace chunkloss::test {
 namespace {
-
-std::size_t sz(std::int64_t x) { return static_cast<std::size_t>(x); }
 
 std::vector<double> widen(const std::vector<float>& v) { return to_double(v); }
 
@@ -33,6 +32,7 @@ CeData::CeData(const CeSpec& s) : spec(s) {
   if (s.token_weights) token_weights = uniform_floats(sz(s.n), 0.0f, 2.0f, seed + 5);
   grad_output = uniform_floats(sz(s.n), -1.0f, 2.0f, seed + 6);
   targets64 = random_targets(s.n, s.v, s.ignore_fraction, s.ignore_index, seed + 7);
+  std::fill_n(targets64.begin(), std::min(s.ignored_prefix, s.n), s.ignore_index);
   const auto masked = [&](std::int64_t k) {
     return (s.masked_every > 0 && k % s.masked_every == 0) || k >= s.v - s.masked_tail;
   };
@@ -223,11 +223,12 @@ std::string describe(const CeSpec& s, const CrossEntropyOptions& o, const GradRe
      << (g.bias && s.bias ? " db" : "") << (s.bias ? " bias" : "")
      << (s.class_weights ? " class_weights" : "") << (s.token_weights ? " token_weights" : "")
      << (s.targets_i64 ? " i64" : " i32") << " ignore_frac=" << s.ignore_fraction
-     << " ignore_index=" << s.ignore_index << " seed=" << s.seed
-     << " | reduction=" << reduction_name(o.reduction) << " ls=" << o.label_smoothing
-     << " z_loss=" << o.z_loss << " softcap=" << (o.softcap ? *o.softcap : 0.0f)
-     << " entropy=" << o.compute_entropy << " order=" << loop_order_name(o.loop_order)
-     << " fp32_acc=" << o.fp32_weight_grad_accumulator << " budget=" << o.memory_budget_bytes;
+     << " ignore_index=" << s.ignore_index << " ignored_prefix=" << s.ignored_prefix
+     << " seed=" << s.seed << " | reduction=" << reduction_name(o.reduction)
+     << " ls=" << o.label_smoothing << " z_loss=" << o.z_loss
+     << " softcap=" << (o.softcap ? *o.softcap : 0.0f) << " entropy=" << o.compute_entropy
+     << " order=" << loop_order_name(o.loop_order) << " fp32_acc=" << o.fp32_weight_grad_accumulator
+     << " skip=" << o.skip_ignored_rows << " budget=" << o.memory_budget_bytes;
   return os.str();
 }
 

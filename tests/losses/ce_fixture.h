@@ -7,6 +7,7 @@
 #include <chunkloss/core/error.h>
 #include <chunkloss/losses/cross_entropy.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -15,6 +16,9 @@
 #include "support/grad_buffers.h"
 
 namespace chunkloss::test {
+
+/// An index or size as a vector's size_t.
+inline std::size_t sz(std::int64_t x) { return static_cast<std::size_t>(x); }
 
 /// Shape and contents of a generated problem.
 struct CeSpec {
@@ -25,6 +29,7 @@ struct CeSpec {
   bool token_weights = false;
   bool targets_i64 = false;
   double ignore_fraction = 0.2;
+  std::int64_t ignored_prefix = 0;  ///< the first rows are ignored too (a prompt)
   std::int64_t ignore_index = -100;
   /// Set every third valid row's target to its argmax, so accuracy is neither 0 nor 1.
   bool hits = true;

@@ -535,50 +535,53 @@ TEST_CASE("all rows ignored: zero loss, zero gradients, no NaN") {
     for (LoopOrder order : kOrders) {
       for (DType dtype : {DType::kF32, DType::kBF16}) {
         for (bool accumulate : {false, true}) {
-          CeSpec s;
-          s.n = 70;
-          s.h = 12;
-          s.v = 90;
-          s.dtype = dtype;
-          s.bias = true;
-          s.class_weights = true;
-          s.token_weights = true;
-          s.ignore_fraction = 1.0;
-          CrossEntropyOptions o;
-          o.reduction = r;
-          o.loop_order = order;
-          o.label_smoothing = 0.1f;
-          o.z_loss = 0.01f;
-          o.softcap = 3.0f;
-          o.compute_entropy = true;
-          GradRequest g;
-          g.dtype = dtype;
-          const CeData d(s);
-          o.memory_budget_bytes = budget_for_chunk_rows(d, o, g, 64);  // two chunks
-          INFO(describe(s, o, g) << " accumulate=" << accumulate);
-          const LinearCrossEntropy loss(o);
-          CpuContext ctx;
-          const float sentinel = 0.75f;
-          GradBuffers grads(d, g, sentinel);
-          OutBuffers out(s.n);
-          const CrossEntropyResult res = run_with_fresh_workspace(
-              loss, ctx, d.inputs(o), grads.views(accumulate), out.views());
-          CHECK(res.loss == 0.0);
-          CHECK(res.z_loss == 0.0);
-          CHECK(res.valid_rows == 0);
-          CHECK(res.weight_sum == 0.0);
-          CHECK(res.accuracy == 0.0);
-          CHECK(res.entropy == 0.0);
-          const double expect = accumulate ? sentinel : 0.0;
-          check_all_equal("grad_hidden", grads.hidden(), expect);
-          check_all_equal("grad_weight", grads.weight(), expect);
-          check_all_equal("grad_bias", grads.bias(), expect);
-          check_all_equal("row_loss", to_double(out.row_loss), 0.0);
-          check_all_equal("predictions", to_double(out.predictions), -1.0);
-          bool lse_finite = true;
-          for (float x : out.lse) lse_finite = lse_finite && std::isfinite(x);
-          CHECK(lse_finite);
-          check_close("lse", out.lse, oracle(d, o).lse, tolerance(dtype).rows);
+          for (bool skip : {false, true}) {
+            CeSpec s;
+            s.n = 70;
+            s.h = 12;
+            s.v = 90;
+            s.dtype = dtype;
+            s.bias = true;
+            s.class_weights = true;
+            s.token_weights = true;
+            s.ignore_fraction = 1.0;
+            CrossEntropyOptions o;
+            o.reduction = r;
+            o.loop_order = order;
+            o.label_smoothing = 0.1f;
+            o.z_loss = 0.01f;
+            o.softcap = 3.0f;
+            o.compute_entropy = true;
+            o.skip_ignored_rows = skip;  // with no valid row, nothing is skipped
+            GradRequest g;
+            g.dtype = dtype;
+            const CeData d(s);
+            o.memory_budget_bytes = budget_for_chunk_rows(d, o, g, 64);  // two chunks
+            INFO(describe(s, o, g) << " accumulate=" << accumulate << " skip=" << skip);
+            const LinearCrossEntropy loss(o);
+            CpuContext ctx;
+            const float sentinel = 0.75f;
+            GradBuffers grads(d, g, sentinel);
+            OutBuffers out(s.n);
+            const CrossEntropyResult res = run_with_fresh_workspace(
+                loss, ctx, d.inputs(o), grads.views(accumulate), out.views());
+            CHECK(res.loss == 0.0);
+            CHECK(res.z_loss == 0.0);
+            CHECK(res.valid_rows == 0);
+            CHECK(res.weight_sum == 0.0);
+            CHECK(res.accuracy == 0.0);
+            CHECK(res.entropy == 0.0);
+            const double expect = accumulate ? sentinel : 0.0;
+            check_all_equal("grad_hidden", grads.hidden(), expect);
+            check_all_equal("grad_weight", grads.weight(), expect);
+            check_all_equal("grad_bias", grads.bias(), expect);
+            check_all_equal("row_loss", to_double(out.row_loss), 0.0);
+            check_all_equal("predictions", to_double(out.predictions), -1.0);
+            bool lse_finite = true;
+            for (float x : out.lse) lse_finite = lse_finite && std::isfinite(x);
+            CHECK(lse_finite);
+            check_close("lse", out.lse, oracle(d, o).lse, tolerance(dtype).rows);
+          }
         }
       }
     }
@@ -808,6 +811,176 @@ TEST_CASE("chunk-size invariance: every budget gives the same results to roundin
       if (order == LoopOrder::kVocabBlock) CHECK(blocks_seen > 1);
     }
   }
+}
+
+// skip_ignored_rows: a problem of 1400 rows whose ignored runs are 300 leading rows, 100 rows
+// (too short to skip), 350 rows and 100 trailing rows, besides single ignored rows in the valid
+// spans (ignore_fraction).
+CeData skip_layout(CeSpec s) {
+  s.n = 1400;
+  s.h = 32;
+  s.v = 300;
+  CeData d(s);
+  for (std::int64_t t = 0; t < s.n; ++t) {
+    const bool run = t < 300 || (t >= 500 && t < 600) || (t >= 900 && t < 1250) || t >= 1300;
+    const bool edge = t == 300 || t == 499 || t == 600 || t == 899 || t == 1250 || t == 1299;
+    if (run) d.set_target(t, s.ignore_index);
+    if (edge) d.set_target(t, (t * 7) % s.v);
+  }
+  return d;
+}
+
+// The rows skip_ignored_rows skips, found independently of the library: the maximal runs of
+// ignored rows that lead, trail, or hold at least 256 rows.
+std::vector<bool> skipped_rows(const CeData& d) {
+  const std::int64_t n = d.spec.n;
+  std::vector<bool> skip(sz(n), false);
+  for (std::int64_t a = 0; a < n;) {
+    if (d.targets64[sz(a)] != d.spec.ignore_index) {
+      ++a;
+      continue;
+    }
+    std::int64_t b = a;
+    while (b < n && d.targets64[sz(b)] == d.spec.ignore_index) ++b;
+    if (a == 0 || b == n || b - a >= 256)
+      for (std::int64_t t = a; t < b; ++t) skip[sz(t)] = true;
+    a = b;
+  }
+  return skip;
+}
+
+// lse: NaN on the skipped rows, the oracle's elsewhere.
+void check_skipped_lse(const std::vector<float>& lse, const std::vector<bool>& skip,
+                       const std::vector<double>& want, double tol) {
+  std::vector<double> got, ref;
+  std::int64_t wrong = -1;
+  for (std::size_t t = 0; t < lse.size(); ++t) {
+    if (skip[t] != std::isnan(lse[t]) && wrong < 0) wrong = static_cast<std::int64_t>(t);
+    if (skip[t]) continue;
+    got.push_back(lse[t]);
+    ref.push_back(want[t]);
+  }
+  if (wrong >= 0)
+    FAIL_CHECK("lse[" << wrong << "] = " << lse[sz(wrong)] << " for a row "
+                      << std::string(skip[sz(wrong)] ? "skipped" : "computed"));
+  check_close("lse (computed rows)", got, ref, tol);
+}
+
+TEST_CASE("skip_ignored_rows: long runs of ignored rows are skipped, the rest is the oracle's") {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (Reduction r : kReductions) {
+      for (std::int64_t chunk : {0, 128}) {
+        CeSpec s;
+        s.dtype = dtype;
+        s.bias = true;
+        s.class_weights = true;
+        s.token_weights = true;
+        CrossEntropyOptions o;
+        o.reduction = r;
+        o.loop_order = LoopOrder::kTokenChunk;
+        o.label_smoothing = 0.1f;
+        o.z_loss = 0.01f;
+        o.compute_entropy = true;
+        GradRequest g;
+        g.dtype = dtype;
+        const CeData d = skip_layout(s);
+        const std::vector<bool> skip = skipped_rows(d);
+        REQUIRE(std::count(skip.begin(), skip.end(), true) == 750);
+        if (chunk) o.memory_budget_bytes = budget_for_chunk_rows(d, o, g, chunk);
+        const reference::CeResult ref = oracle(d, o);
+        const LibRun plain = run_library(d, o, g);
+        o.skip_ignored_rows = true;
+        INFO(describe(d.spec, o, g) << " chunk rows " << chunk);
+        const LibRun run = run_library(d, o, g);
+        INFO("plan: " << run.plan.str());
+        CHECK(run.plan.workspace_bytes() == plain.plan.workspace_bytes());
+        // Everything but lse against the oracle (row_loss is 0 on every ignored row, and so
+        // are the skipped rows' dH), and lse on the computed rows.
+        OutBuffers out = run.out;
+        const Tolerance tv = tolerance(dtype);
+        check_skipped_lse(out.lse, skip, ref.lse, tv.rows);
+        std::vector<double> ref_lse = ref.lse;
+        for (std::size_t t = 0; t < skip.size(); ++t)
+          if (skip[t]) ref_lse[t] = 0.0, out.lse[t] = 0.0f;
+        LibRun masked{run.result, run.plan, run.grads, out};
+        reference::CeResult ref_masked = ref;
+        ref_masked.lse = ref_lse;
+        check_against_oracle(d, o, g, masked, ref_masked);
+        // ... and the call that computes every row, to rounding (a bf16 dW is rounded once per
+        // chunk, and the two calls cut their chunks elsewhere: to the oracle's tolerance).
+        check_scalar("loss vs all rows", run.result.loss, plain.result.loss,
+                     tolerance(DType::kF32).chunking);
+        const double tg = dtype == DType::kBF16 ? tolerance(dtype).grad : tolerance(dtype).chunking;
+        check_close("grad_hidden vs all rows", run.grads.hidden(), plain.grads.hidden(), tg);
+        check_close("grad_weight vs all rows", run.grads.weight(), plain.grads.weight(), tg);
+        check_close("grad_bias vs all rows", run.grads.bias(), plain.grads.bias(), tg);
+      }
+    }
+  }
+}
+
+TEST_CASE("skip_ignored_rows: skipped dH rows zero, or kept with accumulate; forward only") {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    CeSpec s;
+    s.dtype = dtype;
+    s.bias = true;
+    CrossEntropyOptions o;
+    o.loop_order = LoopOrder::kTokenChunk;
+    o.reduction = Reduction::kSum;
+    o.skip_ignored_rows = true;
+    GradRequest g;
+    g.dtype = dtype;
+    const CeData d = skip_layout(s);
+    INFO(describe(d.spec, o, g));
+    const reference::CeResult ref = oracle(d, o);
+    GradBuffers grads(d, g);
+    grads.fill_random(5, 1e-3, 1e-3, 1e-3);
+    const std::vector<double> h0 = grads.hidden(), w0 = grads.weight(), b0 = grads.bias();
+    const LinearCrossEntropy loss(o);
+    CpuContext ctx;
+    const CrossEntropyResult res =
+        run_with_fresh_workspace(loss, ctx, d.inputs(o), grads.views(true), {});
+    check_scalar("loss", res.loss, ref.loss, tolerance(dtype).loss);
+    auto plus = [](std::vector<double> a, const std::vector<double>& b) {
+      for (std::size_t i = 0; i < a.size(); ++i) a[i] += b[i];
+      return a;
+    };
+    const double tol = tolerance(dtype).grad;
+    check_close("grad_hidden", grads.hidden(), plus(h0, ref.grad_hidden), tol);
+    check_close("grad_weight", grads.weight(), plus(w0, ref.grad_weight), tol);
+    check_close("grad_bias", grads.bias(), plus(b0, ref.grad_bias), tol);
+    const std::vector<bool> skip = skipped_rows(d);
+    std::int64_t changed = 0;  // skipped rows whose dH moved (they must keep their bits)
+    const std::vector<double> h1 = grads.hidden();
+    for (std::int64_t t = 0; t < d.spec.n; ++t)
+      for (std::int64_t j = 0; j < d.spec.h; ++j)
+        if (skip[sz(t)] && h1[sz(t * d.spec.h + j)] != h0[sz(t * d.spec.h + j)]) ++changed;
+    CHECK(changed == 0);
+
+    GradBuffers over(d, g, 0.75f);  // without accumulate the skipped rows' dH becomes zero
+    run_with_fresh_workspace(loss, ctx, d.inputs(o), over.views(false), {});
+    check_close("grad_hidden (overwritten)", over.hidden(), ref.grad_hidden, tol);
+    check_close("grad_weight (overwritten)", over.weight(), ref.grad_weight, tol);
+
+    // Forward only, with a workspace of zeros (not NaN): the skipped rows' lse is written.
+    OutBuffers out(d.spec.n);
+    const AlignedBuffer zeros(loss.workspace_bytes(d.inputs(o)), 0x00);
+    const CrossEntropyResult fwd = loss.forward(ctx, d.inputs(o), out.views(), zeros.workspace());
+    check_scalar("forward loss", fwd.loss, ref.loss, tolerance(dtype).loss);
+    check_skipped_lse(out.lse, skip, ref.lse, tolerance(dtype).rows);
+    check_close("forward row_loss", out.row_loss, ref.row_loss, tolerance(dtype).rows);
+  }
+}
+
+TEST_CASE("skip_ignored_rows: vocab-block order skips nothing") {
+  CeSpec s;
+  CrossEntropyOptions o;
+  o.loop_order = LoopOrder::kVocabBlock;
+  o.skip_ignored_rows = true;
+  const CeData d = skip_layout(s);
+  const LibRun run = run_library(d, o, {});
+  REQUIRE(run.plan.order == LoopOrder::kVocabBlock);
+  check_against_oracle(d, o, {}, run, oracle(d, o));  // lse of every row, none NaN
 }
 
 TEST_CASE("thread counts agree to rounding") {

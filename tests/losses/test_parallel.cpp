@@ -9,6 +9,7 @@
 #include <chunkloss/core/error.h>
 #include <chunkloss/dist/communicator.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <functional>
@@ -123,6 +124,13 @@ std::vector<T> slice(const std::vector<T>& v, std::int64_t b, std::int64_t e, st
   return {v.begin() + b * width, v.begin() + e * width};
 }
 
+// lse with the rows skip_ignored_rows skipped (NaN) as 0: another row there then differs.
+std::vector<float> skipped_as_zero(std::vector<float> lse) {
+  for (float& x : lse)
+    if (std::isnan(x)) x = 0.0f;
+  return lse;
+}
+
 // The split call against the unsplit one: every rank's scalars; each rank's per-row outputs and
 // dH against its rows; dW and db summed over the row parts and joined over the vocabulary
 // parts; and every rank's scalars, and its row part's outputs and dH, bitwise equal to the
@@ -149,12 +157,13 @@ void check_split(const CeSpec& spec, const CrossEntropyOptions& o, const Split& 
       CHECK(r.result.accuracy == r0.result.accuracy);
       const auto [r0b, r1b] =
           nr > 1 ? part(s.rows, ri, spec.n) : std::pair{std::int64_t{0}, spec.n};
-      check_close("lse", r.out.lse, slice(whole.out.lse, r0b, r1b, 1), 1e-6);
+      check_close("lse", skipped_as_zero(r.out.lse),
+                  skipped_as_zero(slice(whole.out.lse, r0b, r1b, 1)), 1e-6);
       check_close("row_loss", r.out.row_loss, slice(whole.out.row_loss, r0b, r1b, 1), 1e-5);
       CHECK(r.out.predictions == slice(whole.out.predictions, r0b, r1b, 1));
       if (s.grads.hidden)
         check_close("grad_hidden", r.grads.hidden(), slice(whole.grads.hidden(), r0b, r1b, h), tol);
-      CHECK(r.out.lse == first.out.lse);
+      CHECK(skipped_as_zero(r.out.lse) == skipped_as_zero(first.out.lse));
       CHECK(r.grads.hidden() == first.grads.hidden());
       const std::vector<double> rw = r.grads.weight(), rb = r.grads.bias();
       w.resize(rw.size());
@@ -303,6 +312,26 @@ TEST_CASE("vocab x data parallel: a 2 x 2 grid of ranks") {
   check_split(spec, o, s);
   o.reduce_weight_grad_over_data_group = true;
   check_split(spec, o, s);
+}
+
+TEST_CASE("vocab and data parallel: skip_ignored_rows skips the rows the unsplit call skips") {
+  CeSpec spec = spec_of(DType::kBF16, 85);
+  spec.bias = true;
+  spec.ignored_prefix = 40;
+  CrossEntropyOptions o;
+  o.skip_ignored_rows = true;
+  o.memory_budget_bytes = 96 << 10;
+  const CeData d(spec);
+  Split s;
+  s.grads.dtype = DType::kBF16;
+  const RankRun whole = call_rank(d, o, s, 0, 0, nullptr, nullptr);
+  CHECK(std::count_if(whole.out.lse.begin(), whole.out.lse.end(),
+                      [](float x) { return std::isnan(x); }) >= 40);
+  for (const Split& split : {Split{{0, 253}}, Split{{0}, {0, 90}}, Split{{0, 253}, {0, 70}}}) {
+    s.vocab = split.vocab;
+    s.rows = split.rows;
+    check_split(spec, o, s);
+  }
 }
 
 TEST_CASE("vocab parallel: a shard whose columns are all masked (-inf bias)") {
@@ -523,6 +552,19 @@ TEST_CASE("a call one rank rejects, or calls whose collectives differ, fail on e
       });
   for (const std::string& m : e)
     CHECK(m.find("vocab_shard.group make different kinds of calls") != std::string::npos);
+  // Targets whose skipped rows differ on one rank (its chunks would differ).
+  e = pair_errors(
+      true, [](std::size_t r, CrossEntropyInputs& in, CrossEntropyGrads&, CrossEntropyOptions& o) {
+        o.skip_ignored_rows = true;
+        static std::vector<std::int32_t> prompt;
+        if (r != 1) return;
+        const auto* y = in.targets.data_as<const std::int32_t>();
+        prompt.assign(y, y + in.targets.numel());
+        std::fill_n(prompt.begin(), 20, o.ignore_index);
+        in.targets = TensorView::of(prompt.data(), {in.targets.numel()});
+      });
+  for (const std::string& m : e)
+    CHECK(m.find("vocab_shard.group make different kinds of calls") != std::string::npos);
   // One rank with H one smaller (its dH sums would have another size), in either group.
   const auto narrower = [](std::size_t r, CrossEntropyInputs& in, CrossEntropyGrads& g,
                            CrossEntropyOptions&) {
@@ -572,10 +614,12 @@ TEST_CASE("a grid whose data groups are passed by some ranks only fails on every
         if (k % 2 == 1) in.data_group = nullptr;
       });
   for (const std::string& m : e)
-    CHECK_MESSAGE(m.find("vocab_shard.group make different kinds of calls (their rows, plans, H, "
-                         "or grad_hidden asked for, or whether they pass a data_group, differ)") !=
-                      std::string::npos,
-                  m);
+    CHECK_MESSAGE(
+        m.find(
+            "vocab_shard.group make different kinds of calls (their rows, plans, rows computed, H, "
+            "or grad_hidden asked for, or whether they pass a data_group, differ)") !=
+            std::string::npos,
+        m);
   // Passed by every rank, the same grid returns on every rank.
   for (const std::string& m : grid_errors(
            2, 2, [](std::size_t, CrossEntropyInputs&, CrossEntropyGrads&, CrossEntropyOptions&) {}))

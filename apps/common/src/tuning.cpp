@@ -28,6 +28,7 @@ CrossEntropyResult batch_cross_entropy(LossDevice& device, model::LlamaModel& mo
                                        const data::Batch& batch, std::size_t budget_bytes) {
   CrossEntropyOptions o;
   o.memory_budget_bytes = budget_bytes;
+  o.skip_ignored_rows = true;  // prompts and padding: only the loss and accuracy are read
   const LinearCrossEntropy ce(o);
   const TensorView hidden = model.forward(batch.tokens_view());
   device.begin();

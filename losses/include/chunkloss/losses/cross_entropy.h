@@ -55,6 +55,19 @@ struct CrossEntropyOptions {
   bool reduce_weight_grad_over_data_group = false;
   /// Check hidden, weight and bias for NaN/Inf before computing (one extra read of each).
   bool check_finite = false;
+  /// Skip runs of ignored rows (prompts, padding): the ignored rows before the first valid
+  /// target and after the last, and each run of at least 256 ignored rows between valid ones,
+  /// are not multiplied at all, so their GEMM work is saved. Their dH rows are written as zero
+  /// (left as they were with grads.accumulate), outputs.row_loss gets 0 and outputs.lse NaN
+  /// there. Shorter runs are computed with the rows around them, since each skip ends a chunk
+  /// early and the extra chunk's dW GEMM rewrites all of dW. With no valid row nothing is
+  /// skipped. Everything
+  /// else is unchanged (results agree with a call that does not skip, to rounding). The targets
+  /// are read on the host to find the runs: on CUDA that is a wait for the stream at the start
+  /// of the call, and out-of-range targets are then thrown before anything is written. Token-
+  /// chunk order only: in vocab-block order, whose second pass multiplies all rows at once,
+  /// nothing is skipped.
+  bool skip_ignored_rows = false;
   /// Copy the scalar results to the host at the end of the call (the call's one host
   /// synchronisation on CUDA, with a second one up front when the call has groups). false: no
   /// synchronisation at all without groups; the CrossEntropyResult fields are NaN and the
@@ -82,14 +95,13 @@ struct CrossEntropyInputs {
   /// token weights and options, and its own weight (and bias) shard. Every rank gets the same
   /// loss, lse, predictions and dH; dW and db are the shard's. With groups, the ranks first agree
   /// whether any rank rejected its call (shapes, shard, plan, workspace; on the CPU also targets
-  /// and check_finite's values) or makes a call whose collectives differ (rows, H, chunks, dH
-  /// asked for, a data_group passed or not; over data_group, H, V, and dW and db summed or not),
-  /// and then all throw. On CUDA
-  /// that exchange passes through the workspace's first 88 bytes and waits for the stream once
-  /// per group (once more in a grid); a workspace that is smaller or on another device is thrown
-  /// by its rank alone. On CUDA, out-of-range
-  /// targets and check_finite's findings are counted and thrown per rank at the end
-  /// (outputs.scalars[6]). Unset: not split.
+  /// and check_finite's values) or makes a call whose collectives differ (rows, H, chunks and
+  /// the rows skip_ignored_rows computes, dH asked for, a data_group passed or not; over
+  /// data_group, H, V, and dW and db summed or not), and then all throw. On CUDA that exchange
+  /// passes through the workspace's first 104 bytes and waits for the stream once per group (once
+  /// more in a grid); a workspace that is smaller or on another device is thrown by its rank alone.
+  /// On CUDA, out-of-range targets and check_finite's findings are counted and thrown per rank at
+  /// the end (outputs.scalars[6]). Unset: not split.
   VocabShard vocab_shard;
   /// Data parallelism: the ranks of this group each call with their own rows (same weight);
   /// the mean's divisor (valid rows, or their class weights) is summed over the group, so each
@@ -115,8 +127,8 @@ struct CrossEntropyGrads {
 };
 
 /// Optional outputs: row_loss [N] f32 (required with Reduction::kNone; ignored rows
-/// get 0), lse [N] f32 (ignored rows get their lse too), predictions [N] i32 (argmax, -1 for
-/// ignored rows).
+/// get 0), lse [N] f32 (ignored rows get their lse too, rows skip_ignored_rows skipped NaN),
+/// predictions [N] i32 (argmax, -1 for ignored rows).
 /// scalars [7] f32 on the inputs' device receives loss, z_loss, accuracy, entropy, valid_rows,
 /// weight_sum and the number of invalid inputs found on the device (out-of-range targets and,
 /// with check_finite, non-finite values: nonzero means the other values are unspecified).

@@ -38,8 +38,9 @@ struct Longest {
 void check_fits(const Longest& longest, const std::string& file, const model::LlamaConfig& config,
                 const std::string& hint);
 
-/// The mean token cross-entropy of `model` over the batch's trained targets (forward only), with
-/// the number of those targets and the token accuracy.
+/// The mean token cross-entropy of `model` over the batch's trained targets (forward only; long
+/// runs of prompt and padding rows skipped), with the number of those targets and the token
+/// accuracy.
 CrossEntropyResult batch_cross_entropy(LossDevice& device, model::LlamaModel& model,
                                        const data::Batch& batch, std::size_t budget_bytes);
 
