@@ -5,10 +5,10 @@
 # also times the library's own GEMMs over its chunks, so a ratio splits into the chunking's share
 # and the epilogue's; --phases also times the loss with no gradients, dX only and dW only, so each
 # gradient's share shows. OUT/gpu-trace.csv samples the clocks, power and throttle reasons while it
-# runs. About 2-3 minutes of GPU time at REPEATS=10 on the H200. GEMMS=measured runs every case with
+# runs. About 2-3 minutes of GPU time at REPEATS=10 on the H200 (before the prompt cases). GEMMS=measured runs every case with
 # --gemm-selection measured (the context times cuBLAS's and cuBLASLt's candidates per GEMM shape;
-# the floor's GEMMs alike). Then the opt-in bf16 logits chunk at the same shapes, and exactness
-# with larger logits (--logit-std 8).
+# the floor's GEMMs alike). Then SFT batches with prompts, with and without skip_ignored_rows; the
+# opt-in bf16 logits chunk at the same shapes, and exactness with larger logits (--logit-std 8).
 #
 #   apps/bench/run_ce_gpu.sh OUT_DIR [path/to/chunkloss-bench]
 #   (env: REPEATS, default 10; GEMMS, default or measured, default default)
@@ -41,6 +41,15 @@ run ce-16384x4096x128256-256m "${ce[@]}" --rows 16384 --hidden 4096 --vocab 1282
 # V = 256000 with twice the budget (2048-row chunks), no naive run.
 run ce-16384x2304x256000-2g "${ce[@]}" --rows 16384 --hidden 2304 --vocab 256000 \
   --budget-mib 2048 --chunked-floor --no-naive
+
+# SFT batches with prompts: 8 sequences of 2048 rows, the first 30% of each ignored, every row
+# computed and with skip_ignored_rows; both also time the floor over the valid rows alone.
+for skip in no yes; do
+  extra=()
+  [[ $skip == yes ]] && extra=(--skip-ignored-rows)
+  run "prompts-ce-16384x4096x128256-1g-skip-$skip" "${ce[@]}" --rows 16384 --hidden 4096 \
+    --vocab 128256 --budget-mib 1024 --ce-seq-len 2048 --prompt-frac 0.3 "${extra[@]}"
+done
 
 # Exactness against float64 on the same input values (targets: bf16 <= 2.0e-3, fp32 <= 1e-5).
 run exact-bf16-4096x4096x128256 "${ce[@]}" --rows 4096 --hidden 4096 --vocab 128256 \
