@@ -79,7 +79,7 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
   CHUNKLOSS_CHECK(c.dtype == DType::kF32 || bf16, "bench: --dtype must be f32 or bf16");
   omp_set_num_threads(threads);  // the library and the floor GEMMs alike
 
-  // Inputs: hidden ~ N(0, 1), weight ~ N(0, 1/H) so the logits are O(1); 1 row in 7 ignored.
+  // Inputs: hidden ~ N(0, 1), weight ~ N(0, 1/H) so the logits are O(1); targets as ce_targets.
   // For bf16 the library gets the bf16 values; the floor and the naive use them widened to fp32.
   HostBuffer x32(static_cast<std::size_t>(n * h) * 4), w32(static_cast<std::size_t>(v * h) * 4);
   fill_normal(x32.as<float>(), n * h, 1.0f, c.seed * 2, threads);

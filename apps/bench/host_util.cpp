@@ -31,6 +31,9 @@ std::vector<std::int64_t> ce_targets(const CaseConfig& c, CaseResult& res) {
                 : static_cast<std::int64_t>((state >> 33) % static_cast<std::uint64_t>(c.vocab));
     res.valid_rows += !ignored;
   }
+  CHUNKLOSS_CHECK(res.valid_rows > 0, "bench: --rows ", c.rows, " --ce-seq-len ", t,
+                  " --prompt-frac ", c.prompt_frac, " leaves no valid row (the prompt is ", prompt,
+                  " rows)");
   res.ignored_rows = t ? "the first " + std::to_string(prompt) + " of each " + std::to_string(t) +
                              " rows (prompts)"
                        : "1 in 7 (rows t with t % 7 == 3)";

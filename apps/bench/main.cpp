@@ -159,8 +159,9 @@ Cli parse(int argc, char** argv) {
   for (const char* o :
        {"pairs", "seq-len", "prompt-frac", "reference", "regime", "dpo-loss", "label-smoothing"})
     if (!pref && given(o) && !(o == std::string("prompt-frac") && given("ce-seq-len")))
-      throw apps::UsageError("--" + std::string(o) + " is for the preference losses, not --loss " +
-                             base.loss);
+      throw apps::UsageError(
+          "--" + std::string(o) + " is for the preference losses, not --loss " + base.loss +
+          (o == std::string("prompt-frac") ? " (ce takes it with --ce-seq-len)" : ""));
   if (pref && given("rows"))
     throw apps::UsageError("--rows: --loss " + base.loss +
                            " takes --pairs and --seq-len (N = 2 * pairs * seq-len)");

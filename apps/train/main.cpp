@@ -368,12 +368,15 @@ std::map<std::string, std::string> run_options(const Settings& s,
 
 // Refuses to resume `st` (saved in `dir`) with other options than it was saved with, or from a
 // step the run cannot continue from. A value the save lacks was not recorded by the build that
-// saved it: the first four below were implied, the rest cannot be compared. Builds before
+// saved it: those below were implied (builds before skip_ignored_rows computed every row), the
+// rest cannot be compared. Builds before
 // 2026-12-05 saved the default budget as 0: it is the saved device's default.
 void check_resume(const Settings& s, const std::string& dir, const model::TrainerState& st,
                   const std::map<std::string, std::string>& now, std::int64_t optimizer_step) {
-  static const std::map<std::string, std::string> kImplied = {
-      {"device", "cpu"}, {"data_parallel", "1"}, {"vocab_parallel", "1"}};
+  static const std::map<std::string, std::string> kImplied = {{"device", "cpu"},
+                                                              {"data_parallel", "1"},
+                                                              {"vocab_parallel", "1"},
+                                                              {"skip_ignored_rows", "false"}};
   const auto saved_value = [&](const std::string& key) -> std::optional<std::string> {
     if (const auto it = st.strings.find(key); it != st.strings.end()) return it->second;
     if (const auto it = kImplied.find(key); it != kImplied.end()) return it->second;

@@ -270,9 +270,7 @@ class CpuTokenBackend final : public TokenBackend {
   void skip_rows(std::int64_t r0, std::int64_t r1) override {
     std::fill(rows_.loss + r0, rows_.loss + r1, 0.0f);
     std::fill(rows_.lse + r0, rows_.lse + r1, std::numeric_limits<float>::quiet_NaN());
-    if (dh_acc_) {
-      std::fill(dh_acc_ + r0 * h_, dh_acc_ + r1 * h_, 0.0f);
-    } else if (c_.grad_x.defined() && !c_.accumulate) {
+    if (c_.grad_x.defined() && !c_.accumulate) {
       const std::int64_t row_bytes = h_ * static_cast<std::int64_t>(dtype_size(c_.grad_x.dtype()));
       std::fill_n(static_cast<unsigned char*>(c_.grad_x.data()) + r0 * row_bytes,
                   (r1 - r0) * row_bytes, 0);

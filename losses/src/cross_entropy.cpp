@@ -153,7 +153,9 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   q.fp32_weight_grad_accumulator =
       o.fp32_weight_grad_accumulator || (o.reduce_weight_grad_over_data_group && in.data_group);
   q.budget_bytes = o.memory_budget_bytes;
-  q.order = o.loop_order;
+  // Only token-chunk order skips rows: with skipping asked for, auto takes it.
+  q.order = o.skip_ignored_rows && o.loop_order == LoopOrder::kAuto ? LoopOrder::kTokenChunk
+                                                                    : o.loop_order;
   detail::split_vocabulary(shard, v_total, q);
   return c;
 }
@@ -162,11 +164,12 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
 // split the rows, the plan's chunks and the rows they compute, H and whether dH is asked for
 // (its rows are summed per chunk); over a data group H, V and whether dW and db are summed in
 // the call.
-constexpr std::size_t kVocabKind = 5, kDataKind = 4;
+constexpr std::size_t kVocabKind = 6, kDataKind = 4;
 
 // skip_ignored_rows skips a run of at least this many ignored rows. Each skip ends a chunk
-// early, and the extra chunk's dW GEMM rewrites all of dW: on an H200 with bf16 dW about the
-// time of the three GEMMs of 100 rows, and smaller chunks run their GEMMs slower.
+// early, and the extra chunk's dW GEMM rewrites all of dW: by GPU.md's H200 figures (4.3 TB/s,
+// about 700 TFLOP/s) a bf16 dW's read and write take about as long as the three GEMMs of 100
+// rows (not measured), and smaller chunks run their GEMMs slower.
 constexpr std::int64_t kSkipRows = 256;
 
 // With skip_ignored_rows, in token-chunk order: the rows the call computes, from the targets
@@ -179,12 +182,9 @@ void find_rows_to_compute(Context& ctx, const CrossEntropyOptions& o, const Plan
   k.row_ranges = detail::rows_to_compute(valid, kSkipRows);
 }
 
-// A digest of the rows a call computes (all of them unless it skips some).
-double rows_digest(const detail::TokenCall& k) {
-  const std::vector<detail::RowRange> all{{0, k.rows}};
-  const auto& r = k.row_ranges.empty() ? all : k.row_ranges;
-  return detail::kind_digest(
-      {reinterpret_cast<const std::uint8_t*>(r.data()), r.size() * sizeof(detail::RowRange)});
+// The rows a call computes (all of them unless it skips some).
+std::vector<detail::RowRange> computed_rows(const detail::TokenCall& k) {
+  return k.row_ranges.empty() ? std::vector<detail::RowRange>{{0, k.rows}} : k.row_ranges;
 }
 
 // The plan; on CUDA with groups its workspace also holds the ranks' first exchange.
@@ -263,7 +263,15 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
       const detail::TokenCall& k = c->call;
       const bool sum = k.weight_grad_group != nullptr;
       const auto d = [](std::int64_t x) { return static_cast<double>(x); };
-      vocab_kind = {d(k.rows), d(plan.chunk_rows), rows_digest(k), d(k.hidden),
+      const std::vector<detail::RowRange> rows = computed_rows(k);
+      std::int64_t computed = 0;
+      for (const detail::RowRange& r : rows) computed += r.r1 - r.r0;
+      vocab_kind = {d(k.rows),
+                    d(plan.chunk_rows),
+                    d(computed),
+                    detail::kind_digest({reinterpret_cast<const std::uint8_t*>(rows.data()),
+                                         rows.size() * sizeof(detail::RowRange)}),
+                    d(k.hidden),
                     k.grad_x.defined() ? 1.0 : 0.0};
       data_kind = {d(k.hidden), d(k.vocab), sum && k.grad_w.defined() ? 1.0 : 0.0,
                    sum && k.grad_bias.defined() ? 1.0 : 0.0};

@@ -267,11 +267,9 @@ class CudaTokenBackend final : public TokenBackend {
     const std::size_t n = static_cast<std::size_t>(r1 - r0);
     CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(p_.row.loss + r0, 0, n * sizeof(float), s));
     CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(p_.row.lse + r0, 0xFF, n * sizeof(float), s));  // NaN
-    const std::size_t h = static_cast<std::size_t>(c_.hidden);
-    if (dh_acc_) {
-      CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(dh_acc_ + r0 * c_.hidden, 0, n * h * sizeof(float), s));
-    } else if (c_.grad_x.defined() && !c_.accumulate) {
-      const std::size_t row_bytes = h * dtype_size(c_.grad_x.dtype());
+    if (c_.grad_x.defined() && !c_.accumulate) {
+      const std::size_t row_bytes =
+          static_cast<std::size_t>(c_.hidden) * dtype_size(c_.grad_x.dtype());
       CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(
           static_cast<unsigned char*>(c_.grad_x.data()) + static_cast<std::size_t>(r0) * row_bytes,
           0, n * row_bytes, s));

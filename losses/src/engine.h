@@ -118,7 +118,8 @@ class TokenBackend {
   /// onehot_t) under the plain rule.
   virtual void set_coefficients(std::int64_t r0, std::int64_t r1, const float* c) = 0;
   /// Rows [r0, r1), all ignored, are not computed: their row loss is 0, their lse NaN, and
-  /// their dH rows zero (left as they were when accumulating).
+  /// their dH rows zero (left as they were when accumulating). Token-chunk order only, whose dH
+  /// goes to the caller's buffer (no fp32 dH accumulator).
   virtual void skip_rows(std::int64_t r0, std::int64_t r1) = 0;
   /// Flushes accumulators into the caller's buffers and reduces the scalar totals (into
   /// out_scalars when given; to the host unless copy_results is false).

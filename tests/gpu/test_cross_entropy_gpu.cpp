@@ -566,12 +566,39 @@ TEST_CASE("gpu: skip_ignored_rows matches the CPU path, the skipped rows' output
   }
 }
 
+TEST_CASE("gpu: skip_ignored_rows forward only, and with the fp32 dW accumulator") {
+  if (!have_gpu()) return;
+  Problem p{1400, 256, 4096, DType::kBF16, true};
+  HostData d = make_data(p);
+  for (std::int64_t i = 0; i < p.n; ++i)
+    if (i < 300 || i >= 1100) d.y[static_cast<std::size_t>(i)] = -100;
+  d.y[300] = 7;
+  d.y[1099] = 8;
+  CrossEntropyOptions o;
+  o.skip_ignored_rows = true;
+  o.memory_budget_bytes = 128 * p.v * 4 + 100000;
+  Outcome gf = run(p, d, o, Device::kCuda, false), cf = run(p, d, o, Device::kCpu, false);
+  CHECK(skipped_as_zero(gf.lse) == 600);
+  CHECK(skipped_as_zero(cf.lse) == 600);
+  CHECK(std::abs(gf.r.loss - cf.r.loss) <= 2e-4 * std::abs(cf.r.loss));
+  CHECK(rel_err(gf.lse, cf.lse) <= 1e-5);
+  o.fp32_weight_grad_accumulator = true;
+  Outcome g = run(p, d, o, Device::kCuda), c = run(p, d, o, Device::kCpu);
+  CHECK(skipped_as_zero(g.lse) == 600);
+  CHECK(skipped_as_zero(c.lse) == 600);
+  check_close(p, o, g, c);
+}
+
 TEST_CASE("gpu: out-of-range targets and non-finite inputs raise chunkloss::Error") {
   if (!have_gpu()) return;
   Problem p{40, 16, 100, DType::kF32};
   HostData d = make_data(p);
   d.y[5] = 100;
   CHECK_THROWS_WITH_AS(run(p, d, {}, Device::kCuda), doctest::Contains("targets"),
+                       chunkloss::Error);
+  CrossEntropyOptions skip;  // the targets read on the host: the element is named, before writing
+  skip.skip_ignored_rows = true;
+  CHECK_THROWS_WITH_AS(run(p, d, skip, Device::kCuda), doctest::Contains("targets[5] = 100"),
                        chunkloss::Error);
   d = make_data(p);
   reinterpret_cast<float*>(d.x.data())[3] = NAN;

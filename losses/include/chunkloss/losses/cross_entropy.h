@@ -61,17 +61,18 @@ struct CrossEntropyOptions {
   /// (left as they were with grads.accumulate), outputs.row_loss gets 0 and outputs.lse NaN
   /// there. Shorter runs are computed with the rows around them, since each skip ends a chunk
   /// early and the extra chunk's dW GEMM rewrites all of dW. With no valid row nothing is
-  /// skipped. Everything
-  /// else is unchanged (results agree with a call that does not skip, to rounding). The targets
-  /// are read on the host to find the runs: on CUDA that is a wait for the stream at the start
-  /// of the call, and out-of-range targets are then thrown before anything is written. Token-
-  /// chunk order only: in vocab-block order, whose second pass multiplies all rows at once,
-  /// nothing is skipped.
+  /// skipped. Everything else is unchanged: the results agree with a call that does not skip,
+  /// to rounding. The targets are read on the host to find the runs: on CUDA that is one more
+  /// wait for the stream, at the start of the call (so such a call cannot be captured into a
+  /// CUDA graph), and out-of-range targets are then thrown before anything is written. Only
+  /// token-chunk order skips, so with loop_order kAuto the plan takes it; an explicit
+  /// kVocabBlock, whose second pass multiplies all rows at once, skips nothing.
   bool skip_ignored_rows = false;
   /// Copy the scalar results to the host at the end of the call (the call's one host
-  /// synchronisation on CUDA, with a second one up front when the call has groups). false: no
-  /// synchronisation at all without groups; the CrossEntropyResult fields are NaN and the
-  /// results are read from outputs.scalars, which is then required.
+  /// synchronisation on CUDA, with a second one up front when the call has groups or skips rows).
+  /// false: no synchronisation at all without groups and skip_ignored_rows; the
+  /// CrossEntropyResult fields are NaN and the results are read from outputs.scalars, which is
+  /// then required.
   bool copy_results_to_host = true;
 };
 
@@ -98,7 +99,7 @@ struct CrossEntropyInputs {
   /// and check_finite's values) or makes a call whose collectives differ (rows, H, chunks and
   /// the rows skip_ignored_rows computes, dH asked for, a data_group passed or not; over
   /// data_group, H, V, and dW and db summed or not), and then all throw. On CUDA that exchange
-  /// passes through the workspace's first 104 bytes and waits for the stream once per group (once
+  /// passes through the workspace's first 120 bytes and waits for the stream once per group (once
   /// more in a grid); a workspace that is smaller or on another device is thrown by its rank alone.
   /// On CUDA, out-of-range targets and check_finite's findings are counted and thrown per rank at
   /// the end (outputs.scalars[6]). Unset: not split.
@@ -160,13 +161,15 @@ struct CrossEntropyResult {
 /// tw_t * grad_output_t (none); dH = dZ W, dW = dZ^T H, db = colsum(dZ).
 ///
 /// Memory: the workspace (workspace_bytes()) bounded by the options' budget; nothing else is
-/// allocated during a call. Determinism: results are bitwise identical run to run on the same
+/// allocated on the device during a call (skip_ignored_rows reads the targets into host memory).
+/// Determinism: results are bitwise identical run to run on the same
 /// device, thread count and plan; different budgets agree to rounding.
 /// Throws chunkloss::Error naming the argument and the shapes on any invalid input, before any
 /// output is written. On CUDA alone, the values (targets outside [0, V), and check_finite's
-/// NaN/Inf) are checked on the device as the call runs, to need no extra synchronisation: the
-/// call throws at its end, and the outputs and gradient buffers then hold unspecified values;
-/// with copy_results_to_host = false nothing is thrown and outputs.scalars[6] counts them.
+/// NaN/Inf) are checked on the device as the call runs, to need no extra synchronisation (with
+/// skip_ignored_rows the targets are checked on the host first): the call throws at its end, and
+/// the outputs and gradient buffers then hold unspecified values; with copy_results_to_host = false
+/// nothing is thrown and outputs.scalars[6] counts them.
 class LinearCrossEntropy {
  public:
   explicit LinearCrossEntropy(const CrossEntropyOptions& options = {});
