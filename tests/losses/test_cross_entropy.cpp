@@ -33,6 +33,21 @@ reference::CeResult oracle(const CeData& d, const CrossEntropyOptions& o) {
   return reference::cross_entropy(d.problem(o), CeConfig::from(o));
 }
 
+// a + b, elementwise.
+std::vector<double> plus(std::vector<double> a, const std::vector<double>& b) {
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] += b[i];
+  return a;
+}
+
+// The buffers after an accumulating call: their contents before (h0, w0, b0) plus the oracle's
+// gradients.
+void check_added(GradBuffers& grads, const std::vector<double>& h0, const std::vector<double>& w0,
+                 const std::vector<double>& b0, const reference::CeResult& ref, double tol) {
+  check_close("grad_hidden", grads.hidden(), plus(h0, ref.grad_hidden), tol);
+  check_close("grad_weight", grads.weight(), plus(w0, ref.grad_weight), tol);
+  check_close("grad_bias", grads.bias(), plus(b0, ref.grad_bias), tol);
+}
+
 // One option setting over input dtype {f32, bf16 with bf16 gradients} x shape {odd sizes in one
 // chunk, N=150 in three chunks of 64} x loop order x fp32 dW accumulator {off, on}.
 void check_option_matrix(const CeSpec& base, const CrossEntropyOptions& base_opts) {
@@ -705,14 +720,8 @@ TEST_CASE("accumulate adds the gradients to pre-filled buffers") {
         const CrossEntropyResult res =
             run_with_fresh_workspace(loss, ctx, d.inputs(o), grads.views(true), {});
         check_scalar("loss", res.loss, ref.loss, tolerance(dtype).loss);
-        auto plus = [](std::vector<double> a, const std::vector<double>& b) {
-          for (std::size_t i = 0; i < a.size(); ++i) a[i] += b[i];
-          return a;
-        };
         const double tol = tolerance(dtype).grad;
-        check_close("grad_hidden", grads.hidden(), plus(h0, ref.grad_hidden), tol);
-        check_close("grad_weight", grads.weight(), plus(w0, ref.grad_weight), tol);
-        check_close("grad_bias", grads.bias(), plus(b0, ref.grad_bias), tol);
+        check_added(grads, h0, w0, b0, ref, tol);
         if (dtype == DType::kF32) {
           // A second accumulating call adds the same gradients again.
           run_with_fresh_workspace(loss, ctx, d.inputs(o), grads.views(true), {});
@@ -944,14 +953,8 @@ TEST_CASE("skip_ignored_rows: skipped dH rows zero, or kept with accumulate; for
     const CrossEntropyResult res =
         run_with_fresh_workspace(loss, ctx, d.inputs(o), grads.views(true), {});
     check_scalar("loss", res.loss, ref.loss, tolerance(dtype).loss);
-    auto plus = [](std::vector<double> a, const std::vector<double>& b) {
-      for (std::size_t i = 0; i < a.size(); ++i) a[i] += b[i];
-      return a;
-    };
     const double tol = tolerance(dtype).grad;
-    check_close("grad_hidden", grads.hidden(), plus(h0, ref.grad_hidden), tol);
-    check_close("grad_weight", grads.weight(), plus(w0, ref.grad_weight), tol);
-    check_close("grad_bias", grads.bias(), plus(b0, ref.grad_bias), tol);
+    check_added(grads, h0, w0, b0, ref, tol);
     const std::vector<bool> skip = skipped_rows(d);
     std::int64_t changed = 0;  // skipped rows whose dH moved (they must keep their bits)
     const std::vector<double> h1 = grads.hidden();
