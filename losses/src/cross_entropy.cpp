@@ -182,11 +182,6 @@ void find_rows_to_compute(Context& ctx, const CrossEntropyOptions& o, const Plan
   k.row_ranges = detail::rows_to_compute(valid, kSkipRows);
 }
 
-// The rows a call computes (all of them unless it skips some).
-std::vector<detail::RowRange> computed_rows(const detail::TokenCall& k) {
-  return k.row_ranges.empty() ? std::vector<detail::RowRange>{{0, k.rows}} : k.row_ranges;
-}
-
 // The plan; on CUDA with groups its workspace also holds the ranks' first exchange.
 Plan call_plan(const Checked& c, const CrossEntropyInputs& in) {
   Plan p = plan_token_objective(c.request);
@@ -263,7 +258,7 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
       const detail::TokenCall& k = c->call;
       const bool sum = k.weight_grad_group != nullptr;
       const auto d = [](std::int64_t x) { return static_cast<double>(x); };
-      const std::vector<detail::RowRange> rows = computed_rows(k);
+      const std::vector<detail::RowRange> rows = detail::computed_rows(k);
       std::int64_t computed = 0;
       for (const detail::RowRange& r : rows) computed += r.r1 - r.r0;
       vocab_kind = {d(k.rows),

@@ -481,7 +481,7 @@ class CudaTokenBackend final : public TokenBackend {
                staging_fits_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype());
     host_dw_ = token_plain && c_.chunks_in_order && c_.grad_w.defined() && !dw_acc_ &&
                !c_.accumulate && token_chunk_count(c_, plan_) > 1;
-    chunks_end_ = c_.row_ranges.empty() ? c_.rows : c_.row_ranges.back().r1;
+    chunks_end_ = computed_rows(c_).back().r1;
     if (s && c_.row_scales && !in_tile_) {
       const std::int64_t rows = vocab_order ? c_.rows : plan_.chunk_rows;
       if (!vocab_order && c_.grad_x.defined()) {

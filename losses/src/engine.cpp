@@ -92,11 +92,14 @@ std::vector<RowRange> rows_to_compute(const std::vector<std::uint8_t>& valid,
   return ranges;
 }
 
+std::vector<RowRange> computed_rows(const TokenCall& call) {
+  return call.row_ranges.empty() ? std::vector<RowRange>{{0, call.rows}} : call.row_ranges;
+}
+
 std::int64_t token_chunk_count(const TokenCall& call, const Plan& plan) {
   const std::int64_t c = plan.chunk_rows;
-  if (call.row_ranges.empty()) return (call.rows + c - 1) / c;
   std::int64_t chunks = 0;
-  for (const RowRange& r : call.row_ranges) chunks += (r.r1 - r.r0 + c - 1) / c;
+  for (const RowRange& r : computed_rows(call)) chunks += (r.r1 - r.r0 + c - 1) / c;
   return chunks;
 }
 
@@ -107,12 +110,10 @@ TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan&
   const std::int64_t n = call.rows, v = call.vocab, c = plan.chunk_rows;
   const bool grads = call.any_grad();
   const bool token_order = plan.order == LoopOrder::kTokenChunk || !grads;
-  const bool skips = token_order && !call.row_ranges.empty();
-  const std::vector<RowRange> ranges = skips ? call.row_ranges : std::vector<RowRange>{{0, n}};
 
   std::int64_t done = 0;  // rows before it are computed or skipped
   bool first = true;
-  for (const RowRange& range : ranges) {
+  for (const RowRange& range : computed_rows(call)) {
     if (range.r0 > done) backend->skip_rows(done, range.r0);
     for (std::int64_t r0 = range.r0; r0 < range.r1; r0 += c) {
       const std::int64_t r1 = std::min(range.r1, r0 + c);

@@ -53,8 +53,8 @@ struct TokenCall {
   /// run_token_objective drives the call: in token-chunk order the chunks come in row order,
   /// each with one dW GEMM over the full vocabulary.
   bool chunks_in_order = false;
-  /// run_token_objective in token-chunk order: the rows it computes, in order (see
-  /// rows_to_compute); the others are skipped (skip_rows). Empty: all rows.
+  /// run_token_objective in token-chunk order (set only then): the rows it computes, in order
+  /// (see rows_to_compute); the others are skipped (skip_rows). Empty: all rows.
   std::vector<RowRange> row_ranges;
 
   bool any_grad() const { return grad_x.defined() || grad_w.defined() || grad_bias.defined(); }
@@ -175,8 +175,10 @@ void vocab_block_pass(TokenBackend& b, std::int64_t n, std::int64_t v, std::int6
 /// valid[t] = 0 are skipped (shorter runs are computed with the rows around them); empty when
 /// no row is valid.
 std::vector<RowRange> rows_to_compute(const std::vector<std::uint8_t>& valid, std::int64_t min_gap);
-/// How many chunks run_token_objective runs in token-chunk order: those of each of
-/// call.row_ranges (of all rows when empty) at plan.chunk_rows.
+/// The rows run_token_objective computes: call.row_ranges, or all rows when it is empty.
+std::vector<RowRange> computed_rows(const TokenCall& call);
+/// How many chunks run_token_objective runs in token-chunk order: those of each computed range
+/// at plan.chunk_rows.
 std::int64_t token_chunk_count(const TokenCall& call, const Plan& plan);
 
 /// Runs the plan's loop order over the call.
