@@ -1,12 +1,11 @@
 // Vocabulary and data parallelism on CUDA: LinearCrossEntropy with the weight split by rows over a
 // vocabulary group or the rows over a data group, against the unsplit call on the CPU and on CUDA
 // with the same data (also with skip_ignored_rows). Ranks on one device through the in-process
-// group (the CUDA backend's
-// exchange path: statistics kernel, merge kernel, fp32 dH rows; the data group's divisor and
-// totals), a single-rank NCCL communicator's collectives, and with two or more devices the
-// vocabulary split through NCCL, including bitwise run-to-run equality; a call one rank rejects,
-// or calls whose collectives differ, fail on every rank. Skips itself, with a message, without a
-// device (or, for the NCCL split, a second one).
+// group (the CUDA backend's exchange path: statistics kernel, merge kernel, fp32 dH rows; the
+// data group's divisor and totals), a single-rank NCCL communicator's collectives, and with two
+// or more devices the vocabulary split through NCCL, including bitwise run-to-run equality; a
+// call one rank rejects, or calls whose collectives differ, fail on every rank. Skips itself,
+// with a message, without a device (or, for the NCCL split, a second one).
 #include <doctest/doctest.h>
 
 #include <chunkloss/core/error.h>
