@@ -60,7 +60,7 @@ suites() {
     --loss dpo --init "$init" --steps 2 --warmup-steps 0 --batch-size 4 --save /tmp/chunkloss-memcheck-dp
   check memcheck_measured "${san[@]}" --tool memcheck "$ce" -tc='gpu: measured*'
   check memcheck_ce "${san[@]}" --tool memcheck "$ce" \
-    -tc='gpu: shapes*,gpu: all rows*,gpu: out-of-range*,gpu: results left*'
+    -tc='gpu: shapes*,gpu: all rows*,gpu: out-of-range*,gpu: results left*,gpu: skip_ignored_rows*'
   check memcheck_pref "${san[@]}" --tool memcheck "$pref" \
     -tc='gpu: P = 1*,gpu: accumulate*,gpu: bad targets*,gpu: SequenceLogProbs*,gpu: check_finite*'
   check memcheck_pref_parallel "${san[@]}" --tool memcheck "$pref" -tc='gpu: data parallel*,gpu: vocab parallel*'
@@ -87,6 +87,7 @@ races() {
   rc_own=(timeout 240 compute-sanitizer --error-exitcode 9 --tool racecheck --kernel-name kns=chunkloss)
   check racecheck_ce "${rc_own[@]}" "$ce" \
     -tc='gpu: LinearCrossEntropy matches*,gpu: all rows*,gpu: out-of-range*'
+  check racecheck_ce_skip "${rc_own[@]}" "$ce" -tc='gpu: skip_ignored_rows forward*'
   check racecheck_pref "${rc_own[@]}" "$pref" -tce='gpu: P = 1*,gpu: data parallel*,gpu: vocab parallel*'
   # The two-rank cases on their own (together they outlast one timeout with the rest).
   check racecheck_pref_parallel "${rc_own[@]}" "$pref" -tc='gpu: data parallel*,gpu: vocab parallel*'
