@@ -153,9 +153,8 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   q.fp32_weight_grad_accumulator =
       o.fp32_weight_grad_accumulator || (o.reduce_weight_grad_over_data_group && in.data_group);
   q.budget_bytes = o.memory_budget_bytes;
-  // Only token-chunk order skips rows: with skipping asked for, auto takes it.
-  q.order = o.skip_ignored_rows && o.loop_order == LoopOrder::kAuto ? LoopOrder::kTokenChunk
-                                                                    : o.loop_order;
+  q.order = o.loop_order;
+  q.skip_ignored_rows = o.skip_ignored_rows;
   detail::split_vocabulary(shard, v_total, q);
   return c;
 }
@@ -166,12 +165,6 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
 // the call.
 constexpr std::size_t kVocabKind = 6, kDataKind = 4;
 
-// skip_ignored_rows skips a run of at least this many ignored rows. Each skip ends a chunk
-// early, and the extra chunk's dW GEMM rewrites all of dW: by GPU.md's H200 figures (4.3 TB/s,
-// about 700 TFLOP/s) a bf16 dW's read and write take about as long as the three GEMMs of 100
-// rows (not measured), and smaller chunks run their GEMMs slower.
-constexpr std::int64_t kSkipRows = 256;
-
 // With skip_ignored_rows, in token-chunk order: the rows the call computes, from the targets
 // read on the host (which checks their range there).
 void find_rows_to_compute(Context& ctx, const CrossEntropyOptions& o, const Plan& plan,
@@ -179,7 +172,7 @@ void find_rows_to_compute(Context& ctx, const CrossEntropyOptions& o, const Plan
   if (!o.skip_ignored_rows || (plan.order == LoopOrder::kVocabBlock && k.any_grad())) return;
   const std::vector<std::uint8_t> valid =
       detail::read_valid_targets(ctx, kWho, "targets", k.targets, k.total_vocab(), o.ignore_index);
-  k.row_ranges = detail::rows_to_compute(valid, kSkipRows);
+  k.row_ranges = detail::rows_to_compute(valid, plan.skip_gap_rows);
 }
 
 // The plan; on CUDA with groups its workspace also holds the ranks' first exchange.

@@ -3,6 +3,7 @@
 #include "chunkloss/losses/plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <sstream>
 
@@ -297,6 +298,13 @@ Plan plan_token_objective(const PlanRequest& q) {
   const double epilogue = 3.0 * epilogue_pass_time(q, dm);
   p.predicted_token_cost_s = gemm_time(dm, gemms * nhv, static_cast<double>(c)) + epilogue +
                              dw_rewrite_time(q, dm, p.num_chunks);
+  // The shortest gap of ignored rows worth skipping: its rows' GEMM time at least one more
+  // rewrite of dW.
+  const double row_time =
+      gemm_time(dm, gemms * nhv / static_cast<double>(n), static_cast<double>(c));
+  const double rewrite = q.grad_weight ? 2.0 * dw_bytes(q) / dm.bandwidth : 0.0;
+  const auto gap = static_cast<std::int64_t>(std::ceil(rewrite / row_time / kRowGranule));
+  p.skip_gap_rows = std::max<std::int64_t>(1, gap) * kRowGranule;
 
   // Vocab-block order: pass 2 holds [N, Vb] logits for all rows (plus an fp32 dH accumulator
   // when dH is not fp32, and on the CPU fp32 copies of bf16 X for all rows).
@@ -336,6 +344,9 @@ Plan plan_token_objective(const PlanRequest& q) {
   } else if (q.order == LoopOrder::kTokenChunk) {
     p.order = LoopOrder::kTokenChunk;
     why << "token_chunk requested";
+  } else if (q.order == LoopOrder::kAuto && q.skip_ignored_rows) {
+    p.order = LoopOrder::kTokenChunk;
+    why << "skip_ignored_rows: token_chunk, the order that skips";
   } else if (q.order == LoopOrder::kVocabBlock) {
     CHUNKLOSS_CHECK(vb > 0,
                     "plan: loop_order vocab_block needs [64, V] and [N, 64] logits and its "

@@ -522,7 +522,8 @@ std::int64_t skipped_as_zero(std::vector<float>& lse) {
 TEST_CASE("gpu: skip_ignored_rows matches the CPU path, the skipped rows' outputs and dH too") {
   if (!have_gpu()) return;
   // Ignored runs: 300 leading rows, 100 rows (computed), 350 rows, 100 trailing rows; or one
-  // short span of valid rows (a single chunk although the plan has several).
+  // short span of valid rows (a single chunk although the plan has several). The plan's
+  // skip_gap_rows (128 for bf16, 256 for fp32 here) lies between 100 and 350.
   struct Layout {
     std::vector<std::pair<std::int64_t, std::int64_t>> valid;  // spans of valid rows
     std::int64_t skipped;
@@ -553,6 +554,8 @@ TEST_CASE("gpu: skip_ignored_rows matches the CPU path, the skipped rows' output
           Outcome g = run(p, d, o, Device::kCuda, true, accumulate);
           Outcome c = run(p, d, o, Device::kCpu, true, accumulate);
           CHECK(g.plan.num_chunks > 2);
+          CHECK(g.plan.skip_gap_rows > 100);
+          CHECK(g.plan.skip_gap_rows <= 350);
           bool same_rows = true;
           for (std::size_t i = 0; i < c.lse.size(); ++i)
             same_rows = same_rows && std::isnan(g.lse[i]) == std::isnan(c.lse[i]);

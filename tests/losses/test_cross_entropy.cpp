@@ -822,17 +822,17 @@ TEST_CASE("chunk-size invariance: every budget gives the same results to roundin
   }
 }
 
-// skip_ignored_rows: a problem of 1400 rows whose ignored runs are 300 leading rows, 100 rows
-// (too short to skip), 350 rows and 100 trailing rows, besides single ignored rows in the valid
-// spans (ignore_fraction).
+// skip_ignored_rows: a problem of 1400 rows whose ignored runs are 300 leading rows, 40 rows
+// (too short to skip: below 64), 350 rows and 100 trailing rows, besides single ignored rows in
+// the valid spans (ignore_fraction).
 CeData skip_layout(CeSpec s) {
   s.n = 1400;
   s.h = 32;
   s.v = 300;
   CeData d(s);
   for (std::int64_t t = 0; t < s.n; ++t) {
-    const bool run = t < 300 || (t >= 500 && t < 600) || (t >= 900 && t < 1250) || t >= 1300;
-    const bool edge = t == 300 || t == 499 || t == 600 || t == 899 || t == 1250 || t == 1299;
+    const bool run = t < 300 || (t >= 500 && t < 540) || (t >= 900 && t < 1250) || t >= 1300;
+    const bool edge = t == 300 || t == 499 || t == 540 || t == 899 || t == 1250 || t == 1299;
     if (run) d.set_target(t, s.ignore_index);
     if (edge) d.set_target(t, (t * 7) % s.v);
   }
@@ -840,8 +840,11 @@ CeData skip_layout(CeSpec s) {
 }
 
 // The rows skip_ignored_rows skips, found independently of the library: the maximal runs of
-// ignored rows that lead, trail, or hold at least 256 rows.
-std::vector<bool> skipped_rows(const CeData& d) {
+// ignored rows that lead, trail, or hold at least `min_gap` rows (the plan's skip_gap_rows,
+// which must lie between skip_layout's two inner runs for it to test both sides).
+std::vector<bool> skipped_rows(const CeData& d, std::int64_t min_gap) {
+  REQUIRE(min_gap > 40);
+  REQUIRE(min_gap <= 350);
   const std::int64_t n = d.spec.n;
   std::vector<bool> skip(sz(n), false);
   for (std::int64_t a = 0; a < n;) {
@@ -851,7 +854,7 @@ std::vector<bool> skipped_rows(const CeData& d) {
     }
     std::int64_t b = a;
     while (b < n && d.targets64[sz(b)] == d.spec.ignore_index) ++b;
-    if (a == 0 || b == n || b - a >= 256)
+    if (a == 0 || b == n || b - a >= min_gap)
       for (std::int64_t t = a; t < b; ++t) skip[sz(t)] = true;
     a = b;
   }
@@ -895,8 +898,6 @@ TEST_CASE("skip_ignored_rows: long runs of ignored rows are skipped, the rest is
         GradRequest g;
         g.dtype = dtype;
         const CeData d = skip_layout(s);
-        const std::vector<bool> skip = skipped_rows(d);
-        REQUIRE(std::count(skip.begin(), skip.end(), true) == 750);
         if (chunk) o.memory_budget_bytes = budget_for_chunk_rows(d, o, g, chunk);
         const reference::CeResult ref = oracle(d, o);
         const LibRun plain = run_library(d, o, g);
@@ -904,6 +905,8 @@ TEST_CASE("skip_ignored_rows: long runs of ignored rows are skipped, the rest is
         INFO(describe(d.spec, o, g) << " chunk rows " << chunk);
         const LibRun run = run_library(d, o, g);
         INFO("plan: " << run.plan.str());
+        const std::vector<bool> skip = skipped_rows(d, run.plan.skip_gap_rows);
+        REQUIRE(std::count(skip.begin(), skip.end(), true) == 750);
         CHECK(run.plan.order == LoopOrder::kTokenChunk);
         if (chunk) CHECK(run.plan.workspace_bytes() == plain.plan.workspace_bytes());
         // Everything but lse against the oracle (row_loss is 0 on every ignored row, and so
@@ -955,7 +958,8 @@ TEST_CASE("skip_ignored_rows: skipped dH rows zero, or kept with accumulate; for
     check_scalar("loss", res.loss, ref.loss, tolerance(dtype).loss);
     const double tol = tolerance(dtype).grad;
     check_added(grads, h0, w0, b0, ref, tol);
-    const std::vector<bool> skip = skipped_rows(d);
+    const std::vector<bool> skip =
+        skipped_rows(d, loss.plan(d.inputs(o), grads.views()).skip_gap_rows);
     std::int64_t changed = 0;  // skipped rows whose dH moved (they must keep their bits)
     const std::vector<double> h1 = grads.hidden();
     for (std::int64_t t = 0; t < d.spec.n; ++t)

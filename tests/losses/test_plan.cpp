@@ -229,6 +229,49 @@ TEST_CASE("plan: the loop order is the requested one, or the cheaper one by the 
   CHECK(token_by_cost > 0);
 }
 
+TEST_CASE("plan: skip_ignored_rows takes token-chunk order under auto, and its gap length") {
+  int cheaper_in_vocab_order = 0;
+  for_each_plan(
+      [&](const PlanRequest& q, const Plan& p) {
+        INFO(describe(q, p));
+        // A multiple of 64, at least 64, whatever the request.
+        CHECK(p.skip_gap_rows >= 64);
+        CHECK(p.skip_gap_rows % 64 == 0);
+        PlanRequest s = q, t = q;
+        s.skip_ignored_rows = true;
+        t.order = LoopOrder::kTokenChunk;
+        const Plan ps = plan_token_objective(s), pt = plan_token_objective(t);
+        CHECK(ps.order == LoopOrder::kTokenChunk);  // the token-chunk plan, as if requested
+        CHECK(ps.chunk_rows == pt.chunk_rows);
+        CHECK(ps.workspace_bytes() == pt.workspace_bytes());
+        cheaper_in_vocab_order += p.order == LoopOrder::kVocabBlock;
+        if (q.grad_hidden || q.grad_weight || q.grad_bias)
+          CHECK(contains(ps.reason, "skip_ignored_rows"));
+      },
+      {LoopOrder::kAuto});
+  CHECK(cheaper_in_vocab_order > 0);  // cases where skipping changed the order
+  // The gap is the rows whose three GEMMs take as long as one more rewrite of dW: none without
+  // dW, longer for an fp32 dW than a bf16 one, and longer on CUDA than on the CPU.
+  PlanRequest q;
+  q.rows = 16384;
+  q.hidden = 4096;
+  q.vocab = 128256;
+  q.input_dtype = q.grad_hidden_dtype = q.grad_weight_dtype = DType::kBF16;
+  q.grad_hidden = true;
+  q.device = Device::kCuda;
+  CHECK(plan_token_objective(q).skip_gap_rows == 64);
+  q.grad_weight = true;
+  const std::int64_t bf16 = plan_token_objective(q).skip_gap_rows;
+  q.fp32_weight_grad_accumulator = true;
+  const std::int64_t fp32 = plan_token_objective(q).skip_gap_rows;
+  q.device = Device::kCpu;
+  q.input_dtype = q.grad_hidden_dtype = q.grad_weight_dtype = DType::kF32;
+  const std::int64_t cpu = plan_token_objective(q).skip_gap_rows;
+  CHECK(bf16 == 192);  // H200 model: 2 V H bytes at 3.5 TB/s against 6 H V flops at ~700 TFLOP/s
+  CHECK(fp32 == 320);
+  CHECK(cpu == 64);
+}
+
 TEST_CASE("plan: vocab_block needs dW, and an infeasible request names the order") {
   PlanRequest q;
   q.rows = 150;

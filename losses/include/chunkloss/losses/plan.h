@@ -63,6 +63,8 @@ struct PlanRequest {
   int vocab_ranks = 1;
   std::size_t budget_bytes = 0;  ///< bound on the workspace, less the optional fp32 dW accumulator
   LoopOrder order = LoopOrder::kAuto;
+  /// The call skips runs of ignored rows, which only token-chunk order does: kAuto takes it.
+  bool skip_ignored_rows = false;
 };
 
 /// The layout of a sequence objective's rows, for the scheduler.
@@ -92,6 +94,11 @@ struct Plan {
   Regime regime = Regime::kNone;      ///< sequence objectives: resident or recompute
   std::int64_t group_units = 0;       ///< resident: units (pairs or sequences) per group
   std::int64_t num_groups = 0;        ///< resident: ceil(units / group_units)
+  /// Token objectives (CrossEntropyOptions::skip_ignored_rows): the shortest run of ignored rows
+  /// between valid ones worth leaving out, from the cost model: skipping it ends a chunk early,
+  /// so it must save more GEMM time than one more rewrite of dW costs; a multiple of 64, at least
+  /// 64 (splitting a GEMM around fewer rows wastes about as many in its last tile).
+  std::int64_t skip_gap_rows = 0;
 
   WorkspaceLayout layout;    ///< total() == workspace bytes
   WorkspaceSlice logits;     ///< [C, V] (token) or max([C, V], [N, Vb]) (vocab) logits buffer
