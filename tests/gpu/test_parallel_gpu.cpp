@@ -246,29 +246,16 @@ std::vector<Part> vocab_parts(const Case& c, const std::function<dist::Communica
   return parts;
 }
 
-// Rows [r0, r0 + got.size()) of lse against the unsplit call's: skip_ignored_rows may skip (NaN)
-// ignored rows on a rank that the unsplit call computes (a rank skips its own leading and trailing
-// ignored rows), and the rows both computed agree.
+// Rows [r0, r0 + got.size()) of a rank's lse against the unsplit call's `whole`, where either
+// may skip ignored rows (check_lse_where_computed).
 void check_lse(const Data& d, std::int64_t r0, const std::vector<float>& got,
-               const std::vector<float>& want) {
-  std::vector<float> a, b;
-  bool only_ignored = true;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const float x = got[i], y = want[static_cast<std::size_t>(r0) + i];
-    if (std::isnan(x) || std::isnan(y)) {
-      only_ignored = only_ignored && d.y[static_cast<std::size_t>(r0) + i] == -100;
-      continue;
-    }
-    a.push_back(x);
-    b.push_back(y);
-  }
-  CHECK(only_ignored);
-  check_close("lse", a, b, 2e-6);
-}
-
-// The same bits, NaN included.
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+               const std::vector<float>& whole) {
+  const auto b = whole.begin() + r0;
+  std::vector<bool> ignored;
+  for (std::size_t i = 0; i < got.size(); ++i)
+    ignored.push_back(d.y[static_cast<std::size_t>(r0) + i] == -100);
+  check_lse_where_computed(got, std::vector<float>(b, b + static_cast<std::ptrdiff_t>(got.size())),
+                           ignored, 2e-6);
 }
 
 // The split results against an unsplit reference (CPU or CUDA): every rank's loss, outputs and
@@ -286,7 +273,7 @@ void check_split(const Case& c, const Data& d, const std::vector<Result>& split,
     dw.insert(dw.end(), r.dw.begin(), r.dw.end());
     db.insert(db.end(), r.db.begin(), r.db.end());
     CHECK(r.r.loss == r0.r.loss);
-    CHECK(same_bits(r.lse, r0.lse));
+    CHECK(bitwise_equal(r.lse, r0.lse));
     CHECK(r.pred == r0.pred);
     CHECK(r.dx == r0.dx);
   }
@@ -374,7 +361,7 @@ TEST_CASE(
       CHECK(again[r].r.loss == split[r].r.loss);
       CHECK(again[r].dx == split[r].dx);
       CHECK(again[r].dw == split[r].dw);
-      CHECK(same_bits(again[r].lse, split[r].lse));
+      CHECK(bitwise_equal(again[r].lse, split[r].lse));
     }
   }
 }

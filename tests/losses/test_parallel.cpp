@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -125,28 +124,11 @@ std::vector<T> slice(const std::vector<T>& v, std::int64_t b, std::int64_t e, st
   return {v.begin() + b * width, v.begin() + e * width};
 }
 
-// lse of rows [r0, r1) against the unsplit call's: skip_ignored_rows may skip (NaN) other rows
-// on a rank than in the unsplit call (a rank skips its own leading and trailing ignored rows), but
-// only ignored ones; the rows both computed agree.
-void check_lse(const CeData& d, const std::vector<float>& got, const std::vector<float>& whole,
-               std::int64_t r0, std::int64_t r1) {
-  std::vector<double> a, b;
-  bool skipped_valid = false;
-  for (std::int64_t t = r0; t < r1; ++t) {
-    const float x = got[sz(t - r0)], y = whole[sz(t)];
-    const bool ignored = d.targets64[sz(t)] == d.spec.ignore_index;
-    skipped_valid = skipped_valid || ((std::isnan(x) || std::isnan(y)) && !ignored);
-    if (std::isnan(x) || std::isnan(y)) continue;
-    a.push_back(x);
-    b.push_back(y);
-  }
-  CHECK_FALSE(skipped_valid);
-  check_close("lse", a, b, 1e-6);
-}
-
-// The same bits, NaN included.
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+// Whether rows [r0, r1) are ignored.
+std::vector<bool> ignored_rows(const CeData& d, std::int64_t r0, std::int64_t r1) {
+  std::vector<bool> out;
+  for (std::int64_t t = r0; t < r1; ++t) out.push_back(d.targets64[sz(t)] == d.spec.ignore_index);
+  return out;
 }
 
 // The split call against the unsplit one: every rank's scalars; each rank's per-row outputs and
@@ -175,12 +157,13 @@ void check_split(const CeSpec& spec, const CrossEntropyOptions& o, const Split& 
       CHECK(r.result.accuracy == r0.result.accuracy);
       const auto [r0b, r1b] =
           nr > 1 ? part(s.rows, ri, spec.n) : std::pair{std::int64_t{0}, spec.n};
-      check_lse(d, r.out.lse, whole.out.lse, r0b, r1b);
+      check_lse_where_computed(r.out.lse, slice(whole.out.lse, r0b, r1b, 1),
+                               ignored_rows(d, r0b, r1b), 1e-6);
       check_close("row_loss", r.out.row_loss, slice(whole.out.row_loss, r0b, r1b, 1), 1e-5);
       CHECK(r.out.predictions == slice(whole.out.predictions, r0b, r1b, 1));
       if (s.grads.hidden)
         check_close("grad_hidden", r.grads.hidden(), slice(whole.grads.hidden(), r0b, r1b, h), tol);
-      CHECK(same_bits(r.out.lse, first.out.lse));
+      CHECK(bitwise_equal(r.out.lse, first.out.lse));
       CHECK(r.grads.hidden() == first.grads.hidden());
       const std::vector<double> rw = r.grads.weight(), rb = r.grads.bias();
       w.resize(rw.size());

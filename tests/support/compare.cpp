@@ -108,4 +108,22 @@ void check_all_equal(std::string_view what, const std::vector<double>& got, doub
   CHECK(true);
 }
 
+void check_lse_where_computed(const std::vector<float>& got, const std::vector<float>& want,
+                              const std::vector<bool>& ignored, double tol) {
+  REQUIRE(got.size() == want.size());
+  REQUIRE(ignored.size() == want.size());
+  std::vector<double> a, b;
+  std::int64_t skipped_valid = -1;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (!std::isnan(got[i]) && !std::isnan(want[i])) {
+      a.push_back(got[i]);
+      b.push_back(want[i]);
+    } else if (!ignored[i] && skipped_valid < 0) {
+      skipped_valid = static_cast<std::int64_t>(i);
+    }
+  }
+  if (skipped_valid >= 0) FAIL_CHECK("lse: row " << skipped_valid << " is valid but NaN");
+  check_close("lse (rows both computed)", a, b, tol);
+}
+
 }  // namespace chunkloss::test

@@ -55,6 +55,13 @@ void check_scalar(std::string_view what, double got, double want, double tol);
 /// CHECKs every element equals `value` exactly (e.g. zero gradients); reports the first offender.
 void check_all_equal(std::string_view what, const std::vector<double>& got, double value);
 
+/// A split call's lse (a rank's rows) against the unsplit call's same rows: with
+/// skip_ignored_rows either side may skip (NaN) rows the other computes, as a rank skips its own
+/// leading and trailing ignored rows, but only ignored ones (ignored[i]); the rows both computed
+/// agree to `tol` (check_close).
+void check_lse_where_computed(const std::vector<float>& got, const std::vector<float>& want,
+                              const std::vector<bool>& ignored, double tol);
+
 /// True when two buffers have the same size and identical bytes (memcmp).
 template <typename T>
 bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
