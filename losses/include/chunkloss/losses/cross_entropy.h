@@ -62,12 +62,12 @@ struct CrossEntropyOptions {
   /// and outputs.lse NaN there. Shorter runs are computed with the rows around them: each skip
   /// ends a chunk early, and the extra chunk's dW GEMM rewrites all of dW, which the cost model
   /// weighs (64 rows on the CPU; on CUDA 192 for a bf16 dW at H = 4096, V = 128256). With no
-  /// valid row nothing is skipped. Everything else is unchanged: the results agree with a call that does not skip,
-  /// to rounding. The targets are read on the host to find the runs: on CUDA that is one more
-  /// wait for the stream, at the start of the call (so such a call cannot be captured into a
-  /// CUDA graph), and out-of-range targets are then thrown before anything is written. Only
-  /// token-chunk order skips, so with loop_order kAuto the plan takes it; an explicit
-  /// kVocabBlock, whose second pass multiplies all rows at once, skips nothing.
+  /// valid row nothing is skipped. Everything else is unchanged: the results agree with a call
+  /// that does not skip, to rounding. The targets are read on the host to find the runs: on
+  /// CUDA that is one more wait for the stream, at the start of the call (so such a call cannot
+  /// be captured into a CUDA graph), and out-of-range targets are then thrown before anything is
+  /// written. Only token-chunk order skips, so with loop_order kAuto the plan takes it; an
+  /// explicit kVocabBlock, whose second pass multiplies all rows at once, skips nothing.
   bool skip_ignored_rows = false;
   /// Copy the scalar results to the host at the end of the call (the call's one host
   /// synchronisation on CUDA, with a second one up front when the call has groups or skips rows).
