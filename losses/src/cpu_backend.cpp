@@ -59,6 +59,7 @@ class CpuTokenBackend final : public TokenBackend {
     if (plan.dh_accum.bytes && call.grad_x.defined()) dh_acc_ = ws.at<float>(plan.dh_accum);
     if (plan.db_accum.bytes && call.grad_bias.defined()) db_acc_ = ws.at<float>(plan.db_accum);
     float* s = plan.staging.bytes ? ws.at<float>(plan.staging) : nullptr;
+    const float* end = s + plan.staging.bytes / sizeof(float);
     if (call.vocab_group) {
       auto* b = reinterpret_cast<unsigned char*>(s);
       vp_ = carve_vocab_parallel(b, plan.chunk_rows, h_, call.vocab_group->size(),
@@ -81,6 +82,14 @@ class CpuTokenBackend final : public TokenBackend {
       dw_tile_ = take(kWeightTile * h_);
     if (!vocab_order && call.grad_x.defined() && call.grad_x.dtype() == DType::kBF16 && !vp_.dh)
       dh32_ = take(stage_rows * h_);
+    // grad_w_ranges gathers X rows in the bf16 staging, or in what the plan left for fp32 X.
+    if (bf16_in) {
+      x_pack_ = x32_;
+      x_pack_rows_ = stage_rows;
+    } else if (s && end - s >= plan.chunk_rows * h_) {
+      x_pack_ = take(plan.chunk_rows * h_);
+      x_pack_rows_ = plan.chunk_rows;
+    }
     if (call.class_weights.defined()) cw_ = call.class_weights.data_as<const float>();
     // Eigen's GEMMs take their threads from the calling thread's OpenMP setting (not from
     // Eigen::setNbThreads, a process-wide value other threads' calls would race on); the
@@ -236,11 +245,30 @@ class CpuTokenBackend final : public TokenBackend {
 
   void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
               bool first) override {
-    weight_grad(r0, r1, v0, v1, first, 1.0f);
+    weight_grad(x_rows(r0, r1), r1 - r0, v0, v1, first, 1.0f);
+  }
+
+  // One GEMM over all the ranges' rows, their X rows gathered side by side in fp32 staging, when
+  // they fit it: dW is read and written once instead of once per range.
+  void grad_w_ranges(const std::vector<RowRange>& ranges, bool first) override {
+    std::int64_t total = 0;
+    for (const RowRange& r : ranges) total += r.r1 - r.r0;
+    if (ranges.size() == 1 || !x_pack_ || total > x_pack_rows_ || !c_.grad_w.defined()) {
+      TokenBackend::grad_w_ranges(ranges, first);
+      return;
+    }
+    std::int64_t row = 0;
+    for (const RowRange& r : ranges) {
+      to_f32(c_.x, r.r0 * h_, (r.r1 - r.r0) * h_, x_pack_ + row * h_);
+      row += r.r1 - r.r0;
+    }
+    x32_r0_ = x32_r1_ = -1;  // x32_ (which x_pack_ may be) no longer holds one range's rows
+    select_tile(0);
+    weight_grad(x_pack_, total, 0, v_, first, 1.0f);
   }
 
   void grad_w_rescaled(std::int64_t r0, std::int64_t r1, bool first, float factor) override {
-    weight_grad(r0, r1, 0, v_, first, factor);
+    weight_grad(x_rows(r0, r1), r1 - r0, 0, v_, first, factor);
   }
 
   void clear_grad_x() override {
@@ -248,6 +276,13 @@ class CpuTokenBackend final : public TokenBackend {
       std::fill_n(dh_acc_, c_.rows * h_, 0.0f);
     else if (c_.grad_x.defined() && !c_.accumulate)
       std::fill_n(static_cast<unsigned char*>(c_.grad_x.data()), c_.grad_x.nbytes(), 0);
+  }
+
+  void clear_grad_w() override {
+    if (dw_acc_)
+      std::fill_n(dw_acc_, v_ * h_, 0.0f);
+    else if (c_.grad_w.defined() && !c_.accumulate)
+      std::fill_n(static_cast<unsigned char*>(c_.grad_w.data()), c_.grad_w.nbytes(), 0);
   }
 
   void scale_grad_x_rows(std::int64_t r0, std::int64_t r1, float factor) override {
@@ -358,14 +393,15 @@ class CpuTokenBackend final : public TokenBackend {
     rows_.zloss[t] = zl;
   }
 
-  // dw[v0:v1] = factor ((first ? 0 : dw[v0:v1]) + tile^T x[r0:r1]); db[v0:v1] += colsum(tile).
-  void weight_grad(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1, bool first,
+  // dw[v0:v1] = factor ((first ? 0 : dw[v0:v1]) + tile^T x) over `rows` rows of the tile and of
+  // fp32 X rows `x`; db[v0:v1] += colsum(tile).
+  void weight_grad(const float* x, std::int64_t rows, std::int64_t v0, std::int64_t v1, bool first,
                    float factor) {
-    const std::int64_t rows = r1 - r0, cols = v1 - v0;
+    const std::int64_t cols = v1 - v0;
     CMatMap gm(tile_, rows, cols);
     if (db_acc_) Eigen::Map<Eigen::RowVectorXf>(db_acc_ + v0, cols) += gm.colwise().sum();
     if (!c_.grad_w.defined()) return;
-    CMatMap xm(x_rows(r0, r1), rows, h_);
+    CMatMap xm(x, rows, h_);
     if (dw_acc_ || c_.grad_w.dtype() == DType::kF32) {
       float* base = dw_acc_ ? dw_acc_ : c_.grad_w.data_as<float>();
       MatMap d(base + v0 * h_, cols, h_);
@@ -425,6 +461,8 @@ class CpuTokenBackend final : public TokenBackend {
   RowArrays rows_;
   float *dw_acc_ = nullptr, *dh_acc_ = nullptr, *db_acc_ = nullptr;
   float *w_tile_ = nullptr, *x32_ = nullptr, *dw_tile_ = nullptr, *dh32_ = nullptr;
+  float* x_pack_ = nullptr;  // grad_w_ranges' X rows (x32_ for bf16 X)
+  std::int64_t x_pack_rows_ = 0;
   std::int64_t x32_r0_ = -1, x32_r1_ = -1;
   const float* cw_ = nullptr;
   std::int64_t valid_ = 0;

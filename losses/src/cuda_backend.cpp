@@ -186,6 +186,16 @@ class CudaTokenBackend final : public TokenBackend {
           cudaMemsetAsync(p_.row.scale, 0, static_cast<std::size_t>(c_.rows) * sizeof(float), s));
   }
 
+  void clear_grad_w() override {
+    settle();
+    const auto s = static_cast<cudaStream_t>(stream());
+    if (dw_acc_)
+      CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(
+          dw_acc_, 0, static_cast<std::size_t>(c_.vocab * c_.hidden) * sizeof(float), s));
+    else if (c_.grad_w.defined() && !c_.accumulate)
+      CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(c_.grad_w.data(), 0, c_.grad_w.nbytes(), s));
+  }
+
   // In place, the rows as one contiguous run scaled by the device factor.
   void scale_grad_x_rows(std::int64_t r0, std::int64_t r1, float factor) override {
     settle();
@@ -336,7 +346,6 @@ class CudaTokenBackend final : public TokenBackend {
     if (!c_.grad_w.defined()) return;
     coef_consumed_ = true;
     const gpu::Matrix g = grad_tile(r0, r1, v0, v1);
-    const std::int64_t h = c_.hidden;
     gpu::Matrix x = x_rows(r0, r1);
     const float keep = factor.value_or(1.0f);
     std::optional<float> alpha = factor ? factor : uniform_alpha();
@@ -352,6 +361,14 @@ class CudaTokenBackend final : public TokenBackend {
       x_scaled_ready_ = vocab_order;
       x.data = x_scaled_ + (vocab_order ? r0 * x_row_bytes() : 0);
     }
+    dw_gemm(g, x, v0, r1, first, alpha, keep);
+  }
+  // dw[v0:] = alpha g^T x + (first ? 0 : keep dw[v0:]) in the fp32 accumulator or the caller's
+  // dW (kept when accumulating), where g's rows end at row `r1`; with host_dw_, alpha 1 until
+  // the last chunk (ending at chunks_end_), which scales the sum by the mean's alpha.
+  void dw_gemm(const gpu::Matrix& g, const gpu::Matrix& x, std::int64_t v0, std::int64_t r1,
+               bool first, std::optional<float> alpha, float keep) {
+    const std::int64_t h = c_.hidden;
     if (dw_acc_) {
       grad_gemm(g, true, x, dw_acc_ + v0 * h, DType::kF32, h, alpha, first ? 0.0f : keep);
       return;
@@ -424,7 +441,7 @@ class CudaTokenBackend final : public TokenBackend {
     const std::int64_t h = c_.hidden;
     select_tile(run.offset);
     gpu::Matrix x{n == 1 && scale ? x_scaled_ : x_stage_, c_.x.dtype(), total, h, h};
-    if (in_tile_) x = scaled_x_in_tile(tile_, total);
+    if (x_in_tile_) x = scaled_x_in_tile(tile_, total);
     auto* stage = static_cast<unsigned char*>(const_cast<void*>(x.data));
     if ((n == 1 && !scale) || !stage || !c_.grad_w.defined()) {
       std::int64_t offset = run.offset;
@@ -452,12 +469,8 @@ class CudaTokenBackend final : public TokenBackend {
       rows += r.r1 - r.r0;
     }
     coef_consumed_ = true;
-    const gpu::Matrix g = grad_tile(0, rows, 0, c_.vocab);
-    void* dst = dw_acc_ ? static_cast<void*>(dw_acc_) : c_.grad_w.data();
-    const bool overwrite = dw_acc_ ? first : first && !c_.accumulate;
-    grad_gemm(g, true, x, dst, dw_acc_ ? DType::kF32 : c_.grad_w.dtype(), h,
-              run.mantissa != 0.0f ? std::optional<float>(run.mantissa) : uniform_alpha(),
-              overwrite ? 0.0f : 1.0f);
+    dw_gemm(grad_tile(0, rows, 0, c_.vocab), x, 0, ranges[run.i1 - 1].r1, first,
+            run.mantissa != 0.0f ? std::optional<float>(run.mantissa) : uniform_alpha(), 1.0f);
   }
   std::size_t x_row_bytes() const {
     return static_cast<std::size_t>(c_.hidden) * dtype_size(c_.x.dtype());
@@ -471,17 +484,19 @@ class CudaTokenBackend final : public TokenBackend {
       vp_ = carve_vocab_parallel(s, plan_.chunk_rows, c_.hidden, c_.vocab_group->size(),
                                  c_.grad_x.defined());
     const bool vocab_order = plan_.order == LoopOrder::kVocabBlock;
-    in_tile_ = c_.row_scales && !vocab_order &&
-               stages_in_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype(),
-                              c_.vocab_group ? c_.vocab_group->size() : 1);
+    x_in_tile_ =
+        !vocab_order && stages_in_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype(),
+                                       c_.vocab_group ? c_.vocab_group->size() : 1);
+    in_tile_ = c_.row_scales && x_in_tile_;
     free_offset_ = tile_free_offset(c_.vocab);
     // The mean's alpha lives on the device; the other reductions' is 1 (uniform_alpha).
     const bool token_plain = !c_.row_scales && !vocab_order && c_.scale == RowScale::kMean;
     host_dx_ = token_plain && c_.grad_x.defined() && !dh_acc_ && !vp_.dh &&
                staging_fits_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype());
     host_dw_ = token_plain && c_.chunks_in_order && c_.grad_w.defined() && !dw_acc_ &&
-               !c_.accumulate && token_chunk_count(c_, plan_) > 1;
-    chunks_end_ = computed_rows(c_).back().r1;
+               !c_.accumulate && token_chunks(c_, plan_).size() > 1;
+    const std::vector<RowRange> computed = computed_rows(c_);
+    chunks_end_ = computed.empty() ? 0 : computed.back().r1;
     if (s && c_.row_scales && !in_tile_) {
       const std::int64_t rows = vocab_order ? c_.rows : plan_.chunk_rows;
       if (!vocab_order && c_.grad_x.defined()) {
@@ -612,7 +627,9 @@ class CudaTokenBackend final : public TokenBackend {
   float* dh_stage_ = nullptr;
   VocabParallelStaging vp_;
   bool x_scaled_ready_ = false;
-  bool in_tile_ = false;  // row scales staged in the tile's free halves (tile_staging.h)
+  // X rows staged side by side for grad_w_ranges go in the tile's free halves, after the fp32
+  // dH rows (tile_staging.h); in_tile_: so do the row scales' dH rows and scaled X rows.
+  bool x_in_tile_ = false, in_tile_ = false;
   // The mean in token-chunk order without row scales: its gradient GEMMs get alpha = 1 as host
   // scalars too (see grad_gemm). host_dx_: the dH GEMM into fp32 rows in the tile's free
   // halves, then times the device alpha (the mean's mantissa), rounded once. host_dw_: the

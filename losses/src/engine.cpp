@@ -93,13 +93,25 @@ std::vector<RowRange> rows_to_compute(const std::vector<std::uint8_t>& valid,
 }
 
 std::vector<RowRange> computed_rows(const TokenCall& call) {
-  return call.row_ranges.empty() ? std::vector<RowRange>{{0, call.rows}} : call.row_ranges;
+  return call.row_ranges ? *call.row_ranges : std::vector<RowRange>{{0, call.rows}};
 }
 
-std::int64_t token_chunk_count(const TokenCall& call, const Plan& plan) {
+std::vector<std::vector<RowRange>> token_chunks(const TokenCall& call, const Plan& plan) {
   const std::int64_t c = plan.chunk_rows;
-  std::int64_t chunks = 0;
-  for (const RowRange& r : computed_rows(call)) chunks += (r.r1 - r.r0 + c - 1) / c;
+  std::vector<std::vector<RowRange>> chunks;
+  std::int64_t room = 0;  // rows the last chunk can still take
+  for (const RowRange& range : computed_rows(call)) {
+    for (std::int64_t r0 = range.r0; r0 < range.r1;) {
+      if (room == 0) {
+        chunks.emplace_back();
+        room = c;
+      }
+      const std::int64_t r1 = std::min(range.r1, r0 + room);
+      chunks.back().push_back({r0, r1});
+      room -= r1 - r0;
+      r0 = r1;
+    }
+  }
   return chunks;
 }
 
@@ -107,28 +119,33 @@ TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan&
                                 const Workspace& ws) {
   auto backend = make_token_backend(ctx, call, plan, ws);
   backend->begin();
-  const std::int64_t n = call.rows, v = call.vocab, c = plan.chunk_rows;
+  const std::int64_t n = call.rows, v = call.vocab;
   const bool grads = call.any_grad();
   const bool token_order = plan.order == LoopOrder::kTokenChunk || !grads;
 
   std::int64_t done = 0;  // rows before it are computed or skipped
   bool first = true;
-  for (const RowRange& range : computed_rows(call)) {
-    if (range.r0 > done) backend->skip_rows(done, range.r0);
-    for (std::int64_t r0 = range.r0; r0 < range.r1; r0 += c) {
-      const std::int64_t r1 = std::min(range.r1, r0 + c);
+  for (const std::vector<RowRange>& pieces : token_chunks(call, plan)) {
+    std::int64_t offset = 0;  // the piece's first row in the logits tile
+    for (const auto [r0, r1] : pieces) {
+      if (r0 > done) backend->skip_rows(done, r0);
+      backend->select_tile(offset);
       backend->logits(r0, r1, 0, v);
       backend->row_stats(r0, r1);
       if (grads && token_order) {
         backend->grad_epilogue(r0, r1, 0, v);
         backend->grad_x(r0, r1, 0, v, true);
-        backend->grad_w(r0, r1, 0, v, first);
-        first = false;
       }
+      offset += r1 - r0;
+      done = r1;
     }
-    done = range.r1;
+    if (grads && token_order) {
+      backend->grad_w_ranges(pieces, first);
+      first = false;
+    }
   }
   if (done < n) backend->skip_rows(done, n);
+  if (grads && token_order && first) backend->clear_grad_w();  // no row computed
   if (grads && !token_order) vocab_block_pass(*backend, n, v, plan.vocab_block);
   return backend->finish();
 }

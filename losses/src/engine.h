@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "chunkloss/core/context.h"
@@ -54,8 +55,9 @@ struct TokenCall {
   /// each with one dW GEMM over the full vocabulary.
   bool chunks_in_order = false;
   /// run_token_objective in token-chunk order (set only then): the rows it computes, in order
-  /// (see rows_to_compute); the others are skipped (skip_rows). Empty: all rows.
-  std::vector<RowRange> row_ranges;
+  /// (see rows_to_compute; none when no row is valid); the others are skipped (skip_rows).
+  /// Unset: all rows.
+  std::optional<std::vector<RowRange>> row_ranges;
 
   bool any_grad() const { return grad_x.defined() || grad_w.defined() || grad_bias.defined(); }
   std::int64_t total_vocab() const { return vocab_total ? vocab_total : vocab; }
@@ -106,6 +108,9 @@ class TokenBackend {
   /// Sets dH to zero for every row before a sequence objective that skips some rows: the
   /// caller's dH (kept when accumulating), or the fp32 dH accumulator and the rows' scales.
   virtual void clear_grad_x() = 0;
+  /// Sets dW to zero when no row is computed: its fp32 accumulator, or the caller's dW (kept
+  /// when accumulating).
+  virtual void clear_grad_w() = 0;
   /// The deferred regime: multiplies rows [r0, r1) of the fp32 dH accumulator by `factor`.
   virtual void scale_grad_x_rows(std::int64_t r0, std::int64_t r1, float factor) = 0;
   /// Points the logits tile `row_offset` rows (of V columns) into the logits slice, so a
@@ -175,11 +180,12 @@ void vocab_block_pass(TokenBackend& b, std::int64_t n, std::int64_t v, std::int6
 /// valid[t] = 0 are skipped (shorter runs are computed with the rows around them); empty when
 /// no row is valid.
 std::vector<RowRange> rows_to_compute(const std::vector<std::uint8_t>& valid, std::int64_t min_gap);
-/// The rows run_token_objective computes: call.row_ranges, or all rows when it is empty.
+/// The rows run_token_objective computes: call.row_ranges, or all rows when it is unset.
 std::vector<RowRange> computed_rows(const TokenCall& call);
-/// How many chunks run_token_objective runs in token-chunk order: those of each computed range
-/// at plan.chunk_rows.
-std::int64_t token_chunk_count(const TokenCall& call, const Plan& plan);
+/// The chunks run_token_objective runs: the computed rows in order, cut every plan.chunk_rows
+/// rows; each chunk's pieces (the parts of computed ranges in it) lie one after another in the
+/// logits tile and share one dW GEMM (grad_w_ranges).
+std::vector<std::vector<RowRange>> token_chunks(const TokenCall& call, const Plan& plan);
 
 /// Runs the plan's loop order over the call.
 TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan& plan,

@@ -111,21 +111,27 @@ std::size_t vocab_parallel_per_row(const PlanRequest& q) {
 // Backend scratch per row of the GEMMs' row range. CPU: the fp32 X rows and, in token-chunk
 // order, the fp32 dH rows (vocab-block order accumulates dH in the dh_accum slice instead).
 // CUDA with per-row scales: the fp32 dH rows before scaling (token-chunk order) and the scaled
-// X rows for the dW GEMM. Both: a vocabulary-parallel chunk's exchange buffers, first.
+// X rows for the dW GEMM. Both: a vocabulary-parallel chunk's exchange buffers, first; and with
+// skip_ignored_rows the X rows of a chunk's pieces gathered for its one dW GEMM, unless they go
+// in the bf16 X staging (CPU) or in the logits tile (CUDA, tile_staging.h).
 std::size_t staging_per_row(const PlanRequest& q, bool vocab_order) {
   const auto row = static_cast<std::size_t>(q.hidden) * 4;
   const std::size_t vp = vocab_order ? 0 : vocab_parallel_per_row(q);
+  const bool gather = q.skip_ignored_rows && q.grad_weight && !vocab_order;
   if (q.device != Device::kCpu) {
-    if (!q.row_scales) return vp;
+    const bool in_tile =
+        detail::stages_in_tile(q.vocab, q.hidden, q.logits_dtype, q.input_dtype, q.vocab_ranks);
+    if (!q.row_scales)
+      return vp + (gather && !in_tile
+                       ? static_cast<std::size_t>(q.hidden) * dtype_size(q.input_dtype)
+                       : 0);
     // Token-chunk rows stage in the logits tile's free halves when they fit (tile_staging.h).
-    if (!vocab_order &&
-        detail::stages_in_tile(q.vocab, q.hidden, q.logits_dtype, q.input_dtype, q.vocab_ranks))
-      return vp;
+    if (!vocab_order && in_tile) return vp;
     std::size_t b = vp + (!vocab_order && q.grad_hidden ? row : 0);
     if (q.grad_weight) b += static_cast<std::size_t>(q.hidden) * dtype_size(q.input_dtype);
     return b;
   }
-  std::size_t b = vp + (q.input_dtype == DType::kBF16 ? row : 0);
+  std::size_t b = vp + (q.input_dtype == DType::kBF16 || gather ? row : 0);
   // (a vocabulary-parallel chunk's dH rows are in its exchange buffers)
   if (!vocab_order && q.grad_hidden && q.grad_hidden_dtype == DType::kBF16 && !vp) b += row;
   return b;
@@ -298,13 +304,13 @@ Plan plan_token_objective(const PlanRequest& q) {
   const double epilogue = 3.0 * epilogue_pass_time(q, dm);
   p.predicted_token_cost_s = gemm_time(dm, gemms * nhv, static_cast<double>(c)) + epilogue +
                              dw_rewrite_time(q, dm, p.num_chunks);
-  // The shortest gap of ignored rows worth skipping: its rows' GEMM time at least one more
-  // rewrite of dW.
-  const double row_time =
-      gemm_time(dm, gemms * nhv / static_cast<double>(n), static_cast<double>(c));
-  const double rewrite = q.grad_weight ? 2.0 * dw_bytes(q) / dm.bandwidth : 0.0;
-  const auto gap = static_cast<std::int64_t>(std::ceil(rewrite / row_time / kRowGranule));
-  p.skip_gap_rows = std::max<std::int64_t>(1, gap) * kRowGranule;
+  // The shortest gap of ignored rows worth skipping: its rows' GEMMs take at least what
+  // splitting the logits and dH GEMMs around it costs (about m_half rows each in the model).
+  // The chunks are cut from the computed rows alone, so a gap costs no rewrite of dW.
+  const double split_rows = dm.m_half * (q.grad_hidden ? 2.0 : 1.0) / gemms;
+  p.skip_gap_rows =
+      std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(split_rows / kRowGranule))) *
+      kRowGranule;
 
   // Vocab-block order: pass 2 holds [N, Vb] logits for all rows (plus an fp32 dH accumulator
   // when dH is not fp32, and on the CPU fp32 copies of bf16 X for all rows).

@@ -505,6 +505,19 @@ TEST_CASE("gpu: all rows ignored gives loss 0 and zero gradients; forward only")
   for (float x : g.dx) REQUIRE(x == 0.0f);
   for (float x : g.dw) REQUIRE(x == 0.0f);
   for (float x : g.db) REQUIRE(x == 0.0f);
+  CrossEntropyOptions skip;  // every row skipped: no GEMM runs, and the gradients are zero
+  skip.skip_ignored_rows = true;
+  for (bool fp32_dw : {false, true}) {
+    CAPTURE(fp32_dw);
+    skip.fp32_weight_grad_accumulator = fp32_dw;
+    const Outcome k = run(p, d, skip, Device::kCuda);  // (the buffers start as NaN)
+    CHECK(k.r.loss == 0.0);
+    CHECK(k.r.valid_rows == 0);
+    for (float x : k.dx) REQUIRE(x == 0.0f);
+    for (float x : k.dw) REQUIRE(x == 0.0f);
+    for (float x : k.db) REQUIRE(x == 0.0f);
+    for (float x : k.lse) REQUIRE(std::isnan(x));
+  }
   p.ignore_fraction = 0.2;
   const HostData d2 = make_data(p);
   const Outcome f = run(p, d2, {}, Device::kCuda, false), fb = run(p, d2, {}, Device::kCuda, true);
@@ -521,14 +534,18 @@ std::int64_t skipped_as_zero(std::vector<float>& lse) {
 
 TEST_CASE("gpu: skip_ignored_rows matches the CPU path, the skipped rows' outputs and dH too") {
   if (!have_gpu()) return;
-  // Ignored runs: 300 leading rows, 100 rows (computed), 350 rows, 100 trailing rows; or one
-  // short span of valid rows (a single chunk although the plan has several). The plan's
-  // skip_gap_rows (128 for bf16, 256 for fp32 here) lies between 100 and 350.
+  // Ignored runs: 300 leading rows, 40 rows (computed: the plan's skip_gap_rows is 64), 350
+  // rows, 100 trailing rows; one short span of valid rows (a single chunk although the plan has
+  // several); or 14 sequences of 100 rows whose 70-row prompts are skipped, their 30-row
+  // completions packed four or five to a 128-row chunk, cut where it fills.
   struct Layout {
     std::vector<std::pair<std::int64_t, std::int64_t>> valid;  // spans of valid rows
     std::int64_t skipped;
   };
-  const Layout layouts[] = {{{{300, 500}, {600, 900}, {1250, 1300}}, 750}, {{{300, 400}}, 1300}};
+  Layout sft{{}, 1400 - 14 * 30};
+  for (std::int64_t q = 0; q < 14; ++q) sft.valid.emplace_back(q * 100 + 70, q * 100 + 100);
+  const Layout layouts[] = {
+      {{{300, 500}, {540, 900}, {1250, 1300}}, 750}, {{{300, 400}}, 1300}, sft};
   for (const Layout& lay : layouts) {
     for (DType t : {DType::kF32, DType::kBF16}) {
       for (Reduction r : {Reduction::kMean, Reduction::kSum, Reduction::kNone}) {
@@ -550,12 +567,12 @@ TEST_CASE("gpu: skip_ignored_rows matches the CPU path, the skipped rows' output
           o.reduction = r;
           o.loop_order = LoopOrder::kTokenChunk;
           o.skip_ignored_rows = true;
-          o.memory_budget_bytes = 128 * p.v * 4 + 100000;  // 128-row chunks, ragged at the ends
+          // 128-row chunks (with fp32 X rows staged for the dW GEMM), ragged at the ends
+          o.memory_budget_bytes = 128 * (p.v + p.h) * 4 + 100000;
           Outcome g = run(p, d, o, Device::kCuda, true, accumulate);
           Outcome c = run(p, d, o, Device::kCpu, true, accumulate);
           CHECK(g.plan.num_chunks > 2);
-          CHECK(g.plan.skip_gap_rows > 100);
-          CHECK(g.plan.skip_gap_rows <= 350);
+          CHECK(g.plan.skip_gap_rows == 64);
           bool same_rows = true;
           for (std::size_t i = 0; i < c.lse.size(); ++i)
             same_rows = same_rows && std::isnan(g.lse[i]) == std::isnan(c.lse[i]);

@@ -234,11 +234,12 @@ TEST_CASE("plan: skip_ignored_rows takes token-chunk order under auto, and its g
   for_each_plan(
       [&](const PlanRequest& q, const Plan& p) {
         INFO(describe(q, p));
-        // A multiple of 64, at least 64, whatever the request.
-        CHECK(p.skip_gap_rows >= 64);
-        CHECK(p.skip_gap_rows % 64 == 0);
-        PlanRequest s = q, t = q;
+        // 64 rows whatever the request: skipping a gap splits the logits and dH GEMMs around
+        // it, which costs fewer rows than that (the chunks are cut from the computed rows).
+        CHECK(p.skip_gap_rows == 64);
+        PlanRequest s = q;
         s.skip_ignored_rows = true;
+        PlanRequest t = s;
         t.order = LoopOrder::kTokenChunk;
         const Plan ps = plan_token_objective(s), pt = plan_token_objective(t);
         CHECK(ps.order == LoopOrder::kTokenChunk);  // the token-chunk plan, as if requested
@@ -250,26 +251,43 @@ TEST_CASE("plan: skip_ignored_rows takes token-chunk order under auto, and its g
       },
       {LoopOrder::kAuto});
   CHECK(cheaper_in_vocab_order > 0);  // cases where skipping changed the order
-  // The gap is the rows whose three GEMMs take as long as one more rewrite of dW: none without
-  // dW, longer for an fp32 dW than a bf16 one, and longer on CUDA than on the CPU.
+}
+
+TEST_CASE("plan: skip_ignored_rows stages a chunk's X rows for its one dW GEMM") {
+  // A chunk's pieces of several computed ranges share one dW GEMM over their X rows gathered
+  // side by side: on CUDA in the bf16 logits tile's free halves when they fit there, else (and
+  // on the CPU for fp32 X; bf16 X has its fp32 staging already) in staging of C rows.
   PlanRequest q;
   q.rows = 16384;
   q.hidden = 4096;
   q.vocab = 128256;
   q.input_dtype = q.grad_hidden_dtype = q.grad_weight_dtype = DType::kBF16;
-  q.grad_hidden = true;
+  q.grad_hidden = q.grad_weight = true;
   q.device = Device::kCuda;
-  CHECK(plan_token_objective(q).skip_gap_rows == 64);
+  q.order = LoopOrder::kTokenChunk;
+  q.budget_bytes = std::size_t{1} << 40;  // the chunk rows are the same with and without
+  const auto extra = [](PlanRequest r) {
+    const Plan plain = plan_token_objective(r);
+    r.skip_ignored_rows = true;
+    const Plan skip = plan_token_objective(r);
+    CHECK(skip.chunk_rows == plain.chunk_rows);
+    return std::pair{skip.staging.bytes - plain.staging.bytes, skip.chunk_rows};
+  };
+  CHECK(extra(q).first == 0);  // in the tile
+  q.input_dtype = DType::kF32;
+  auto [bytes, rows] = extra(q);
+  CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 4);
+  q.grad_weight = false;  // no dW GEMM, nothing to gather
+  CHECK(extra(q).first == 0);
   q.grad_weight = true;
-  const std::int64_t bf16 = plan_token_objective(q).skip_gap_rows;
-  q.fp32_weight_grad_accumulator = true;
-  const std::int64_t fp32 = plan_token_objective(q).skip_gap_rows;
   q.device = Device::kCpu;
-  q.input_dtype = q.grad_hidden_dtype = q.grad_weight_dtype = DType::kF32;
-  const std::int64_t cpu = plan_token_objective(q).skip_gap_rows;
-  CHECK(bf16 == 192);  // H200 model: 2 V H bytes at 3.5 TB/s against 6 H V flops at ~700 TFLOP/s
-  CHECK(fp32 == 320);
-  CHECK(cpu == 64);
+  q.rows = 4096;
+  q.hidden = 512;
+  q.vocab = 16384;
+  std::tie(bytes, rows) = extra(q);
+  CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 4);
+  q.input_dtype = DType::kBF16;
+  CHECK(extra(q).first == 0);
 }
 
 TEST_CASE("plan: vocab_block needs dW, and an infeasible request names the order") {
