@@ -50,6 +50,10 @@ for skip in no yes; do
   run "prompts-ce-16384x4096x128256-1g-skip-$skip" "${ce[@]}" --rows 16384 --hidden 4096 \
     --vocab 128256 --budget-mib 1024 --ce-seq-len 2048 --prompt-frac 0.3 "${extra[@]}"
 done
+# Short completions: 32 sequences of 512 rows, 384-row prompts. With skip_ignored_rows their
+# 128-row completions share chunks (about 2000 rows each) and each chunk's one dW GEMM.
+run prompts-ce-16384x4096x128256-1g-short-skip-yes "${ce[@]}" --rows 16384 --hidden 4096 \
+  --vocab 128256 --budget-mib 1024 --ce-seq-len 512 --prompt-frac 0.75 --skip-ignored-rows
 
 # Exactness against float64 on the same input values (targets: bf16 <= 2.0e-3, fp32 <= 1e-5).
 run exact-bf16-4096x4096x128256 "${ce[@]}" --rows 4096 --hidden 4096 --vocab 128256 \

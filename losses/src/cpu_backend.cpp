@@ -82,13 +82,21 @@ class CpuTokenBackend final : public TokenBackend {
       dw_tile_ = take(kWeightTile * h_);
     if (!vocab_order && call.grad_x.defined() && call.grad_x.dtype() == DType::kBF16 && !vp_.dh)
       dh32_ = take(stage_rows * h_);
-    // grad_w_ranges gathers X rows in the bf16 staging, or in what the plan left for fp32 X.
+    // The *_ranges steps gather X rows in the bf16 staging, or in what the plan left for fp32 X,
+    // and dH rows in bf16 dH's staging, or in what it left for fp32 dH.
+    const std::int64_t c = plan.chunk_rows;
     if (bf16_in) {
       x_pack_ = x32_;
       x_pack_rows_ = stage_rows;
-    } else if (s && end - s >= plan.chunk_rows * h_) {
-      x_pack_ = take(plan.chunk_rows * h_);
-      x_pack_rows_ = plan.chunk_rows;
+    } else if (s && end - s >= c * h_) {
+      x_pack_ = take(c * h_);
+      x_pack_rows_ = c;
+    }
+    if (dh32_) {
+      dh_pack_rows_ = stage_rows;
+    } else if (call.grad_x.defined() && !vp_.dh && s && end - s >= c * h_) {
+      dh_pack_ = take(c * h_);
+      dh_pack_rows_ = c;
     }
     if (call.class_weights.defined()) cw_ = call.class_weights.data_as<const float>();
     // Eigen's GEMMs take their threads from the calling thread's OpenMP setting (not from
@@ -120,9 +128,24 @@ class CpuTokenBackend final : public TokenBackend {
   }
 
   void logits(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1) override {
-    const std::int64_t rows = r1 - r0, cols = v1 - v0;
+    logits_of(x_rows(r0, r1), r1 - r0, v0, v1);
+  }
+
+  // Several ranges: their X rows gathered side by side, one GEMM (each GEMM call reads and
+  // packs all of W, which short ranges would pay once each).
+  void logits_ranges(const std::vector<RowRange>& ranges) override {
+    if (!gather_x(ranges)) {
+      TokenBackend::logits_ranges(ranges);
+      return;
+    }
+    select_tile(0);
+    logits_of(x_pack_, rows_in(ranges), 0, v_);
+  }
+
+  // tile [rows, v1 - v0] = x w[v0:v1]^T (+ bias[v0:v1]) for `rows` fp32 X rows `x`.
+  void logits_of(const float* x, std::int64_t rows, std::int64_t v0, std::int64_t v1) {
+    const std::int64_t cols = v1 - v0;
     MatMap z(tile_, rows, cols);
-    const float* x = x_rows(r0, r1);
     CMatMap xm(x, rows, h_);
     for_weight_tiles(v0, v1, [&](std::int64_t t0, std::int64_t t1, const float* w) {
       z.middleCols(t0 - v0, t1 - t0).noalias() = xm * CMatMap(w, t1 - t0, h_).transpose();
@@ -243,28 +266,47 @@ class CpuTokenBackend final : public TokenBackend {
       store_f32(c_.grad_x, r0 * h_, rows * h_, dst, !first || c_.accumulate);
   }
 
+  // Several ranges: one GEMM into fp32 rows side by side (bf16 dH's staging, or fp32 dH's when
+  // the plan left it), then each range's rows stored into dH.
+  void grad_x_ranges(const std::vector<RowRange>& ranges) override {
+    const std::int64_t total = rows_in(ranges);
+    float* rows = c_.grad_x.defined() && c_.grad_x.dtype() == DType::kBF16 ? dh32_ : dh_pack_;
+    if (ranges.size() == 1 || !rows || vp_.dh || dh_acc_ || total > dh_pack_rows_) {
+      TokenBackend::grad_x_ranges(ranges);
+      return;
+    }
+    select_tile(0);
+    MatMap d(rows, total, h_);
+    const CMatMap gm(tile_, total, v_);
+    bool assign = true;
+    for_weight_tiles(0, v_, [&](std::int64_t t0, std::int64_t t1, const float* w) {
+      if (assign)
+        d.noalias() = gm.middleCols(t0, t1 - t0) * CMatMap(w, t1 - t0, h_);
+      else
+        d.noalias() += gm.middleCols(t0, t1 - t0) * CMatMap(w, t1 - t0, h_);
+      assign = false;
+    });
+    std::int64_t row = 0;
+    for (const RowRange& r : ranges) {
+      store_f32(c_.grad_x, r.r0 * h_, (r.r1 - r.r0) * h_, rows + row * h_, c_.accumulate);
+      row += r.r1 - r.r0;
+    }
+  }
+
   void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
               bool first) override {
     weight_grad(x_rows(r0, r1), r1 - r0, v0, v1, first, 1.0f);
   }
 
-  // One GEMM over all the ranges' rows, their X rows gathered side by side in fp32 staging, when
-  // they fit it: dW is read and written once instead of once per range.
+  // One GEMM over all the ranges' rows, their X rows gathered side by side (by logits_ranges,
+  // or here), when they fit the staging: dW is read and written once instead of once per range.
   void grad_w_ranges(const std::vector<RowRange>& ranges, bool first) override {
-    std::int64_t total = 0;
-    for (const RowRange& r : ranges) total += r.r1 - r.r0;
-    if (ranges.size() == 1 || !x_pack_ || total > x_pack_rows_ || !c_.grad_w.defined()) {
+    if (!c_.grad_w.defined() || !gather_x(ranges)) {
       TokenBackend::grad_w_ranges(ranges, first);
       return;
     }
-    std::int64_t row = 0;
-    for (const RowRange& r : ranges) {
-      to_f32(c_.x, r.r0 * h_, (r.r1 - r.r0) * h_, x_pack_ + row * h_);
-      row += r.r1 - r.r0;
-    }
-    x32_r0_ = x32_r1_ = -1;  // x32_ (which x_pack_ may be) no longer holds one range's rows
     select_tile(0);
-    weight_grad(x_pack_, total, 0, v_, first, 1.0f);
+    weight_grad(x_pack_, rows_in(ranges), 0, v_, first, 1.0f);
   }
 
   void grad_w_rescaled(std::int64_t r0, std::int64_t r1, bool first, float factor) override {
@@ -421,6 +463,28 @@ class CpuTokenBackend final : public TokenBackend {
     }
   }
   std::int64_t call_vocab() const override { return v_; }
+  static std::int64_t rows_in(const std::vector<RowRange>& ranges) {
+    std::int64_t n = 0;
+    for (const RowRange& r : ranges) n += r.r1 - r.r0;
+    return n;
+  }
+  // Whether x_pack_ holds the X rows of several `ranges` side by side, gathering them unless it
+  // already does; false for one range, or when they do not fit.
+  bool gather_x(const std::vector<RowRange>& ranges) {
+    if (ranges.size() == 1 || !x_pack_ || rows_in(ranges) > x_pack_rows_) return false;
+    const auto same = [](const RowRange& a, const RowRange& b) {
+      return a.r0 == b.r0 && a.r1 == b.r1;
+    };
+    if (std::equal(ranges.begin(), ranges.end(), packed_.begin(), packed_.end(), same)) return true;
+    std::int64_t row = 0;
+    for (const RowRange& r : ranges) {
+      to_f32(c_.x, r.r0 * h_, (r.r1 - r.r0) * h_, x_pack_ + row * h_);
+      row += r.r1 - r.r0;
+    }
+    x32_r0_ = x32_r1_ = -1;  // x32_ (which x_pack_ may be) no longer holds one range's rows
+    packed_ = ranges;
+    return true;
+  }
   std::int64_t target(std::int64_t t) const {
     return c_.targets.dtype() == DType::kI32 ? c_.targets.data_as<const std::int32_t>()[t]
                                              : c_.targets.data_as<const std::int64_t>()[t];
@@ -433,6 +497,7 @@ class CpuTokenBackend final : public TokenBackend {
       to_f32(c_.x, r0 * h_, (r1 - r0) * h_, x32_);
       x32_r0_ = r0;
       x32_r1_ = r1;
+      if (x_pack_ == x32_) packed_.clear();
     }
     return x32_;
   }
@@ -461,8 +526,10 @@ class CpuTokenBackend final : public TokenBackend {
   RowArrays rows_;
   float *dw_acc_ = nullptr, *dh_acc_ = nullptr, *db_acc_ = nullptr;
   float *w_tile_ = nullptr, *x32_ = nullptr, *dw_tile_ = nullptr, *dh32_ = nullptr;
-  float* x_pack_ = nullptr;  // grad_w_ranges' X rows (x32_ for bf16 X)
-  std::int64_t x_pack_rows_ = 0;
+  float* x_pack_ = nullptr;   // the *_ranges steps' X rows (x32_ for bf16 X)
+  float* dh_pack_ = nullptr;  // grad_x_ranges' rows for fp32 dH (bf16 dH: dh32_)
+  std::int64_t x_pack_rows_ = 0, dh_pack_rows_ = 0;
+  std::vector<RowRange> packed_;  // the ranges whose X rows x_pack_ holds
   std::int64_t x32_r0_ = -1, x32_r1_ = -1;
   const float* cw_ = nullptr;
   std::int64_t valid_ = 0;

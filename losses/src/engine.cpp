@@ -126,20 +126,17 @@ TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan&
   std::int64_t done = 0;  // rows before it are computed or skipped
   bool first = true;
   for (const std::vector<RowRange>& pieces : token_chunks(call, plan)) {
-    std::int64_t offset = 0;  // the piece's first row in the logits tile
-    for (const auto [r0, r1] : pieces) {
-      if (r0 > done) backend->skip_rows(done, r0);
-      backend->select_tile(offset);
-      backend->logits(r0, r1, 0, v);
-      backend->row_stats(r0, r1);
-      if (grads && token_order) {
-        backend->grad_epilogue(r0, r1, 0, v);
-        backend->grad_x(r0, r1, 0, v, true);
-      }
-      offset += r1 - r0;
-      done = r1;
+    for (const RowRange& r : pieces) {
+      if (r.r0 > done) backend->skip_rows(done, r.r0);
+      done = r.r1;
     }
+    backend->logits_ranges(pieces);
+    backend->for_ranges(pieces, [&](const RowRange& r) {
+      backend->row_stats(r.r0, r.r1);
+      if (grads && token_order) backend->grad_epilogue(r.r0, r.r1, 0, v);
+    });
     if (grads && token_order) {
+      backend->grad_x_ranges(pieces);
       backend->grad_w_ranges(pieces, first);
       first = false;
     }

@@ -90,15 +90,34 @@ class TokenBackend {
   /// dw[v0:v1] (+)= tile^T x[r0:r1]; db[v0:v1] (+)= colsum(tile).
   virtual void grad_w(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
                       bool first) = 0;
+  /// The ranges' tiles (full width) one after another from the start of the logits slice, as
+  /// logits() makes them. The default runs logits per range; a backend may gather the ranges' X
+  /// rows and run one GEMM.
+  virtual void logits_ranges(const std::vector<RowRange>& ranges) {
+    for_ranges(ranges, [&](const RowRange& r) { logits(r.r0, r.r1, 0, call_vocab()); });
+  }
+  /// grad_x(r0, r1, 0, V, true) for each of `ranges`, whose gradient tiles lie one after another
+  /// from the start of the logits slice; a backend may run one GEMM and scatter its rows.
+  virtual void grad_x_ranges(const std::vector<RowRange>& ranges) {
+    for_ranges(ranges, [&](const RowRange& r) { grad_x(r.r0, r.r1, 0, call_vocab(), true); });
+  }
   /// dw (+)= tile^T x over the rows of `ranges`, whose tiles lie one after another from the
-  /// start of the logits slice (a resident group, a packed recompute chunk); db (+)= their
-  /// column sums. The default runs grad_w per range; a backend may do it in one GEMM.
+  /// start of the logits slice (a resident group, a packed chunk); db (+)= their column sums.
+  /// The default runs grad_w per range; a backend may do it in one GEMM.
   virtual void grad_w_ranges(const std::vector<RowRange>& ranges, bool first) {
+    for_ranges(ranges, [&](const RowRange& r) {
+      grad_w(r.r0, r.r1, 0, call_vocab(), first);
+      first = false;
+    });
+  }
+  /// Calls fn(range) for each of `ranges` with the tile selected at its offset: the rows of the
+  /// ranges before it.
+  template <typename Fn>
+  void for_ranges(const std::vector<RowRange>& ranges, Fn&& fn) {
     std::int64_t offset = 0;
     for (const RowRange& r : ranges) {
       select_tile(offset);
-      grad_w(r.r0, r.r1, 0, call_vocab(), first);
-      first = false;
+      fn(r);
       offset += r.r1 - r.r0;
     }
   }

@@ -109,20 +109,21 @@ std::size_t vocab_parallel_per_row(const PlanRequest& q) {
 }
 
 // Backend scratch per row of the GEMMs' row range. CPU: the fp32 X rows and, in token-chunk
-// order, the fp32 dH rows (vocab-block order accumulates dH in the dh_accum slice instead).
-// CUDA with per-row scales: the fp32 dH rows before scaling (token-chunk order) and the scaled
-// X rows for the dW GEMM. Both: a vocabulary-parallel chunk's exchange buffers, first; and with
-// skip_ignored_rows the X rows of a chunk's pieces gathered for its one dW GEMM, unless they go
-// in the bf16 X staging (CPU) or in the logits tile (CUDA, tile_staging.h).
+// order, the fp32 dH rows (vocab-block order accumulates dH in the dh_accum slice instead);
+// with skip_ignored_rows these also hold a chunk's pieces side by side for its GEMMs, so fp32 X
+// and dH get such rows too. CUDA with per-row scales: the fp32 dH rows before scaling
+// (token-chunk order) and the scaled X rows for the dW GEMM; with skip_ignored_rows and no row
+// scales, a chunk's pieces' X rows for its one dW GEMM unless they fit the logits tile
+// (tile_staging.h). Both: a vocabulary-parallel chunk's exchange buffers, first.
 std::size_t staging_per_row(const PlanRequest& q, bool vocab_order) {
   const auto row = static_cast<std::size_t>(q.hidden) * 4;
   const std::size_t vp = vocab_order ? 0 : vocab_parallel_per_row(q);
-  const bool gather = q.skip_ignored_rows && q.grad_weight && !vocab_order;
+  const bool pieces = q.skip_ignored_rows && !vocab_order;
   if (q.device != Device::kCpu) {
     const bool in_tile =
         detail::stages_in_tile(q.vocab, q.hidden, q.logits_dtype, q.input_dtype, q.vocab_ranks);
     if (!q.row_scales)
-      return vp + (gather && !in_tile
+      return vp + (pieces && q.grad_weight && !in_tile
                        ? static_cast<std::size_t>(q.hidden) * dtype_size(q.input_dtype)
                        : 0);
     // Token-chunk rows stage in the logits tile's free halves when they fit (tile_staging.h).
@@ -131,9 +132,10 @@ std::size_t staging_per_row(const PlanRequest& q, bool vocab_order) {
     if (q.grad_weight) b += static_cast<std::size_t>(q.hidden) * dtype_size(q.input_dtype);
     return b;
   }
-  std::size_t b = vp + (q.input_dtype == DType::kBF16 || gather ? row : 0);
+  std::size_t b = vp + (q.input_dtype == DType::kBF16 || pieces ? row : 0);
   // (a vocabulary-parallel chunk's dH rows are in its exchange buffers)
-  if (!vocab_order && q.grad_hidden && q.grad_hidden_dtype == DType::kBF16 && !vp) b += row;
+  if (!vocab_order && q.grad_hidden && (q.grad_hidden_dtype == DType::kBF16 || pieces) && !vp)
+    b += row;
   return b;
 }
 

@@ -255,8 +255,9 @@ TEST_CASE("plan: skip_ignored_rows takes token-chunk order under auto, and its g
 
 TEST_CASE("plan: skip_ignored_rows stages a chunk's X rows for its one dW GEMM") {
   // A chunk's pieces of several computed ranges share one dW GEMM over their X rows gathered
-  // side by side: on CUDA in the bf16 logits tile's free halves when they fit there, else (and
-  // on the CPU for fp32 X; bf16 X has its fp32 staging already) in staging of C rows.
+  // side by side: on CUDA in the bf16 logits tile's free halves when they fit there, else in
+  // staging of C rows. On the CPU the logits and dH GEMMs run over them too, so fp32 X and fp32
+  // dH get C rows of staging each (bf16 X and dH have theirs already).
   PlanRequest q;
   q.rows = 16384;
   q.hidden = 4096;
@@ -285,9 +286,19 @@ TEST_CASE("plan: skip_ignored_rows stages a chunk's X rows for its one dW GEMM")
   q.hidden = 512;
   q.vocab = 16384;
   std::tie(bytes, rows) = extra(q);
-  CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 4);
+  CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 4);  // X (dH is bf16)
+  q.grad_hidden_dtype = DType::kF32;
+  std::tie(bytes, rows) = extra(q);
+  CHECK(bytes == static_cast<std::size_t>(2 * rows * q.hidden) * 4);  // X and dH
   q.input_dtype = DType::kBF16;
+  std::tie(bytes, rows) = extra(q);
+  CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 4);  // dH
+  q.grad_hidden_dtype = DType::kBF16;
   CHECK(extra(q).first == 0);
+  q.input_dtype = DType::kF32;
+  q.grad_hidden = q.grad_weight = false;  // forward only: the logits GEMM's X rows
+  std::tie(bytes, rows) = extra(q);
+  CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 4);
 }
 
 TEST_CASE("plan: vocab_block needs dW, and an infeasible request names the order") {

@@ -59,11 +59,14 @@ struct CrossEntropyOptions {
   /// target and after the last, and each run of ignored rows between valid ones at least
   /// Plan::skip_gap_rows long, are not multiplied at all, so their GEMM work is saved. Their dH
   /// rows are written as zero (left as they were with grads.accumulate), outputs.row_loss gets 0
-  /// and outputs.lse NaN there. Shorter runs are computed with the rows around them: each skip
-  /// ends a chunk early, and the extra chunk's dW GEMM rewrites all of dW, which the cost model
-  /// weighs (64 rows on the CPU; on CUDA 192 for a bf16 dW at H = 4096, V = 128256). With no
-  /// valid row nothing is skipped. Everything else is unchanged: the results agree with a call
-  /// that does not skip, to rounding. The targets are read on the host to find the runs: on
+  /// and outputs.lse NaN there. The chunks are cut from the rows computed alone, so pieces of
+  /// several completions share a chunk and its one dW GEMM over their X rows gathered side by
+  /// side; on the CPU its logits and dH GEMMs too. The plan counts that staging (C rows of X,
+  /// and on the CPU of fp32 dH) unless it fits the CUDA logits tile. A skipped run can split a
+  /// GEMM around it, so shorter runs (64 rows from the cost model) are computed with the rows
+  /// around them. With no valid row every row is skipped and the gradients are zero.
+  /// Everything else is unchanged: the results agree with a call that does not skip, to
+  /// rounding. The targets are read on the host to find the runs: on
   /// CUDA that is one more wait for the stream, at the start of the call (so such a call cannot
   /// be captured into a CUDA graph), and out-of-range targets are then thrown before anything is
   /// written. Only token-chunk order skips, so with loop_order kAuto the plan takes it; an
