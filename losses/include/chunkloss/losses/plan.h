@@ -95,9 +95,10 @@ struct Plan {
   std::int64_t group_units = 0;       ///< resident: units (pairs or sequences) per group
   std::int64_t num_groups = 0;        ///< resident: ceil(units / group_units)
   /// Token objectives (CrossEntropyOptions::skip_ignored_rows): the shortest run of ignored rows
-  /// between valid ones worth leaving out, from the cost model: skipping it ends a chunk early,
-  /// so it must save more GEMM time than one more rewrite of dW costs; a multiple of 64, at least
-  /// 64 (splitting a GEMM around fewer rows wastes about as many in its last tile).
+  /// between valid ones worth leaving out, from the cost model. The chunks are cut from the
+  /// computed rows, so a skip costs no rewrite of dW, only a GEMM split around it (about m_half
+  /// rows of its efficiency); a multiple of 64, at least 64 (splitting a GEMM around fewer rows
+  /// wastes about as many in its last tile). 64 with both devices' models.
   std::int64_t skip_gap_rows = 0;
 
   WorkspaceLayout layout;    ///< total() == workspace bytes
