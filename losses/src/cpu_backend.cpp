@@ -139,7 +139,7 @@ class CpuTokenBackend final : public TokenBackend {
       return;
     }
     select_tile(0);
-    logits_of(x_pack_, rows_in(ranges), 0, v_);
+    logits_of(x_pack_, row_count(ranges), 0, v_);
   }
 
   // tile [rows, v1 - v0] = x w[v0:v1]^T (+ bias[v0:v1]) for `rows` fp32 X rows `x`.
@@ -269,7 +269,7 @@ class CpuTokenBackend final : public TokenBackend {
   // Several ranges: one GEMM into fp32 rows side by side (bf16 dH's staging, or fp32 dH's when
   // the plan left it), then each range's rows stored into dH.
   void grad_x_ranges(const std::vector<RowRange>& ranges) override {
-    const std::int64_t total = rows_in(ranges);
+    const std::int64_t total = row_count(ranges);
     float* rows = c_.grad_x.defined() && c_.grad_x.dtype() == DType::kBF16 ? dh32_ : dh_pack_;
     if (ranges.size() == 1 || !rows || vp_.dh || dh_acc_ || total > dh_pack_rows_) {
       TokenBackend::grad_x_ranges(ranges);
@@ -306,26 +306,16 @@ class CpuTokenBackend final : public TokenBackend {
       return;
     }
     select_tile(0);
-    weight_grad(x_pack_, rows_in(ranges), 0, v_, first, 1.0f);
+    weight_grad(x_pack_, row_count(ranges), 0, v_, first, 1.0f);
   }
 
   void grad_w_rescaled(std::int64_t r0, std::int64_t r1, bool first, float factor) override {
     weight_grad(x_rows(r0, r1), r1 - r0, 0, v_, first, factor);
   }
 
-  void clear_grad_x() override {
-    if (dh_acc_)
-      std::fill_n(dh_acc_, c_.rows * h_, 0.0f);
-    else if (c_.grad_x.defined() && !c_.accumulate)
-      std::fill_n(static_cast<unsigned char*>(c_.grad_x.data()), c_.grad_x.nbytes(), 0);
-  }
+  void clear_grad_x() override { zero_gradient(dh_acc_, c_.rows * h_, c_.grad_x); }
 
-  void clear_grad_w() override {
-    if (dw_acc_)
-      std::fill_n(dw_acc_, v_ * h_, 0.0f);
-    else if (c_.grad_w.defined() && !c_.accumulate)
-      std::fill_n(static_cast<unsigned char*>(c_.grad_w.data()), c_.grad_w.nbytes(), 0);
-  }
+  void clear_grad_w() override { zero_gradient(dw_acc_, v_ * h_, c_.grad_w); }
 
   void scale_grad_x_rows(std::int64_t r0, std::int64_t r1, float factor) override {
     if (dh_acc_) ArrMap(dh_acc_ + r0 * h_, (r1 - r0) * h_) *= factor;
@@ -463,19 +453,19 @@ class CpuTokenBackend final : public TokenBackend {
     }
   }
   std::int64_t call_vocab() const override { return v_; }
-  static std::int64_t rows_in(const std::vector<RowRange>& ranges) {
-    std::int64_t n = 0;
-    for (const RowRange& r : ranges) n += r.r1 - r.r0;
-    return n;
+  // Zeros the fp32 accumulator `acc` of n values when there is one, else the caller's `grad`
+  // unless accumulating.
+  void zero_gradient(float* acc, std::int64_t n, const TensorView& grad) {
+    if (acc)
+      std::fill_n(acc, n, 0.0f);
+    else if (grad.defined() && !c_.accumulate)
+      std::fill_n(static_cast<unsigned char*>(grad.data()), grad.nbytes(), 0);
   }
   // Whether x_pack_ holds the X rows of several `ranges` side by side, gathering them unless it
   // already does; false for one range, or when they do not fit.
   bool gather_x(const std::vector<RowRange>& ranges) {
-    if (ranges.size() == 1 || !x_pack_ || rows_in(ranges) > x_pack_rows_) return false;
-    const auto same = [](const RowRange& a, const RowRange& b) {
-      return a.r0 == b.r0 && a.r1 == b.r1;
-    };
-    if (std::equal(ranges.begin(), ranges.end(), packed_.begin(), packed_.end(), same)) return true;
+    if (ranges.size() == 1 || !x_pack_ || row_count(ranges) > x_pack_rows_) return false;
+    if (ranges == packed_) return true;
     std::int64_t row = 0;
     for (const RowRange& r : ranges) {
       to_f32(c_.x, r.r0 * h_, (r.r1 - r.r0) * h_, x_pack_ + row * h_);

@@ -252,11 +252,9 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
       const bool sum = k.weight_grad_group != nullptr;
       const auto d = [](std::int64_t x) { return static_cast<double>(x); };
       const std::vector<detail::RowRange> rows = detail::computed_rows(k);
-      std::int64_t computed = 0;
-      for (const detail::RowRange& r : rows) computed += r.r1 - r.r0;
       vocab_kind = {d(k.rows),
                     d(plan.chunk_rows),
-                    d(computed),
+                    d(detail::row_count(rows)),
                     detail::kind_digest({reinterpret_cast<const std::uint8_t*>(rows.data()),
                                          rows.size() * sizeof(detail::RowRange)}),
                     d(k.hidden),

@@ -174,27 +174,14 @@ class CudaTokenBackend final : public TokenBackend {
   }
 
   void clear_grad_x() override {
-    settle();
-    const auto s = static_cast<cudaStream_t>(stream());
-    if (dh_acc_)
-      CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(
-          dh_acc_, 0, static_cast<std::size_t>(c_.rows * c_.hidden) * sizeof(float), s));
-    else if (c_.grad_x.defined() && !c_.accumulate)
-      CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(c_.grad_x.data(), 0, c_.grad_x.nbytes(), s));
+    zero_gradient(dh_acc_, c_.rows * c_.hidden, c_.grad_x);
     if (c_.row_scales)
-      CHUNKLOSS_GPU_CHECK(
-          cudaMemsetAsync(p_.row.scale, 0, static_cast<std::size_t>(c_.rows) * sizeof(float), s));
+      CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(p_.row.scale, 0,
+                                          static_cast<std::size_t>(c_.rows) * sizeof(float),
+                                          static_cast<cudaStream_t>(stream())));
   }
 
-  void clear_grad_w() override {
-    settle();
-    const auto s = static_cast<cudaStream_t>(stream());
-    if (dw_acc_)
-      CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(
-          dw_acc_, 0, static_cast<std::size_t>(c_.vocab * c_.hidden) * sizeof(float), s));
-    else if (c_.grad_w.defined() && !c_.accumulate)
-      CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(c_.grad_w.data(), 0, c_.grad_w.nbytes(), s));
-  }
+  void clear_grad_w() override { zero_gradient(dw_acc_, c_.vocab * c_.hidden, c_.grad_w); }
 
   // In place, the rows as one contiguous run scaled by the device factor.
   void scale_grad_x_rows(std::int64_t r0, std::int64_t r1, float factor) override {
@@ -205,6 +192,46 @@ class CudaTokenBackend final : public TokenBackend {
     CHUNKLOSS_LAUNCH_CHECK(
         kern::launch_scale_rows(rows, kern::Elem::kF32, n, rows, kern::Elem::kF32, n,
                                 set_scalar(kern::kFactor, factor), 1, n, false, stream()));
+  }
+
+  // Several ranges (a packed chunk's pieces): their X rows copied side by side into staging
+  // (gather_x), one GEMM; each GEMM reads all of W, which short ranges would pay once each.
+  void logits_ranges(const std::vector<RowRange>& ranges) override {
+    settle();
+    if (!gather_x(ranges)) {
+      TokenBackend::logits_ranges(ranges);
+      return;
+    }
+    select_tile(0);
+    gpu::gemm(ctx_, {x_stage_, c_.x.dtype(), row_count(ranges), c_.hidden, c_.hidden}, false,
+              w_rows(0, c_.vocab), true, tile_, plan_.logits_dtype, c_.vocab, 0.0f);
+  }
+
+  // Several ranges: one dH GEMM over their gradient tiles into fp32 rows in the tiles' free
+  // halves (tile_staging.h), then each range's rows scaled (the mean's device alpha, else 1)
+  // and rounded once into dH; else grad_x per range.
+  void grad_x_ranges(const std::vector<RowRange>& ranges) override {
+    if (ranges.size() == 1 || !c_.grad_x.defined() || vp_.dh || dh_acc_ || c_.row_scales ||
+        !staging_fits_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype())) {
+      TokenBackend::grad_x_ranges(ranges);
+      return;
+    }
+    fork();
+    select_tile(0);
+    const std::int64_t h = c_.hidden, v = c_.vocab;
+    auto* rows = reinterpret_cast<float*>(tile_ + free_offset_);
+    grad_gemm(grad_tile(0, row_count(ranges), 0, v), false, w_rows(0, v), rows, DType::kF32, v,
+              host_dx_ ? 1.0f : uniform_alpha(), 0.0f);
+    const float* scale = gemm_scalar(host_dx_ ? kern::kAlpha : kern::kOne);
+    const std::size_t row_bytes = static_cast<std::size_t>(h) * dtype_size(c_.grad_x.dtype());
+    std::int64_t row = 0;
+    for (const RowRange& r : ranges) {
+      CHUNKLOSS_LAUNCH_CHECK(
+          kern::launch_scale_rows(static_cast<unsigned char*>(c_.grad_x.data()) + r.r0 * row_bytes,
+                                  elem(c_.grad_x.dtype()), h, rows + row * v, kern::Elem::kF32, v,
+                                  scale, r.r1 - r.r0, h, c_.accumulate, stream(), 0));
+      row += r.r1 - r.r0;
+    }
   }
 
   // Several ranges (a resident group's or a packed chunk's sequences, their tiles one after
@@ -414,9 +441,8 @@ class CudaTokenBackend final : public TokenBackend {
     std::int64_t offset = 0, rows = 0;
     for (std::size_t i = 0; i < ranges.size(); ++i) {
       const RowRange& r = ranges[i];
-      const auto it = std::find_if(set_ranges_.begin(), set_ranges_.end(), [&](const auto& s) {
-        return s.first.r0 == r.r0 && s.first.r1 == r.r1;
-      });
+      const auto it = std::find_if(set_ranges_.begin(), set_ranges_.end(),
+                                   [&](const auto& s) { return s.first == r; });
       if (it == set_ranges_.end() || it->second <= 0.0f) return {};
       if (!runs.empty() && runs.back().mantissa == it->second) {
         runs.back().i1 = i + 1;
@@ -436,12 +462,19 @@ class CudaTokenBackend final : public TokenBackend {
   void staged_weight_grad(const std::vector<RowRange>& ranges, const Run& run, bool first) {
     const std::size_t n = run.i1 - run.i0;
     const bool scale = c_.row_scales && run.mantissa == 0.0f;
-    std::int64_t total = 0;
-    for (std::size_t i = run.i0; i < run.i1; ++i) total += ranges[i].r1 - ranges[i].r0;
-    const std::int64_t h = c_.hidden;
+    const std::vector<RowRange> mine(ranges.begin() + static_cast<std::ptrdiff_t>(run.i0),
+                                     ranges.begin() + static_cast<std::ptrdiff_t>(run.i1));
+    const std::int64_t total = row_count(mine), h = c_.hidden;
     select_tile(run.offset);
+    if (!scale && c_.grad_w.defined() && gather_x(mine)) {  // (maybe gathered by logits_ranges)
+      coef_consumed_ = true;
+      dw_gemm(grad_tile(0, total, 0, c_.vocab), {x_stage_, c_.x.dtype(), total, h, h}, 0,
+              mine.back().r1, first,
+              run.mantissa != 0.0f ? std::optional<float>(run.mantissa) : uniform_alpha(), 1.0f);
+      return;
+    }
     gpu::Matrix x{n == 1 && scale ? x_scaled_ : x_stage_, c_.x.dtype(), total, h, h};
-    if (x_in_tile_) x = scaled_x_in_tile(tile_, total);
+    if (in_tile_) x = scaled_x_in_tile(tile_, total);
     auto* stage = static_cast<unsigned char*>(const_cast<void*>(x.data));
     if ((n == 1 && !scale) || !stage || !c_.grad_w.defined()) {
       std::int64_t offset = run.offset;
@@ -455,6 +488,7 @@ class CudaTokenBackend final : public TokenBackend {
     }
     const std::size_t elt = dtype_size(c_.x.dtype());
     const auto s = static_cast<cudaStream_t>(stream());
+    packed_.clear();  // (x_stage_ may be overwritten below)
     std::int64_t rows = 0;
     for (std::size_t i = run.i0; i < run.i1; ++i) {
       const RowRange& r = ranges[i];
@@ -472,22 +506,39 @@ class CudaTokenBackend final : public TokenBackend {
     dw_gemm(grad_tile(0, rows, 0, c_.vocab), x, 0, ranges[run.i1 - 1].r1, first,
             run.mantissa != 0.0f ? std::optional<float>(run.mantissa) : uniform_alpha(), 1.0f);
   }
+  // Whether x_stage_ holds the X rows of several `ranges` side by side (unscaled), copying them
+  // there unless it already does; false for one range, with row scales, or when they do not fit.
+  bool gather_x(const std::vector<RowRange>& ranges) {
+    if (ranges.size() == 1 || c_.row_scales || !x_stage_ || row_count(ranges) > x_stage_rows_)
+      return false;
+    if (ranges == packed_) return true;
+    std::int64_t row = 0;
+    for (const RowRange& r : ranges) {
+      CHUNKLOSS_GPU_CHECK(
+          cudaMemcpyAsync(x_stage_ + static_cast<std::size_t>(row) * x_row_bytes(),
+                          static_cast<const unsigned char*>(c_.x.data()) + r.r0 * x_row_bytes(),
+                          static_cast<std::size_t>(r.r1 - r.r0) * x_row_bytes(),
+                          cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream())));
+      row += r.r1 - r.r0;
+    }
+    packed_ = ranges;
+    return true;
+  }
   std::size_t x_row_bytes() const {
     return static_cast<std::size_t>(c_.hidden) * dtype_size(c_.x.dtype());
   }
   // The staging slice (see plan.cpp's staging_per_row): with row scales, fp32 dH rows for one
   // chunk (token-chunk order) and scaled X rows (one chunk, or all rows in vocab-block order);
-  // the rest, if any, holds a resident group's X rows side by side.
+  // the rest, if any, holds the X rows of a resident group or a packed chunk side by side.
   void carve_staging(unsigned char* s, std::size_t bytes) {
     unsigned char* end = s + bytes;
     if (c_.vocab_group)
       vp_ = carve_vocab_parallel(s, plan_.chunk_rows, c_.hidden, c_.vocab_group->size(),
                                  c_.grad_x.defined());
     const bool vocab_order = plan_.order == LoopOrder::kVocabBlock;
-    x_in_tile_ =
-        !vocab_order && stages_in_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype(),
-                                       c_.vocab_group ? c_.vocab_group->size() : 1);
-    in_tile_ = c_.row_scales && x_in_tile_;
+    in_tile_ = c_.row_scales && !vocab_order &&
+               stages_in_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype(),
+                              c_.vocab_group ? c_.vocab_group->size() : 1);
     free_offset_ = tile_free_offset(c_.vocab);
     // The mean's alpha lives on the device; the other reductions' is 1 (uniform_alpha).
     const bool token_plain = !c_.row_scales && !vocab_order && c_.scale == RowScale::kMean;
@@ -510,7 +561,10 @@ class CudaTokenBackend final : public TokenBackend {
     }
     CHUNKLOSS_CHECK(!s || s <= end, "CUDA backend: the plan's staging (", bytes,
                     " bytes) is smaller than this call's (internal error)");
-    if (s && s < end) x_stage_ = s;
+    if (s && s < end) {
+      x_stage_ = s;
+      x_stage_rows_ = static_cast<std::int64_t>(static_cast<std::size_t>(end - s) / x_row_bytes());
+    }
   }
   // dst rows (leading dimension dst_ld) = scale * X rows [r0, r1), in X's dtype.
   void scale_x_rows(void* dst, std::int64_t dst_ld, std::int64_t r0, std::int64_t r1) {
@@ -577,6 +631,16 @@ class CudaTokenBackend final : public TokenBackend {
                                         : set_scalar(kern::kFactor, beta);
     gpu::gemm_device_scalars(*lane_, a, trans_a, b, false, dst, dst_dtype, ld, a_dev, b_dev);
   }
+  // Zeros the fp32 accumulator `acc` of n values when there is one, else the caller's `grad`
+  // unless accumulating.
+  void zero_gradient(float* acc, std::int64_t n, const TensorView& grad) {
+    settle();
+    const auto s = static_cast<cudaStream_t>(stream());
+    if (acc)
+      CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(acc, 0, static_cast<std::size_t>(n) * sizeof(float), s));
+    else if (grad.defined() && !c_.accumulate)
+      CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(grad.data(), 0, grad.nbytes(), s));
+  }
   void flush(const TensorView& dst, const float* acc) {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_store_f32(dst.data(), elem(dst.dtype()), acc, dst.numel(),
                                                   c_.accumulate, stream()));
@@ -586,11 +650,11 @@ class CudaTokenBackend final : public TokenBackend {
   void* stream() const { return lane_->stream(); }
   // The side (gpu::Context::side()) runs the weight-gradient steps beside the hidden-gradient
   // GEMMs: both read the gradient tile, and write disjoint buffers (dW or its fp32 accumulator
-  // and scaled X rows; dH, its accumulator or fp32 rows in the tile's free halves apart from the
-  // scaled X rows). The first of grad_x and grad_w* after any other step forks the side after
-  // that step's work; every other step that enqueues work joins it first, so nothing else runs
-  // beside it. The device scalar slots the side writes (the dW GEMM's alpha and beta) are not
-  // read by grad_x.
+  // and X rows staged or scaled for it; dH, its accumulator or fp32 rows in the tile's free
+  // halves apart from those X rows). The first of grad_x* and grad_w* after any other step
+  // forks the side after that step's work; every other step that enqueues work joins it first,
+  // so nothing else runs beside it. The device scalar slots the side writes (the dW GEMM's alpha
+  // and beta) are not read by grad_x*.
   void fork() {
     if (forked_) return;
     ctx_.fork();
@@ -627,9 +691,9 @@ class CudaTokenBackend final : public TokenBackend {
   float* dh_stage_ = nullptr;
   VocabParallelStaging vp_;
   bool x_scaled_ready_ = false;
-  // X rows staged side by side for grad_w_ranges go in the tile's free halves, after the fp32
-  // dH rows (tile_staging.h); in_tile_: so do the row scales' dH rows and scaled X rows.
-  bool x_in_tile_ = false, in_tile_ = false;
+  bool in_tile_ = false;           // row scales staged in the tile's free halves (tile_staging.h)
+  std::int64_t x_stage_rows_ = 0;  // the X rows x_stage_ holds
+  std::vector<RowRange> packed_;   // the ranges whose X rows x_stage_ holds side by side
   // The mean in token-chunk order without row scales: its gradient GEMMs get alpha = 1 as host
   // scalars too (see grad_gemm). host_dx_: the dH GEMM into fp32 rows in the tile's free
   // halves, then times the device alpha (the mean's mantissa), rounded once. host_dw_: the

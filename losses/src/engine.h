@@ -23,7 +23,15 @@ enum class RowScale : std::uint8_t { kMean, kSum, kUpstream };
 /// Rows [r0, r1).
 struct RowRange {
   std::int64_t r0, r1;
+  bool operator==(const RowRange&) const = default;
 };
+
+/// The rows of all `ranges`.
+inline std::int64_t row_count(const std::vector<RowRange>& ranges) {
+  std::int64_t n = 0;
+  for (const RowRange& r : ranges) n += r.r1 - r.r0;
+  return n;
+}
 
 /// A validated token-objective call: views checked for shapes, dtypes and devices.
 struct TokenCall {

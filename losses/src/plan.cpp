@@ -112,22 +112,21 @@ std::size_t vocab_parallel_per_row(const PlanRequest& q) {
 // order, the fp32 dH rows (vocab-block order accumulates dH in the dh_accum slice instead);
 // with skip_ignored_rows these also hold a chunk's pieces side by side for its GEMMs, so fp32 X
 // and dH get such rows too. CUDA with per-row scales: the fp32 dH rows before scaling
-// (token-chunk order) and the scaled X rows for the dW GEMM; with skip_ignored_rows and no row
-// scales, a chunk's pieces' X rows for its one dW GEMM unless they fit the logits tile
-// (tile_staging.h). Both: a vocabulary-parallel chunk's exchange buffers, first.
+// (token-chunk order) and the scaled X rows for the dW GEMM; with skip_ignored_rows (no row
+// scales), a chunk's pieces' X rows side by side for its logits and dW GEMMs (their dH GEMM
+// goes through the tile's free halves, tile_staging.h). Both: a vocabulary-parallel chunk's
+// exchange buffers, first.
 std::size_t staging_per_row(const PlanRequest& q, bool vocab_order) {
   const auto row = static_cast<std::size_t>(q.hidden) * 4;
   const std::size_t vp = vocab_order ? 0 : vocab_parallel_per_row(q);
   const bool pieces = q.skip_ignored_rows && !vocab_order;
   if (q.device != Device::kCpu) {
-    const bool in_tile =
-        detail::stages_in_tile(q.vocab, q.hidden, q.logits_dtype, q.input_dtype, q.vocab_ranks);
     if (!q.row_scales)
-      return vp + (pieces && q.grad_weight && !in_tile
-                       ? static_cast<std::size_t>(q.hidden) * dtype_size(q.input_dtype)
-                       : 0);
+      return vp + (pieces ? static_cast<std::size_t>(q.hidden) * dtype_size(q.input_dtype) : 0);
     // Token-chunk rows stage in the logits tile's free halves when they fit (tile_staging.h).
-    if (!vocab_order && in_tile) return vp;
+    if (!vocab_order &&
+        detail::stages_in_tile(q.vocab, q.hidden, q.logits_dtype, q.input_dtype, q.vocab_ranks))
+      return vp;
     std::size_t b = vp + (!vocab_order && q.grad_hidden ? row : 0);
     if (q.grad_weight) b += static_cast<std::size_t>(q.hidden) * dtype_size(q.input_dtype);
     return b;

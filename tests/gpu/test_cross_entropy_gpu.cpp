@@ -48,6 +48,7 @@ struct Problem {
   /// The gradient buffers' dtype when it differs from the inputs' (bf16 inputs, fp32 gradients).
   std::optional<DType> grad_dtype = std::nullopt;
   DType grads() const { return grad_dtype.value_or(dtype); }
+  bool grad_weight = true;  ///< dW asked for with the other gradients (else dH and db only)
 };
 
 // Host-side data in the problem's storage dtype.
@@ -192,7 +193,7 @@ Outcome run(const Problem& p, const HostData& d, const CrossEntropyOptions& o, D
   CrossEntropyGrads gr;
   if (grads) {
     gr.hidden = TensorView(gx.ptr(dev), gt, {n, h}, dev);
-    gr.weight = TensorView(gw.ptr(dev), gt, {v, h}, dev);
+    if (p.grad_weight) gr.weight = TensorView(gw.ptr(dev), gt, {v, h}, dev);
     if (p.bias) gr.bias = TensorView(gb.ptr(dev), gt, {v}, dev);
     gr.accumulate = accumulate;
   }
@@ -567,7 +568,7 @@ TEST_CASE("gpu: skip_ignored_rows matches the CPU path, the skipped rows' output
           o.reduction = r;
           o.loop_order = LoopOrder::kTokenChunk;
           o.skip_ignored_rows = true;
-          // 128-row chunks (with fp32 X rows staged for the dW GEMM), ragged at the ends
+          // 128-row chunks (with the X rows staged for packed chunks), ragged at the ends
           o.memory_budget_bytes = 128 * (p.v + p.h) * 4 + 100000;
           Outcome g = run(p, d, o, Device::kCuda, true, accumulate);
           Outcome c = run(p, d, o, Device::kCpu, true, accumulate);
@@ -607,6 +608,14 @@ TEST_CASE("gpu: skip_ignored_rows forward only, and with the fp32 dW accumulator
   CHECK(skipped_as_zero(g.lse) == 600);
   CHECK(skipped_as_zero(c.lse) == 600);
   check_close(p, o, g, c);
+  // dH (and db) only, with a skipped run inside (its pieces share a chunk): no dW GEMM at all.
+  for (std::int64_t i = 600; i < 700; ++i) d.y[static_cast<std::size_t>(i)] = -100;
+  p.grad_weight = false;
+  Outcome gx = run(p, d, o, Device::kCuda), cx = run(p, d, o, Device::kCpu);
+  CHECK(skipped_as_zero(gx.lse) == 700);
+  CHECK(skipped_as_zero(cx.lse) == 700);
+  CHECK(rel_err(gx.dx, cx.dx) <= 1.5e-2);  // (check_close's bf16 tolerance)
+  CHECK(rel_err(gx.db, cx.db) <= 1.5e-2);
 }
 
 TEST_CASE("gpu: out-of-range targets and non-finite inputs raise chunkloss::Error") {

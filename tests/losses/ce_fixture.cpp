@@ -33,6 +33,8 @@ CeData::CeData(const CeSpec& s) : spec(s) {
   grad_output = uniform_floats(sz(s.n), -1.0f, 2.0f, seed + 6);
   targets64 = random_targets(s.n, s.v, s.ignore_fraction, s.ignore_index, seed + 7);
   std::fill_n(targets64.begin(), std::min(s.ignored_prefix, s.n), s.ignore_index);
+  for (std::int64_t t = s.ignored_run.first; t < std::min(s.ignored_run.second, s.n); ++t)
+    targets64[sz(t)] = s.ignore_index;
   const auto masked = [&](std::int64_t k) {
     return (s.masked_every > 0 && k % s.masked_every == 0) || k >= s.v - s.masked_tail;
   };
@@ -224,6 +226,7 @@ std::string describe(const CeSpec& s, const CrossEntropyOptions& o, const GradRe
      << (s.class_weights ? " class_weights" : "") << (s.token_weights ? " token_weights" : "")
      << (s.targets_i64 ? " i64" : " i32") << " ignore_frac=" << s.ignore_fraction
      << " ignore_index=" << s.ignore_index << " ignored_prefix=" << s.ignored_prefix
+     << " ignored_run=[" << s.ignored_run.first << ", " << s.ignored_run.second << ")"
      << " seed=" << s.seed << " | reduction=" << reduction_name(o.reduction)
      << " ls=" << o.label_smoothing << " z_loss=" << o.z_loss
      << " softcap=" << (o.softcap ? *o.softcap : 0.0f) << " entropy=" << o.compute_entropy

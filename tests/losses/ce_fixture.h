@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "reference/cross_entropy_ref.h"
@@ -30,6 +31,8 @@ struct CeSpec {
   bool targets_i64 = false;
   double ignore_fraction = 0.2;
   std::int64_t ignored_prefix = 0;  ///< the first rows are ignored too (a prompt)
+  /// Rows [first, second) are ignored too (the next sequence's prompt).
+  std::pair<std::int64_t, std::int64_t> ignored_run{0, 0};
   std::int64_t ignore_index = -100;
   /// Set every third valid row's target to its argmax, so accuracy is neither 0 nor 1.
   bool hits = true;

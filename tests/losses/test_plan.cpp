@@ -254,10 +254,10 @@ TEST_CASE("plan: skip_ignored_rows takes token-chunk order under auto, and its g
 }
 
 TEST_CASE("plan: skip_ignored_rows stages a chunk's X rows for its one dW GEMM") {
-  // A chunk's pieces of several computed ranges share one dW GEMM over their X rows gathered
-  // side by side: on CUDA in the bf16 logits tile's free halves when they fit there, else in
-  // staging of C rows. On the CPU the logits and dH GEMMs run over them too, so fp32 X and fp32
-  // dH get C rows of staging each (bf16 X and dH have theirs already).
+  // A chunk's pieces of several computed ranges share one logits, dH and dW GEMM each, over
+  // their rows gathered side by side. The X rows take C rows of staging (on the CPU as fp32,
+  // which bf16 X has already), and on the CPU fp32 dH does too (bf16 dH has its fp32 staging;
+  // CUDA puts dH rows in the fp32 logits tile's free halves).
   PlanRequest q;
   q.rows = 16384;
   q.hidden = 4096;
@@ -274,13 +274,15 @@ TEST_CASE("plan: skip_ignored_rows stages a chunk's X rows for its one dW GEMM")
     CHECK(skip.chunk_rows == plain.chunk_rows);
     return std::pair{skip.staging.bytes - plain.staging.bytes, skip.chunk_rows};
   };
-  CHECK(extra(q).first == 0);  // in the tile
-  q.input_dtype = DType::kF32;
   auto [bytes, rows] = extra(q);
+  CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 2);
+  q.input_dtype = DType::kF32;
+  std::tie(bytes, rows) = extra(q);
   CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 4);
-  q.grad_weight = false;  // no dW GEMM, nothing to gather
-  CHECK(extra(q).first == 0);
-  q.grad_weight = true;
+  q.grad_hidden = q.grad_weight = false;  // forward only: the logits GEMM's X rows
+  std::tie(bytes, rows) = extra(q);
+  CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 4);
+  q.grad_hidden = q.grad_weight = true;
   q.device = Device::kCpu;
   q.rows = 4096;
   q.hidden = 512;

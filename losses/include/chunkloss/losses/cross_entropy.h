@@ -60,11 +60,12 @@ struct CrossEntropyOptions {
   /// Plan::skip_gap_rows long, are not multiplied at all, so their GEMM work is saved. Their dH
   /// rows are written as zero (left as they were with grads.accumulate), outputs.row_loss gets 0
   /// and outputs.lse NaN there. The chunks are cut from the rows computed alone, so pieces of
-  /// several completions share a chunk and its one dW GEMM over their X rows gathered side by
-  /// side; on the CPU its logits and dH GEMMs too. The plan counts that staging (C rows of X,
-  /// and on the CPU of fp32 dH) unless it fits the CUDA logits tile. A skipped run can split a
-  /// GEMM around it, so shorter runs (64 rows from the cost model) are computed with the rows
-  /// around them. With no valid row every row is skipped and the gradients are zero.
+  /// several completions share a chunk, whose logits, dH and dW GEMMs each run once over their
+  /// rows gathered side by side. The plan counts that staging: C rows of X, and on the CPU of
+  /// fp32 dH (on CUDA the dH rows go through the fp32 logits tile when they fit there, else
+  /// each piece gets its own dH GEMM). A skipped run can split a GEMM around it, so shorter
+  /// runs (64 rows from the cost model) are computed with the rows around them. With no valid row every row is skipped and the gradients are zero (kept with
+  /// grads.accumulate).
   /// Everything else is unchanged: the results agree with a call that does not skip, to
   /// rounding. The targets are read on the host to find the runs: on
   /// CUDA that is one more wait for the stream, at the start of the call (so such a call cannot
