@@ -64,14 +64,14 @@ struct CrossEntropyOptions {
   /// rows gathered side by side. The plan counts that staging: C rows of X, and on the CPU of
   /// fp32 dH (on CUDA the dH rows go through the fp32 logits tile when they fit there, else
   /// each piece gets its own dH GEMM). A skipped run can split a GEMM around it, so shorter
-  /// runs (64 rows from the cost model) are computed with the rows around them. With no valid row every row is skipped and the gradients are zero (kept with
-  /// grads.accumulate).
+  /// runs (64 rows from the cost model) are computed with the rows around them. With no valid
+  /// row every row is skipped and the gradients are zero (kept with grads.accumulate).
   /// Everything else is unchanged: the results agree with a call that does not skip, to
-  /// rounding. The targets are read on the host to find the runs: on
-  /// CUDA that is one more wait for the stream, at the start of the call (so such a call cannot
-  /// be captured into a CUDA graph), and out-of-range targets are then thrown before anything is
-  /// written. Only token-chunk order skips, so with loop_order kAuto the plan takes it; an
-  /// explicit kVocabBlock, whose second pass multiplies all rows at once, skips nothing.
+  /// rounding. The targets are read on the host to find the runs: on CUDA that is one more wait
+  /// for the stream, at the start of the call (so such a call cannot be captured into a CUDA
+  /// graph), and out-of-range targets are then thrown before anything is written. Only
+  /// token-chunk order skips, so with loop_order kAuto the plan takes it; an explicit
+  /// kVocabBlock, whose second pass multiplies all rows at once, skips nothing.
   bool skip_ignored_rows = false;
   /// Copy the scalar results to the host at the end of the call (the call's one host
   /// synchronisation on CUDA, with a second one up front when the call has groups or skips rows).
