@@ -154,7 +154,7 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
       o.fp32_weight_grad_accumulator || (o.reduce_weight_grad_over_data_group && in.data_group);
   q.budget_bytes = o.memory_budget_bytes;
   q.order = o.loop_order;
-  q.skip_ignored_rows = o.skip_ignored_rows;
+  q.skip_ignored_rows = q.packed_pieces = o.skip_ignored_rows;
   detail::split_vocabulary(shard, v_total, q);
   return c;
 }

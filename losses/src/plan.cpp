@@ -110,16 +110,16 @@ std::size_t vocab_parallel_per_row(const PlanRequest& q) {
 
 // Backend scratch per row of the GEMMs' row range. CPU: the fp32 X rows and, in token-chunk
 // order, the fp32 dH rows (vocab-block order accumulates dH in the dh_accum slice instead);
-// with skip_ignored_rows these also hold a chunk's pieces side by side for its GEMMs, so fp32 X
+// with packed pieces these also hold a chunk's pieces side by side for its GEMMs, so fp32 X
 // and dH get such rows too. CUDA with per-row scales: the fp32 dH rows before scaling
-// (token-chunk order) and the scaled X rows for the dW GEMM; with skip_ignored_rows (no row
+// (token-chunk order) and the scaled X rows for the dW GEMM; with packed pieces (no row
 // scales), a chunk's pieces' X rows side by side for its logits and dW GEMMs (their dH GEMM
 // goes through the tile's free halves, tile_staging.h). Both: a vocabulary-parallel chunk's
 // exchange buffers, first.
 std::size_t staging_per_row(const PlanRequest& q, bool vocab_order) {
   const auto row = static_cast<std::size_t>(q.hidden) * 4;
   const std::size_t vp = vocab_order ? 0 : vocab_parallel_per_row(q);
-  const bool pieces = q.skip_ignored_rows && !vocab_order;
+  const bool pieces = q.packed_pieces && !vocab_order;
   if (q.device != Device::kCpu) {
     if (!q.row_scales)
       return vp + (pieces ? static_cast<std::size_t>(q.hidden) * dtype_size(q.input_dtype) : 0);

@@ -104,6 +104,7 @@ PlanRequest head_request(const HeadShape& hs, Device dev, const SequenceOptions&
   q.fp32_weight_grad_accumulator = o.fp32_weight_grad_accumulator;
   q.budget_bytes = o.memory_budget_bytes;
   q.order = o.loop_order;
+  q.packed_pieces = true;  // (its sequences are trimmed to their valid rows)
   return q;
 }
 

@@ -119,16 +119,25 @@ void add_sums(TokenBackend& b, const SequenceCall& c, const std::vector<RowRange
     }
 }
 
-// Pass 1 over `ranges`: chunk_stats per chunk, resident chunks at successive tile offsets, then
-// the sums.
+// Pass 1 over `ranges`: logits and row statistics of their pieces, all at successive tile
+// offsets (resident) or packed into chunks (one logits GEMM each where the backend gathers
+// them), then the sums.
 void pass_one(TokenBackend& b, const SequenceCall& c, const std::vector<RowRange>& ranges,
               const Plan& plan, bool resident, std::vector<double>& logp,
               std::vector<double>* logit_sum) {
-  for_chunks(ranges, plan.chunk_rows, resident,
-             [&](std::int64_t r0, std::int64_t r1, std::int64_t offset) {
-               b.select_tile(offset);
-               chunk_stats(b, c, r0, r1);
-             });
+  std::vector<std::vector<RowRange>> chunks;
+  if (resident) {
+    chunks.emplace_back();
+    for_chunks(ranges, plan.chunk_rows, false, [&](std::int64_t r0, std::int64_t r1, std::int64_t) {
+      chunks.back().push_back({r0, r1});
+    });
+  } else {
+    chunks = packed_chunks(ranges, plan.chunk_rows);
+  }
+  for (const std::vector<RowRange>& pieces : chunks) {
+    b.logits_ranges(pieces);
+    b.for_ranges(pieces, [&](const RowRange& r) { b.row_stats(r.r0, r.r1); });
+  }
   add_sums(b, c, ranges, logp, logit_sum);
 }
 
@@ -196,14 +205,9 @@ void recompute_token_chunks(TokenBackend& b, const SequenceCall& c, const Plan& 
   const std::vector<RowRange> ranges = unit_ranges(c, u0, units, plan.chunk_rows, true, true);
   for (const std::vector<RowRange>& pieces : packed_chunks(ranges, plan.chunk_rows)) {
     upload_coefficients(b, c, pieces, coef);
-    std::int64_t offset = 0;
-    for (const auto [r0, r1] : pieces) {
-      b.select_tile(offset);
-      b.logits(r0, r1, 0, v);
-      b.grad_epilogue(r0, r1, 0, v);
-      b.grad_x(r0, r1, 0, v, true);
-      offset += r1 - r0;
-    }
+    b.logits_ranges(pieces);
+    b.for_ranges(pieces, [&](const RowRange& r) { b.grad_epilogue(r.r0, r.r1, 0, v); });
+    b.grad_x_ranges(pieces);
     b.grad_w_ranges(pieces, first);
     first = false;
   }

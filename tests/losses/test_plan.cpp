@@ -238,7 +238,7 @@ TEST_CASE("plan: skip_ignored_rows takes token-chunk order under auto, and its g
         // it, which costs fewer rows than that (the chunks are cut from the computed rows).
         CHECK(p.skip_gap_rows == 64);
         PlanRequest s = q;
-        s.skip_ignored_rows = true;
+        s.skip_ignored_rows = s.packed_pieces = true;  // (as LinearCrossEntropy asks)
         PlanRequest t = s;
         t.order = LoopOrder::kTokenChunk;
         const Plan ps = plan_token_objective(s), pt = plan_token_objective(t);
@@ -269,7 +269,7 @@ TEST_CASE("plan: skip_ignored_rows stages a chunk's X rows for its one dW GEMM")
   q.budget_bytes = std::size_t{1} << 40;  // the chunk rows are the same with and without
   const auto extra = [](PlanRequest r) {
     const Plan plain = plan_token_objective(r);
-    r.skip_ignored_rows = true;
+    r.skip_ignored_rows = r.packed_pieces = true;
     const Plan skip = plan_token_objective(r);
     CHECK(skip.chunk_rows == plain.chunk_rows);
     return std::pair{skip.staging.bytes - plain.staging.bytes, skip.chunk_rows};

@@ -65,6 +65,10 @@ struct PlanRequest {
   LoopOrder order = LoopOrder::kAuto;
   /// The call skips runs of ignored rows, which only token-chunk order does: kAuto takes it.
   bool skip_ignored_rows = false;
+  /// A token chunk may hold pieces of several row ranges (skip_ignored_rows; the sequence
+  /// objectives' trimmed sequences), which the backend gathers side by side for one GEMM each:
+  /// the staging holds C rows of X (and on the CPU of fp32 dH) for them.
+  bool packed_pieces = false;
 };
 
 /// The layout of a sequence objective's rows, for the scheduler.
