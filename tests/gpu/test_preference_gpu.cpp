@@ -425,7 +425,7 @@ TEST_CASE("gpu: skipped rows of long prompts and padding, every regime, packed c
   // Prompts of up to 140 of 200 rows: each sequence's leading and trailing ignored rows are
   // skipped (their dH written as zero over the NaN-filled buffers), and at 2 MiB the recompute
   // regime packs several short spans into one chunk with one dW GEMM (X rows staged in the
-  // tile with bf16 inputs, one GEMM per span with fp32).
+  // tile with bf16 inputs; with fp32 gathered in staging, also for one logits GEMM per chunk).
   PrefSpec s = gpu_spec();
   s.bias = false;
   s.t = 200;
