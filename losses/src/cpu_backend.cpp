@@ -271,7 +271,7 @@ class CpuTokenBackend final : public TokenBackend {
   void grad_x_ranges(const std::vector<RowRange>& ranges) override {
     const std::int64_t total = row_count(ranges);
     float* rows = c_.grad_x.defined() && c_.grad_x.dtype() == DType::kBF16 ? dh32_ : dh_pack_;
-    if (ranges.size() == 1 || !rows || vp_.dh || dh_acc_ || total > dh_pack_rows_) {
+    if (ranges.size() < 2 || !rows || vp_.dh || dh_acc_ || total > dh_pack_rows_) {
       TokenBackend::grad_x_ranges(ranges);
       return;
     }
@@ -462,9 +462,9 @@ class CpuTokenBackend final : public TokenBackend {
       std::fill_n(static_cast<unsigned char*>(grad.data()), grad.nbytes(), 0);
   }
   // Whether x_pack_ holds the X rows of several `ranges` side by side, gathering them unless it
-  // already does; false for one range, or when they do not fit.
+  // already does; false for fewer than two ranges, or when they do not fit.
   bool gather_x(const std::vector<RowRange>& ranges) {
-    if (ranges.size() == 1 || !x_pack_ || row_count(ranges) > x_pack_rows_) return false;
+    if (ranges.size() < 2 || !x_pack_ || row_count(ranges) > x_pack_rows_) return false;
     if (ranges == packed_) return true;
     std::int64_t row = 0;
     for (const RowRange& r : ranges) {

@@ -211,7 +211,7 @@ class CudaTokenBackend final : public TokenBackend {
   // halves (tile_staging.h), then each range's rows scaled (the mean's device alpha, else 1)
   // and rounded once into dH; else grad_x per range.
   void grad_x_ranges(const std::vector<RowRange>& ranges) override {
-    if (ranges.size() == 1 || !c_.grad_x.defined() || vp_.dh || dh_acc_ || c_.row_scales ||
+    if (ranges.size() < 2 || !c_.grad_x.defined() || vp_.dh || dh_acc_ || c_.row_scales ||
         !staging_fits_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype())) {
       TokenBackend::grad_x_ranges(ranges);
       return;
@@ -486,6 +486,9 @@ class CudaTokenBackend final : public TokenBackend {
       }
       return;
     }
+    CHUNKLOSS_CHECK(in_tile_ || x.data != x_stage_ || total <= x_stage_rows_,
+                    "CUDA backend: ", total, " X rows to stage, room for ", x_stage_rows_,
+                    " (internal error)");
     const std::size_t elt = dtype_size(c_.x.dtype());
     const auto s = static_cast<cudaStream_t>(stream());
     packed_.clear();  // (x_stage_ may be overwritten below)
@@ -507,9 +510,10 @@ class CudaTokenBackend final : public TokenBackend {
             run.mantissa != 0.0f ? std::optional<float>(run.mantissa) : uniform_alpha(), 1.0f);
   }
   // Whether x_stage_ holds the X rows of several `ranges` side by side (unscaled), copying them
-  // there unless it already does; false for one range, with row scales, or when they do not fit.
+  // there unless it already does; false for fewer than two ranges, with row scales, or when they
+  // do not fit.
   bool gather_x(const std::vector<RowRange>& ranges) {
-    if (ranges.size() == 1 || c_.row_scales || !x_stage_ || row_count(ranges) > x_stage_rows_)
+    if (ranges.size() < 2 || c_.row_scales || !x_stage_ || row_count(ranges) > x_stage_rows_)
       return false;
     if (ranges == packed_) return true;
     std::int64_t row = 0;

@@ -432,7 +432,10 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
 
   // Resident: the most whole units whose group's logits (and staging for one unit-range of
   // rows) fit the budget. On CUDA a pair group's X rows are staged side by side for its one
-  // dW GEMM (see the CUDA backend's grad_w_ranges).
+  // dW GEMM (see the CUDA backend's grad_w_ranges). Only the recompute regime packs pieces into
+  // token chunks, so the resident and deferred plans reserve no staging for that (rq).
+  PlanRequest rq = q;
+  rq.packed_pieces = false;
   const auto x_stage = [&](std::int64_t g) -> std::size_t {
     const bool stage =
         q.device == Device::kCuda && q.grad_weight && L.unit_sequences > 1 &&
@@ -445,7 +448,7 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   const auto group_bytes = [&](std::int64_t g) {
     const auto range_rows = static_cast<std::size_t>(g * t);
     return fixed_bytes(q) + range_rows * L.unit_sequences * v * lb +
-           range_rows * staging_per_row(q, false) + x_stage(g);
+           range_rows * staging_per_row(rq, false) + x_stage(g);
   };
   std::int64_t g = 0;
   for (std::int64_t lo = 1, hi = units; lo <= hi;) {  // group_bytes grows with g
@@ -467,7 +470,7 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   }
 
   Plan def;
-  if (L.deferrable && L.unit_sequences == 2) def = deferred_plan(q, L);
+  if (L.deferrable && L.unit_sequences == 2) def = deferred_plan(rq, L);
   const double def_cost = def.predicted_token_cost_s;  // 0: not applicable
 
   std::ostringstream why;
@@ -516,7 +519,7 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   // Chunks are a group's unit-ranges; one group of every unit is a single range of all rows,
   // one chunk when its staging fits too.
   const bool one_chunk = groups == 1 && group_bytes(g) + static_cast<std::size_t>(q.rows - g * t) *
-                                                             staging_per_row(q, false) <=
+                                                             staging_per_row(rq, false) <=
                                             budget;
   p.chunk_rows = one_chunk ? q.rows : g * t;
   p.num_chunks = one_chunk ? 1 : groups * L.unit_sequences;
@@ -525,7 +528,7 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   p.predicted_token_cost_s = res_cost;
   why << " (" << g << " of " << units << " units per group)";
   p.reason = why.str();
-  lay_out(p, q, static_cast<std::size_t>(g * t * L.unit_sequences * v) * lb, 0, p.chunk_rows,
+  lay_out(p, rq, static_cast<std::size_t>(g * t * L.unit_sequences * v) * lb, 0, p.chunk_rows,
           one_chunk ? 0 : x_stage(g));
   return p;
 }
