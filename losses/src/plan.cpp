@@ -406,8 +406,13 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   const std::int64_t t = L.seq_len, v = q.vocab, units = L.sequences / L.unit_sequences;
 
   // Recompute: the token objective's chunking; pass 1 adds a logits GEMM and a stats pass in
-  // token-chunk order (vocab-block order has its own pass 1 already).
-  Plan rec = plan_token_objective(q);
+  // token-chunk order (vocab-block order has its own pass 1 already). Only this regime's
+  // gradient pass packs pieces into token chunks with staging for them: the resident and
+  // deferred plans, and a forward-only call's (which then needs no more workspace than the
+  // same call with gradients), reserve none (rq).
+  PlanRequest rq = q;
+  rq.packed_pieces = false;
+  Plan rec = plan_token_objective(any_grad ? q : rq);
   rec.regime = Regime::kRecompute;
   if (!any_grad) {
     rec.reason = "forward only: pass 1 in token chunks";
@@ -432,10 +437,7 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
 
   // Resident: the most whole units whose group's logits (and staging for one unit-range of
   // rows) fit the budget. On CUDA a pair group's X rows are staged side by side for its one
-  // dW GEMM (see the CUDA backend's grad_w_ranges). Only the recompute regime packs pieces into
-  // token chunks, so the resident and deferred plans reserve no staging for that (rq).
-  PlanRequest rq = q;
-  rq.packed_pieces = false;
+  // dW GEMM (see the CUDA backend's grad_w_ranges).
   const auto x_stage = [&](std::int64_t g) -> std::size_t {
     const bool stage =
         q.device == Device::kCuda && q.grad_weight && L.unit_sequences > 1 &&
