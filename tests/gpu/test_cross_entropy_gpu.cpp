@@ -616,6 +616,13 @@ TEST_CASE("gpu: skip_ignored_rows forward only, and with the fp32 dW accumulator
   CHECK(skipped_as_zero(cx.lse) == 700);
   CHECK(rel_err(gx.dx, cx.dx) <= 1.5e-2);  // (check_close's bf16 tolerance)
   CHECK(rel_err(gx.db, cx.db) <= 1.5e-2);
+  // bf16 inputs with fp32 gradient buffers: the packed dH GEMM's fp32 rows stored as fp32.
+  p.grad_weight = true;
+  p.grad_dtype = DType::kF32;
+  o.fp32_weight_grad_accumulator = false;
+  Outcome g32 = run(p, d, o, Device::kCuda), c32 = run(p, d, o, Device::kCpu);
+  CHECK(skipped_as_zero(g32.lse) == 700);
+  check_close(p, o, g32, c32);
 }
 
 TEST_CASE("gpu: out-of-range targets and non-finite inputs raise chunkloss::Error") {
