@@ -447,10 +447,17 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
                        dtype_size(q.input_dtype)
                  : 0;
   };
+  // On the CPU a group's trimmed spans are gathered for its pass-1 logits GEMM and its dW GEMM
+  // when they fit the X staging of one unit-range of rows, which fp32 X gets for that (bf16 X
+  // has its fp32 staging already).
+  const std::size_t gather_per_row =
+      q.device == Device::kCpu && q.input_dtype == DType::kF32 && q.packed_pieces
+          ? static_cast<std::size_t>(q.hidden) * 4
+          : 0;
   const auto group_bytes = [&](std::int64_t g) {
     const auto range_rows = static_cast<std::size_t>(g * t);
     return fixed_bytes(q) + range_rows * L.unit_sequences * v * lb +
-           range_rows * staging_per_row(rq, false) + x_stage(g);
+           range_rows * (staging_per_row(rq, false) + gather_per_row) + x_stage(g);
   };
   std::int64_t g = 0;
   for (std::int64_t lo = 1, hi = units; lo <= hi;) {  // group_bytes grows with g
@@ -520,9 +527,10 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   p.num_groups = groups;
   // Chunks are a group's unit-ranges; one group of every unit is a single range of all rows,
   // one chunk when its staging fits too.
-  const bool one_chunk = groups == 1 && group_bytes(g) + static_cast<std::size_t>(q.rows - g * t) *
-                                                             staging_per_row(rq, false) <=
-                                            budget;
+  const bool one_chunk =
+      groups == 1 && group_bytes(g) + static_cast<std::size_t>(q.rows - g * t) *
+                                          (staging_per_row(rq, false) + gather_per_row) <=
+                         budget;
   p.chunk_rows = one_chunk ? q.rows : g * t;
   p.num_chunks = one_chunk ? 1 : groups * L.unit_sequences;
   p.vocab_block = v;
@@ -531,7 +539,7 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   why << " (" << g << " of " << units << " units per group)";
   p.reason = why.str();
   lay_out(p, rq, static_cast<std::size_t>(g * t * L.unit_sequences * v) * lb, 0, p.chunk_rows,
-          one_chunk ? 0 : x_stage(g));
+          static_cast<std::size_t>(p.chunk_rows) * gather_per_row + (one_chunk ? 0 : x_stage(g)));
   return p;
 }
 
