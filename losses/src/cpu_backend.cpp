@@ -243,8 +243,7 @@ class CpuTokenBackend final : public TokenBackend {
   void grad_x(std::int64_t r0, std::int64_t r1, std::int64_t v0, std::int64_t v1,
               bool first) override {
     if (!c_.grad_x.defined()) return;
-    const std::int64_t rows = r1 - r0, cols = v1 - v0;
-    CMatMap gm(tile_, rows, cols);
+    const std::int64_t rows = r1 - r0;
     // Destination: the fp32 dH accumulator, the caller's fp32 dH, or fp32 staging for bf16 or
     // for the sum over a vocabulary-parallel group.
     float* dst = vp_.dh                             ? vp_.dh
@@ -252,15 +251,7 @@ class CpuTokenBackend final : public TokenBackend {
                  : c_.grad_x.dtype() == DType::kF32 ? c_.grad_x.data_as<float>() + r0 * h_
                                                     : dh32_;
     const bool into_caller = !vp_.dh && !dh_acc_ && c_.grad_x.dtype() == DType::kF32;
-    bool assign = first && !(into_caller && c_.accumulate);
-    MatMap d(dst, rows, h_);
-    for_weight_tiles(v0, v1, [&](std::int64_t t0, std::int64_t t1, const float* w) {
-      if (assign)
-        d.noalias() = gm.middleCols(t0 - v0, t1 - t0) * CMatMap(w, t1 - t0, h_);
-      else
-        d.noalias() += gm.middleCols(t0 - v0, t1 - t0) * CMatMap(w, t1 - t0, h_);
-      assign = false;
-    });
+    dh_gemm(rows, v0, v1, dst, first && !(into_caller && c_.accumulate));
     if (vp_.dh) c_.vocab_group->all_reduce_sum(ctx_, vp_.dh, rows * h_);
     if (dst == dh32_ || dst == vp_.dh)
       store_f32(c_.grad_x, r0 * h_, rows * h_, dst, !first || c_.accumulate);
@@ -276,16 +267,7 @@ class CpuTokenBackend final : public TokenBackend {
       return;
     }
     select_tile(0);
-    MatMap d(rows, total, h_);
-    const CMatMap gm(tile_, total, v_);
-    bool assign = true;
-    for_weight_tiles(0, v_, [&](std::int64_t t0, std::int64_t t1, const float* w) {
-      if (assign)
-        d.noalias() = gm.middleCols(t0, t1 - t0) * CMatMap(w, t1 - t0, h_);
-      else
-        d.noalias() += gm.middleCols(t0, t1 - t0) * CMatMap(w, t1 - t0, h_);
-      assign = false;
-    });
+    dh_gemm(total, 0, v_, rows, true);
     std::int64_t row = 0;
     for (const RowRange& r : ranges) {
       store_f32(c_.grad_x, r.r0 * h_, (r.r1 - r.r0) * h_, rows + row * h_, c_.accumulate);
@@ -453,6 +435,19 @@ class CpuTokenBackend final : public TokenBackend {
     }
   }
   std::int64_t call_vocab() const override { return v_; }
+  // dst [rows, H] (+)= tile w[v0:v1] over `rows` tile rows of v1 - v0 columns; `assign`
+  // overwrites dst.
+  void dh_gemm(std::int64_t rows, std::int64_t v0, std::int64_t v1, float* dst, bool assign) {
+    const CMatMap gm(tile_, rows, v1 - v0);
+    MatMap d(dst, rows, h_);
+    for_weight_tiles(v0, v1, [&](std::int64_t t0, std::int64_t t1, const float* w) {
+      if (assign)
+        d.noalias() = gm.middleCols(t0 - v0, t1 - t0) * CMatMap(w, t1 - t0, h_);
+      else
+        d.noalias() += gm.middleCols(t0 - v0, t1 - t0) * CMatMap(w, t1 - t0, h_);
+      assign = false;
+    });
+  }
   // Zeros the fp32 accumulator `acc` of n values when there is one, else the caller's `grad`
   // unless accumulating.
   void zero_gradient(float* acc, std::int64_t n, const TensorView& grad) {
