@@ -11,7 +11,8 @@
 # opt-in bf16 logits chunk at the same shapes, and exactness with larger logits (--logit-std 8).
 #
 #   apps/bench/run_ce_gpu.sh OUT_DIR [path/to/chunkloss-bench]
-#   (env: REPEATS, default 10; GEMMS, default or measured, default default)
+#   (env: REPEATS, default 10; GEMMS, default or measured, default default; CASES, all or table,
+#   default all: table stops after the issue's table and the 2 GiB row, about half the time)
 set -u
 # shellcheck source=apps/bench/gpu_cases.sh
 source "$(dirname "$0")/gpu_cases.sh"
@@ -41,6 +42,11 @@ run ce-16384x4096x128256-256m "${ce[@]}" --rows 16384 --hidden 4096 --vocab 1282
 # V = 256000 with twice the budget (2048-row chunks), no naive run.
 run ce-16384x2304x256000-2g "${ce[@]}" --rows 16384 --hidden 2304 --vocab 256000 \
   --budget-mib 2048 --chunked-floor --no-naive
+if [ "${CASES:-all}" = table ]; then
+  summarize "chunkloss-bench cross-entropy cases (the table)"
+  [ "$failed" = 0 ]
+  exit
+fi
 
 # SFT batches with prompts: 8 sequences of 2048 rows, the first 30% of each ignored, every row
 # computed and with skip_ignored_rows; both also time the floor over the valid rows alone.

@@ -207,29 +207,35 @@ class CudaTokenBackend final : public TokenBackend {
               w_rows(0, c_.vocab), true, tile_, plan_.logits_dtype, c_.vocab, 0.0f);
   }
 
-  // Several ranges: one dH GEMM over their gradient tiles into fp32 rows in the tiles' free
-  // halves (tile_staging.h), then each range's rows scaled (the mean's device alpha, else 1)
-  // and rounded once into dH; else grad_x per range.
+  // Several ranges: one dH GEMM over their gradient tiles into fp32 rows, in the tiles' free
+  // halves (tile_staging.h) or, with row scales, in the dH staging; then each range's rows
+  // scaled (by each row's scale, else the mean's device alpha or 1) and rounded once into dH;
+  // else grad_x per range.
   void grad_x_ranges(const std::vector<RowRange>& ranges) override {
-    if (ranges.size() < 2 || !c_.grad_x.defined() || vp_.dh || dh_acc_ || c_.row_scales ||
-        !staging_fits_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype())) {
+    const bool in_free_halves =
+        c_.row_scales ? in_tile_
+                      : staging_fits_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype());
+    if (ranges.size() < 2 || !c_.grad_x.defined() || vp_.dh || dh_acc_ ||
+        !(in_free_halves || (c_.row_scales && dh_stage_))) {
       TokenBackend::grad_x_ranges(ranges);
       return;
     }
     fork();
     select_tile(0);
-    const std::int64_t h = c_.hidden, v = c_.vocab;
-    auto* rows = reinterpret_cast<float*>(tile_ + free_offset_);
-    grad_gemm(grad_tile(0, row_count(ranges), 0, v), false, w_rows(0, v), rows, DType::kF32, v,
+    const std::int64_t h = c_.hidden, v = c_.vocab, ld = in_free_halves ? v : h;
+    float* rows = in_free_halves ? reinterpret_cast<float*>(tile_ + free_offset_) : dh_stage_;
+    grad_gemm(grad_tile(0, row_count(ranges), 0, v), false, w_rows(0, v), rows, DType::kF32, ld,
               host_dx_ ? 1.0f : uniform_alpha(), 0.0f);
-    const float* scale = gemm_scalar(host_dx_ ? kern::kAlpha : kern::kOne);
     const std::size_t row_bytes = static_cast<std::size_t>(h) * dtype_size(c_.grad_x.dtype());
     std::int64_t row = 0;
     for (const RowRange& r : ranges) {
+      const float* scale = c_.row_scales ? p_.row.scale + r.r0
+                                         : gemm_scalar(host_dx_ ? kern::kAlpha : kern::kOne);
       CHUNKLOSS_LAUNCH_CHECK(
           kern::launch_scale_rows(static_cast<unsigned char*>(c_.grad_x.data()) + r.r0 * row_bytes,
-                                  elem(c_.grad_x.dtype()), h, rows + row * v, kern::Elem::kF32, v,
-                                  scale, r.r1 - r.r0, h, c_.accumulate, stream(), 0));
+                                  elem(c_.grad_x.dtype()), h, rows + row * ld, kern::Elem::kF32, ld,
+                                  scale, r.r1 - r.r0, h, c_.accumulate, stream(),
+                                  c_.row_scales ? 1 : 0));
       row += r.r1 - r.r0;
     }
   }
@@ -510,10 +516,10 @@ class CudaTokenBackend final : public TokenBackend {
             run.mantissa != 0.0f ? std::optional<float>(run.mantissa) : uniform_alpha(), 1.0f);
   }
   // Whether x_stage_ holds the X rows of several `ranges` side by side (unscaled), copying them
-  // there unless it already does; false for fewer than two ranges, with row scales, or when they
-  // do not fit.
+  // there unless it already does; false for fewer than two ranges or when they do not fit. (With
+  // row scales, staged_weight_grad may overwrite them with scaled rows, and then forgets them.)
   bool gather_x(const std::vector<RowRange>& ranges) {
-    if (ranges.size() < 2 || c_.row_scales || !x_stage_ || row_count(ranges) > x_stage_rows_)
+    if (ranges.size() < 2 || !x_stage_ || row_count(ranges) > x_stage_rows_)
       return false;
     if (ranges == packed_) return true;
     std::int64_t row = 0;

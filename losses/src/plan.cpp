@@ -121,13 +121,15 @@ std::size_t staging_per_row(const PlanRequest& q, bool vocab_order) {
   const std::size_t vp = vocab_order ? 0 : vocab_parallel_per_row(q);
   const bool pieces = q.packed_pieces && !vocab_order;
   if (q.device != Device::kCpu) {
-    if (!q.row_scales)
-      return vp + (pieces ? static_cast<std::size_t>(q.hidden) * dtype_size(q.input_dtype) : 0);
+    // A packed chunk's X rows, gathered side by side for its one logits (and dW) GEMM.
+    const std::size_t gathered =
+        vp + (pieces ? static_cast<std::size_t>(q.hidden) * dtype_size(q.input_dtype) : 0);
+    if (!q.row_scales) return gathered;
     // Token-chunk rows stage in the logits tile's free halves when they fit (tile_staging.h).
     if (!vocab_order &&
         detail::stages_in_tile(q.vocab, q.hidden, q.logits_dtype, q.input_dtype, q.vocab_ranks))
-      return vp;
-    std::size_t b = vp + (!vocab_order && q.grad_hidden ? row : 0);
+      return gathered;
+    std::size_t b = gathered + (!vocab_order && q.grad_hidden ? row : 0);
     if (q.grad_weight) b += static_cast<std::size_t>(q.hidden) * dtype_size(q.input_dtype);
     return b;
   }

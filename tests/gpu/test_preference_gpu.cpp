@@ -1,10 +1,10 @@
 // GPU suite of the preference losses: the CUDA path against the CPU path (itself checked against
 // the float64 oracle) and against the oracle, on the same generated problems: every DPO loss
-// type, ORPO, SimPO, CPO, KTO (KL given and computed), fp32 and bf16, resident and recompute (and
-// deferred for the pair-antisymmetric losses), several budgets, accumulation, forward only,
-// SequenceLogProbs, bitwise run-to-run equality, host-side per-sequence vectors, data groups and
-// vocabulary splits (SequenceLogProbs's too) of two ranks on one device, and bad input. Skips
-// itself, with a message, without a device.
+// type, ORPO, SimPO, CPO, KTO (KL given and computed), fp32 and bf16 (and the opt-in bf16 logits
+// chunk), resident and recompute (and deferred for the pair-antisymmetric losses), several
+// budgets, accumulation, forward only, SequenceLogProbs, bitwise run-to-run equality, host-side
+// per-sequence vectors, data groups and vocabulary splits (SequenceLogProbs's too) of two ranks
+// on one device, and bad input. Skips itself, with a message, without a device.
 #include <doctest/doctest.h>
 
 #include <chunkloss/core/error.h>
@@ -453,6 +453,44 @@ TEST_CASE("gpu: skipped rows of long prompts and padding, every regime, packed c
         kto.engine = o.engine;
         compare(ks, kto, DType::kF32);
       }
+    }
+  }
+}
+
+TEST_CASE("gpu: the opt-in bf16 logits chunk stays close to the fp32 one, packed chunks too") {
+  if (!have_gpu()) return;
+  // bf16 inputs, the layout of the skipped-rows case: at 2 MiB the recompute regime packs short
+  // spans into chunks, one logits and one dH GEMM each (X rows gathered in staging; with bf16
+  // logits the tile has no free halves, so the fp32 dH rows and scaled X rows stage beside it).
+  // bf16 logits round each logit to 2^-8 of itself, so the runs agree to about 1e-2 (as the
+  // cross-entropy's bf16 chunk does), not to the fp32 chunk's bits.
+  PrefSpec s = gpu_spec();
+  s.bias = false;
+  s.t = 200;
+  s.max_prompt_frac = 0.7;
+  s.seed = 11;
+  s.dtype = DType::kBF16;
+  const PrefData d(s);
+  PrefGradRequest g;
+  g.dtype = DType::kBF16;
+  for (std::size_t budget : {std::size_t{0}, std::size_t{2} << 20}) {
+    for (Regime r : {Regime::kResident, Regime::kRecompute, Regime::kDeferred}) {
+      CAPTURE(budget);
+      CAPTURE(regime_name(r));
+      DpoOptions o;
+      o.engine.regime = r;
+      o.engine.memory_budget_bytes = budget;
+      const PrefRun f32 = run_gpu(d, Dpo(o), g);
+      o.engine.logits_dtype = DType::kBF16;
+      const PrefRun b16 = run_gpu(d, Dpo(o), g);
+      INFO("bf16-logits plan: ", b16.plan.str());
+      CHECK(b16.plan.logits_dtype == DType::kBF16);
+      CHECK(b16.plan.regime == r);
+      if (budget) CHECK(b16.plan.workspace_bytes() <= budget);
+      check_scalar("loss (bf16 logits)", b16.result.loss, f32.result.loss, 1e-2);
+      check_close("logps (bf16 logits)", b16.result.logps, f32.result.logps, 1e-3);
+      check_close("grad_hidden (bf16 logits)", b16.grads.hidden(), f32.grads.hidden(), 3e-2);
+      check_close("grad_weight (bf16 logits)", b16.grads.weight(), f32.grads.weight(), 3e-2);
     }
   }
 }

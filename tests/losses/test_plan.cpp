@@ -301,6 +301,18 @@ TEST_CASE("plan: skip_ignored_rows stages a chunk's X rows for its one dW GEMM")
   q.grad_hidden = q.grad_weight = false;  // forward only: the logits GEMM's X rows
   std::tie(bytes, rows) = extra(q);
   CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 4);
+  // A bf16 sequence head on CUDA (row scales): the X rows too, beside its dH and scaled X rows
+  // (in the fp32 tile's free halves where they fit, else in staging).
+  q.device = Device::kCuda;
+  q.input_dtype = DType::kBF16;
+  q.grad_hidden = q.grad_weight = q.row_scales = true;
+  q.rows = 4096;
+  for (DType logits : {DType::kF32, DType::kBF16}) {
+    INFO("logits dtype ", std::string(dtype_name(logits)));
+    q.logits_dtype = logits;
+    std::tie(bytes, rows) = extra(q);
+    CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 2);
+  }
 }
 
 TEST_CASE("plan: vocab_block needs dW, and an infeasible request names the order") {
