@@ -229,13 +229,12 @@ class CudaTokenBackend final : public TokenBackend {
     const std::size_t row_bytes = static_cast<std::size_t>(h) * dtype_size(c_.grad_x.dtype());
     std::int64_t row = 0;
     for (const RowRange& r : ranges) {
-      const float* scale = c_.row_scales ? p_.row.scale + r.r0
-                                         : gemm_scalar(host_dx_ ? kern::kAlpha : kern::kOne);
-      CHUNKLOSS_LAUNCH_CHECK(
-          kern::launch_scale_rows(static_cast<unsigned char*>(c_.grad_x.data()) + r.r0 * row_bytes,
-                                  elem(c_.grad_x.dtype()), h, rows + row * ld, kern::Elem::kF32, ld,
-                                  scale, r.r1 - r.r0, h, c_.accumulate, stream(),
-                                  c_.row_scales ? 1 : 0));
+      const float* scale =
+          c_.row_scales ? p_.row.scale + r.r0 : gemm_scalar(host_dx_ ? kern::kAlpha : kern::kOne);
+      CHUNKLOSS_LAUNCH_CHECK(kern::launch_scale_rows(
+          static_cast<unsigned char*>(c_.grad_x.data()) + r.r0 * row_bytes, elem(c_.grad_x.dtype()),
+          h, rows + row * ld, kern::Elem::kF32, ld, scale, r.r1 - r.r0, h, c_.accumulate, stream(),
+          c_.row_scales ? 1 : 0));
       row += r.r1 - r.r0;
     }
   }
@@ -519,8 +518,7 @@ class CudaTokenBackend final : public TokenBackend {
   // there unless it already does; false for fewer than two ranges or when they do not fit. (With
   // row scales, staged_weight_grad may overwrite them with scaled rows, and then forgets them.)
   bool gather_x(const std::vector<RowRange>& ranges) {
-    if (ranges.size() < 2 || !x_stage_ || row_count(ranges) > x_stage_rows_)
-      return false;
+    if (ranges.size() < 2 || !x_stage_ || row_count(ranges) > x_stage_rows_) return false;
     if (ranges == packed_) return true;
     std::int64_t row = 0;
     for (const RowRange& r : ranges) {
