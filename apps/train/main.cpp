@@ -500,9 +500,10 @@ int run(const Settings& s, const std::string& invocation) {
   std::int64_t start = 0;
   std::optional<model::TrainerState> resumed;
   if (!s.resume.empty()) {
-    policy.emplace(model::load_model(s.resume));
+    std::string save_id;  // (the state must come from the same save as the weights)
+    policy.emplace(model::load_model(s.resume, &save_id));
     opt.emplace(policy->params().size(), s.adam);
-    resumed = model::load_training_state(s.resume, *policy, *opt);
+    resumed = model::load_training_state(s.resume, *policy, *opt, save_id);
     if (init.empty() && resumed->strings.count("init")) init = resumed->strings.at("init");
     start = resumed->global_step;
   } else if (!init.empty()) {

@@ -515,6 +515,22 @@ TEST_CASE("checkpoint errors: optimizer state, trainer state and mixed saves") {
   CHECK(!has_training_state(dir.path()));
   spit(dir.file("model.safetensors"), model_a);
   CHECK(contains(error_message([&] { load_model(dir.path()); }), "come from different saves"));
+
+  // A save between load_model and load_training_state: each call's files agree, but the state
+  // is not the loaded weights' unless load_training_state is given load_model's save id.
+  save_checkpoint(dir.path(), m, &opt, &st);
+  std::string id;
+  (void)load_model(dir.path(), &id);
+  CHECK(id.size() == 16);
+  AdamW same(m.params().size());
+  CHECK(error_message([&] { load_training_state(dir.path(), m, same, id); }).empty());
+  CHECK(same.step_count() == 1);
+  save_checkpoint(dir.path(), m, &opt, &st);
+  AdamW later(m.params().size());
+  const std::string e = error_message([&] { load_training_state(dir.path(), m, later, id); });
+  CHECK(contains(e, "(save id " + id + "): " + dir.path() + " was saved again in between"));
+  CHECK(later.step_count() == 0);  // (unchanged)
+  CHECK(error_message([&] { load_training_state(dir.path(), m, later); }).empty());
 }
 
 TEST_CASE("checkpoint: an interrupted save leaves the previous checkpoint loadable") {

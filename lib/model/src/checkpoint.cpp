@@ -343,15 +343,17 @@ void load_weights(const std::string& path, LlamaModel& model) {
   copy_parameters(f, model);
 }
 
-LlamaModel load_model(const std::string& dir) {
+LlamaModel load_model(const std::string& dir, std::string* save_id) {
   const CheckpointFiles files(dir);
   const std::string config_path = files.path(kConfigFile);
   const std::string config_text = read_text(config_path);
   LlamaModel model(config_from_json(config_text, config_path));
   const std::string model_path = files.path(kModelFile);
   const SafetensorsFile f = SafetensorsFile::read(model_path);
-  check_same_save(config_path, json_save_id(json::parse(config_text)), model_path, meta_save_id(f));
+  const std::string id = meta_save_id(f);
+  check_same_save(config_path, json_save_id(json::parse(config_text)), model_path, id);
   copy_parameters(f, model);
+  if (save_id) *save_id = id;
   return model;
 }
 
@@ -360,8 +362,8 @@ bool has_training_state(const std::string& dir) {
   return files.present(kOptimizerFile) && files.present(kTrainerStateFile);
 }
 
-TrainerState load_training_state(const std::string& dir, const LlamaModel& model,
-                                 AdamW& optimizer) {
+TrainerState load_training_state(const std::string& dir, const LlamaModel& model, AdamW& optimizer,
+                                 const std::string& model_save_id) {
   CHUNKLOSS_CHECK(optimizer.size() == model.params().size(), "load_training_state: the optimizer ",
                   "holds ", optimizer.size(), " values for a model of ", model.params().size());
   const CheckpointFiles files(dir);
@@ -389,6 +391,10 @@ TrainerState load_training_state(const std::string& dir, const LlamaModel& model
   const json j = parse_json_file(state_path);
   CHUNKLOSS_CHECK(j.is_object(), state_path, ": expected a JSON object, got ", j.type_name());
   check_same_save(opt_path, meta_save_id(f), state_path, json_save_id(j));
+  CHUNKLOSS_CHECK(model_save_id.empty() || json_save_id(j) == model_save_id, state_path,
+                  " (save id ", json_save_id(j),
+                  ") is not from the save the model was loaded from ", "(save id ", model_save_id,
+                  "): ", dir, " was saved again in between; load the model again");
   if (fs::is_regular_file(config_path)) {
     check_same_save(config_path, json_save_id(parse_json_file(config_path)), state_path,
                     json_save_id(j));

@@ -51,8 +51,10 @@ void save_checkpoint(const std::string& dir, const LlamaModel& model,
 /// Parses dir/config.json (config_from_json).
 LlamaConfig load_config(const std::string& dir);
 
-/// A model built from dir/config.json with its weights from dir/model.safetensors.
-LlamaModel load_model(const std::string& dir);
+/// A model built from dir/config.json with its weights from dir/model.safetensors. With
+/// `save_id`, stores the files' save id there (empty for files without one), for
+/// load_training_state to check that the directory was not saved again in between.
+LlamaModel load_model(const std::string& dir, std::string* save_id = nullptr);
 
 /// Reads a safetensors file into `model`. The file must hold exactly the model's tensors: every
 /// problem is listed in one chunkloss::Error naming the file, e.g. "missing tensor
@@ -69,7 +71,10 @@ bool has_training_state(const std::string& dir);
 /// Restores the optimizer's m, v and step from dir/optimizer.safetensors (names and shapes
 /// validated against `model` as in load_weights) and returns dir/trainer_state.json. Throws
 /// chunkloss::Error naming the file and the problem, or when the files' save ids differ from
-/// each other or from config.json's.
-TrainerState load_training_state(const std::string& dir, const LlamaModel& model, AdamW& optimizer);
+/// each other or from config.json's, or from a non-empty `model_save_id` (load_model's: the
+/// directory was saved again after the model was loaded). The optimizer is unchanged when it
+/// throws.
+TrainerState load_training_state(const std::string& dir, const LlamaModel& model, AdamW& optimizer,
+                                 const std::string& model_save_id = {});
 
 }  // namespace chunkloss::model
