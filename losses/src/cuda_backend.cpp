@@ -658,11 +658,11 @@ class CudaTokenBackend final : public TokenBackend {
   void* stream() const { return lane_->stream(); }
   // The side (gpu::Context::side()) runs the weight-gradient steps beside the hidden-gradient
   // GEMMs: both read the gradient tile, and write disjoint buffers (dW or its fp32 accumulator
-  // and X rows staged or scaled for it; dH, its accumulator or fp32 rows in the tile's free
-  // halves apart from those X rows). The first of grad_x* and grad_w* after any other step
-  // forks the side after that step's work; every other step that enqueues work joins it first,
-  // so nothing else runs beside it. The device scalar slots the side writes (the dW GEMM's alpha
-  // and beta) are not read by grad_x*.
+  // and X rows staged or scaled for it; dH, its accumulator, or fp32 rows in the dH staging or
+  // in the tile's free halves apart from those X rows). The first of grad_x* and grad_w* after any
+  // other step forks the side after that step's work; every other step that enqueues work joins it
+  // first, so nothing else runs beside it. The device scalar slots the side writes (the dW GEMM's
+  // alpha and beta) are not read by grad_x*.
   void fork() {
     if (forked_) return;
     ctx_.fork();

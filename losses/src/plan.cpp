@@ -111,11 +111,11 @@ std::size_t vocab_parallel_per_row(const PlanRequest& q) {
 // Backend scratch per row of the GEMMs' row range. CPU: the fp32 X rows and, in token-chunk
 // order, the fp32 dH rows (vocab-block order accumulates dH in the dh_accum slice instead);
 // with packed pieces these also hold a chunk's pieces side by side for its GEMMs, so fp32 X
-// and dH get such rows too. CUDA with per-row scales: the fp32 dH rows before scaling
-// (token-chunk order) and the scaled X rows for the dW GEMM; with packed pieces (no row
-// scales), a chunk's pieces' X rows side by side for its logits and dW GEMMs (their dH GEMM
-// goes through the tile's free halves, tile_staging.h). Both: a vocabulary-parallel chunk's
-// exchange buffers, first.
+// and dH get such rows too. CUDA: with packed pieces, a chunk's pieces' X rows side by side
+// for its logits and dW GEMMs; with per-row scales also the fp32 dH rows before scaling
+// (token-chunk order) and the scaled X rows for the dW GEMM, unless those fit the fp32 tile's
+// free halves (tile_staging.h), where a packed chunk's dH GEMM also goes without row scales.
+// Both: a vocabulary-parallel chunk's exchange buffers, first.
 std::size_t staging_per_row(const PlanRequest& q, bool vocab_order) {
   const auto row = static_cast<std::size_t>(q.hidden) * 4;
   const std::size_t vp = vocab_order ? 0 : vocab_parallel_per_row(q);

@@ -1,7 +1,7 @@
 // Where the CUDA backend stages rows next to a full-width fp32 logits tile whose gradient is
 // bf16: the gradient row overwrites the first half of its fp32 row, so the second half is free
 // for that row's fp32 dH (before its row scale) and its scaled bf16 X row. Shared by the plan
-// (which then reserves no staging) and the backend (which then uses it).
+// (which then reserves no staging for them) and the backend (which then uses it).
 #pragma once
 
 #include <cstddef>

@@ -424,8 +424,8 @@ TEST_CASE("gpu: skipped rows of long prompts and padding, every regime, packed c
   if (!have_gpu()) return;
   // Prompts of up to 140 of 200 rows: each sequence's leading and trailing ignored rows are
   // skipped (their dH written as zero over the NaN-filled buffers), and at 2 MiB the recompute
-  // regime packs several short spans into one chunk with one dW GEMM (X rows staged in the
-  // tile with bf16 inputs; with fp32 gathered in staging, also for one logits GEMM per chunk).
+  // regime packs several short spans into one chunk with one logits, dH and dW GEMM (X rows
+  // gathered in staging; with bf16 inputs the dH rows and scaled X rows in the tile).
   PrefSpec s = gpu_spec();
   s.bias = false;
   s.t = 200;
@@ -487,6 +487,10 @@ TEST_CASE("gpu: the opt-in bf16 logits chunk stays close to the fp32 one, packed
       CHECK(b16.plan.logits_dtype == DType::kBF16);
       CHECK(b16.plan.regime == r);
       if (budget) CHECK(b16.plan.workspace_bytes() <= budget);
+      if (budget && r == Regime::kRecompute) {  // several chunks, each of several spans
+        CHECK(b16.plan.num_chunks > 1);
+        CHECK(b16.plan.chunk_rows >= 2 * s.t);
+      }
       check_scalar("loss (bf16 logits)", b16.result.loss, f32.result.loss, 1e-2);
       check_close("logps (bf16 logits)", b16.result.logps, f32.result.logps, 1e-3);
       check_close("grad_hidden (bf16 logits)", b16.grads.hidden(), f32.grads.hidden(), 3e-2);
