@@ -82,6 +82,10 @@ struct CaseResult {
   std::optional<double> chunked_floor_ms;               ///< floor GEMMs at the plan's chunk rows
   /// The floor at full size with dW beside dX on the context's side (CUDA, --chunked-floor).
   std::optional<double> side_floor_ms;
+  /// measured_gemms (CUDA cross-entropy): the floor's GEMMs through the context's selection and
+  /// through cuBLAS's own choice, in the same rounds; floor_ms is the faster of the two, so a
+  /// selection that slows the full-size GEMMs does not flatter the ratio.
+  std::optional<double> selected_floor_ms, default_floor_ms;
   /// `phases`: the loss's median time with only some gradients ("loss only", "dX only", ...).
   std::vector<std::pair<std::string, double>> phase_ms;
   /// measured_gemms: warm-up rounds of every timed call until each GEMM shape had its
