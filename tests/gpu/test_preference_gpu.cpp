@@ -420,17 +420,23 @@ TEST_CASE("gpu: sequences of 512+ rows with different coefficients, resident and
   compare(ks, kto, DType::kF32);
 }
 
+// Sequences of 200 rows with prompts of up to 140 and no bias: short spans for packed chunks.
+PrefSpec long_prompt_spec() {
+  PrefSpec s = gpu_spec();
+  s.bias = false;
+  s.t = 200;
+  s.max_prompt_frac = 0.7;
+  s.seed = 11;
+  return s;
+}
+
 TEST_CASE("gpu: skipped rows of long prompts and padding, every regime, packed chunks") {
   if (!have_gpu()) return;
   // Prompts of up to 140 of 200 rows: each sequence's leading and trailing ignored rows are
   // skipped (their dH written as zero over the NaN-filled buffers), and at 2 MiB the recompute
   // regime packs several short spans into one chunk with one logits, dH and dW GEMM (X rows
   // gathered in staging; with bf16 inputs the dH rows and scaled X rows in the tile).
-  PrefSpec s = gpu_spec();
-  s.bias = false;
-  s.t = 200;
-  s.max_prompt_frac = 0.7;
-  s.seed = 11;
+  PrefSpec s = long_prompt_spec();
   PrefSpec free = s;
   free.ref = RefMode::kNone;
   PrefSpec ks = s;
@@ -464,11 +470,7 @@ TEST_CASE("gpu: the opt-in bf16 logits chunk stays close to the fp32 one, packed
   // logits the tile has no free halves, so the fp32 dH rows and scaled X rows stage beside it).
   // bf16 logits round each logit to 2^-8 of itself, so the runs agree to about 1e-2 (as the
   // cross-entropy's bf16 chunk does), not to the fp32 chunk's bits.
-  PrefSpec s = gpu_spec();
-  s.bias = false;
-  s.t = 200;
-  s.max_prompt_frac = 0.7;
-  s.seed = 11;
+  PrefSpec s = long_prompt_spec();
   s.dtype = DType::kBF16;
   const PrefData d(s);
   PrefGradRequest g;
