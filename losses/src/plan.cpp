@@ -438,13 +438,12 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   const double rec_cost = rec.order == LoopOrder::kVocabBlock ? rec_vocab : rec_token;
 
   // Resident: the most whole units whose group's logits (and staging for one unit-range of
-  // rows) fit the budget. On CUDA a pair group's X rows are staged side by side for its one
-  // dW GEMM (see the CUDA backend's grad_w_ranges).
+  // rows) fit the budget. On CUDA a group of several sequences has its X rows staged side by
+  // side for its one logits GEMM and its dW GEMM (see the CUDA backend's logits_ranges and
+  // grad_w_ranges).
   const auto x_stage = [&](std::int64_t g) -> std::size_t {
-    const bool stage =
-        q.device == Device::kCuda && q.grad_weight && L.unit_sequences > 1 &&
-        !detail::stages_in_tile(q.vocab, q.hidden, q.logits_dtype, q.input_dtype, q.vocab_ranks);
-    // (with row scales the staged rows are also scaled; one range uses the per-row staging)
+    const bool stage = q.device == Device::kCuda && g * L.unit_sequences > 1;
+    // (with row scales the staged rows may also be scaled; one range uses the per-row staging)
     return stage ? static_cast<std::size_t>(g * t * L.unit_sequences * q.hidden) *
                        dtype_size(q.input_dtype)
                  : 0;

@@ -315,6 +315,51 @@ TEST_CASE("plan: skip_ignored_rows stages a chunk's X rows for its one dW GEMM")
   }
 }
 
+TEST_CASE("plan: a resident group of several sequences stages its X rows on CUDA") {
+  // The group's spans share one logits GEMM (and its dW GEMM) over their X rows gathered side by
+  // side: g T unit_sequences rows of X, whether or not the fp32 tile's free halves hold the row
+  // scales' staging. A group of one sequence has nothing to gather, and the CPU gathers in its
+  // own staging.
+  PlanRequest q;
+  q.hidden = 512;
+  q.vocab = 8192;
+  q.input_dtype = q.grad_hidden_dtype = q.grad_weight_dtype = DType::kBF16;
+  q.grad_hidden = q.grad_weight = q.row_scales = true;
+  q.device = Device::kCuda;
+  q.budget_bytes = std::size_t{64} << 20;
+  SequenceLayout pairs;
+  pairs.sequences = 16;
+  pairs.seq_len = 256;
+  pairs.unit_sequences = 2;
+  pairs.regime = Regime::kResident;
+  q.rows = pairs.sequences * pairs.seq_len;
+  // The staging beyond the per-row slices of one unit-range of rows (C rows).
+  const auto group_x_bytes = [](const PlanRequest& r, const SequenceLayout& l) {
+    const Plan p = plan_sequence_objective(r, l);
+    REQUIRE(p.regime == Regime::kResident);
+    REQUIRE(p.num_groups > 1);  // (one group of everything may be one chunk, staging none)
+    PlanRequest token = r;
+    token.rows = p.chunk_rows;
+    token.budget_bytes = std::size_t{1} << 40;
+    token.order = LoopOrder::kTokenChunk;
+    return std::pair{p.staging.bytes - plan_token_objective(token).staging.bytes,
+                     p.group_units * l.seq_len * l.unit_sequences};
+  };
+  for (DType logits : {DType::kF32, DType::kBF16}) {
+    INFO("logits dtype ", std::string(dtype_name(logits)));
+    q.logits_dtype = logits;
+    const auto [bytes, rows] = group_x_bytes(q, pairs);
+    CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 2);
+  }
+  SequenceLayout single = pairs;
+  single.unit_sequences = 1;
+  q.logits_dtype = DType::kF32;
+  q.budget_bytes = std::size_t{12} << 20;  // one sequence a group
+  const Plan one = plan_sequence_objective(q, single);
+  CHECK(one.group_units == 1);
+  CHECK(group_x_bytes(q, single).first == 0);
+}
+
 TEST_CASE("plan: vocab_block needs dW, and an infeasible request names the order") {
   PlanRequest q;
   q.rows = 150;
