@@ -47,11 +47,16 @@ __global__ void token_begin_kernel(TokenParams p) {
   __syncthreads();
   const double b = Reduce(tmp).Sum(bad);
   __syncthreads();
-  double cw = 0;
+  double cw = 0, bad_cw = 0;
   if (p.class_weights)
-    for (std::int64_t j = threadIdx.x; j < p.vocab_total; j += kFinishThreads)
-      cw += p.class_weights[j];
+    for (std::int64_t j = threadIdx.x; j < p.vocab_total; j += kFinishThreads) {
+      const float w = p.class_weights[j];
+      cw += w;
+      bad_cw += isfinite(w) && w >= 0.0f ? 0.0 : 1.0;
+    }
   const double cw_sum = Reduce(tmp).Sum(cw);
+  __syncthreads();
+  const double cw_bad = Reduce(tmp).Sum(bad_cw);
   if (threadIdx.x == 0) {
     for (int i = 0; i < kNumScalars; ++i) p.scalars[i] = 0;
     p.scalars[kValidRows] = v;
@@ -61,6 +66,7 @@ __global__ void token_begin_kernel(TokenParams p) {
     gemm[kZero] = 0.0f;
     gemm[kOne] = 1.0f;
     p.scalars[kBadTargets] = b;
+    p.scalars[kBadClassWeights] = cw_bad;
     p.scalars[kClassWeightSum] = p.class_weights ? cw_sum : static_cast<double>(p.vocab_total);
   }
 }
@@ -213,7 +219,7 @@ __global__ void export_scalars_kernel(const double* s, float* out) {
                        s[kEntropy],
                        s[kValidRows],
                        s[kWeightSum],
-                       s[kBadTargets] + static_cast<double>(nonfinite)};
+                       s[kBadTargets] + s[kBadClassWeights] + static_cast<double>(nonfinite)};
   for (int i = 0; i < 7; ++i) out[i] = static_cast<float>(v[i]);
 }
 

@@ -89,10 +89,13 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
                   ": copy_results_to_host = false needs outputs.scalars [7] f32");
   if (calling && dev == Device::kCpu) {
     detail::check_targets(kWho, in.targets, v_total, o.ignore_index);
+    detail::check_class_weights(kWho, in.class_weights);
     if (o.check_finite) {
       detail::check_finite(kWho, "hidden", in.hidden);
       detail::check_finite(kWho, "weight", in.weight);
       detail::check_finite(kWho, "bias", in.bias);
+      detail::check_finite(kWho, "token_weights", in.token_weights);
+      detail::check_finite(kWho, "grad_output", in.grad_output);
     }
   }
   Checked c;

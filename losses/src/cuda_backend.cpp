@@ -81,7 +81,7 @@ class CudaTokenBackend final : public TokenBackend {
       CHUNKLOSS_LAUNCH_CHECK(kern::launch_set_divisor(p_, stream()));
     }
     if (check_finite_) {
-      for (const TensorView* t : {&c_.x, &c_.w, &c_.bias})
+      for (const TensorView* t : {&c_.x, &c_.w, &c_.bias, &c_.token_weights, &c_.upstream})
         if (t->defined())
           CHUNKLOSS_LAUNCH_CHECK(kern::launch_count_nonfinite(t->data(), elem(t->dtype()),
                                                               t->numel(), scalars_, stream()));
@@ -353,11 +353,15 @@ class CudaTokenBackend final : public TokenBackend {
                     " has ", s[kern::kBadTargets], " values outside [0, V=", c_.total_vocab(),
                     ") that are not ignore_index (", c_.ignore_index,
                     "); checked on the device, so the gradient buffers hold unspecified values");
+    CHUNKLOSS_CHECK(s[kern::kBadClassWeights] == 0, "LinearCrossEntropy: class_weights ",
+                    c_.class_weights.str(), " has ", s[kern::kBadClassWeights],
+                    " values that are negative or not finite; checked on the device, so the "
+                    "gradient buffers hold unspecified values");
     std::uint64_t nonfinite;
     std::memcpy(&nonfinite, &s[kern::kNonFinite], sizeof nonfinite);
-    CHUNKLOSS_CHECK(
-        nonfinite == 0, "LinearCrossEntropy: check_finite found ", nonfinite,
-        " non-finite values in hidden/weight/bias; the gradient buffers hold unspecified values");
+    CHUNKLOSS_CHECK(nonfinite == 0, "LinearCrossEntropy: check_finite found ", nonfinite,
+                    " non-finite values in hidden/weight/bias/token_weights/grad_output; the "
+                    "gradient buffers hold unspecified values");
     TokenTotals t;
     t.loss = s[kern::kLoss];
     t.z_loss = s[kern::kZLoss];

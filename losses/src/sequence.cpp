@@ -672,7 +672,8 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
       SequenceStats st[2];
       const std::size_t m = unit_stats(c, sums, u, st);
       const auto ui = static_cast<std::size_t>(u);
-      const char* written = u0 > 0 || in.data_group
+      // (the deferred regime writes its first pair's gradients before evaluating it)
+      const char* written = u0 > 0 || in.data_group || deferred
                                 ? "; gradients were already written, so the gradient buffers "
                                   "hold unspecified values"
                                 : "";

@@ -154,6 +154,15 @@ void check_targets(const char* who, const TensorView& targets, std::int64_t voca
   }
 }
 
+void check_class_weights(const char* who, const TensorView& class_weights) {
+  if (!class_weights.defined()) return;
+  const auto* w = class_weights.data_as<const float>();
+  for (std::int64_t j = 0; j < class_weights.numel(); ++j)
+    CHUNKLOSS_CHECK(std::isfinite(w[j]) && w[j] >= 0.0f, who, ": class_weights ",
+                    class_weights.str(), " has ", w[j], " at index ", j,
+                    "; class weights must be finite and >= 0");
+}
+
 std::vector<std::uint8_t> read_valid_targets(Context& ctx, const char* who, const char* name,
                                              const TensorView& targets, std::int64_t vocab,
                                              std::int64_t ignore_index) {

@@ -43,6 +43,8 @@ std::int64_t check_vocab_shard(const char* who, const VocabShard& shard, std::in
 /// Targets in [0, V) or equal to ignore_index (host memory only).
 void check_targets(const char* who, const TensorView& targets, std::int64_t vocab,
                    std::int64_t ignore_index);
+/// Class weights finite and >= 0 (host memory only; absent: nothing to check).
+void check_class_weights(const char* who, const TensorView& class_weights);
 /// Whether each target (of [N] or [S, T], i32 or i64, in host memory or on the context's device,
 /// whose stream is then synchronised) is valid, that is not ignore_index; each must be in
 /// [0, V) or ignore_index, else the error names `name` and the element.

@@ -643,6 +643,30 @@ TEST_CASE("gpu: out-of-range targets and non-finite inputs raise chunkloss::Erro
   o.check_finite = true;
   CHECK_THROWS_WITH_AS(run(p, d, o, Device::kCuda), doctest::Contains("non-finite"),
                        chunkloss::Error);
+  // Class weights are checked whatever check_finite says (on the device, like the targets);
+  // token weights and grad_output by check_finite.
+  Problem weighted = p;
+  weighted.class_weights = weighted.token_weights = true;
+  for (float bad : {-0.5f, NAN}) {
+    d = make_data(weighted);
+    d.cw[7] = bad;
+    CHECK_THROWS_WITH_AS(run(weighted, d, {}, Device::kCuda),
+                         doctest::Contains("has 1 values that are negative or not finite"),
+                         chunkloss::Error);
+  }
+  d = make_data(weighted);
+  d.tw[2] = NAN;
+  CHECK_NOTHROW(run(weighted, d, {}, Device::kCuda));
+  CHECK_THROWS_WITH_AS(run(weighted, d, o, Device::kCuda), doctest::Contains("non-finite"),
+                       chunkloss::Error);
+  d = make_data(weighted);
+  d.up[4] = INFINITY;
+  CrossEntropyOptions none = o;
+  none.reduction = Reduction::kNone;
+  CHECK_THROWS_WITH_AS(run(weighted, d, none, Device::kCuda), doctest::Contains("non-finite"),
+                       chunkloss::Error);
+  none.check_finite = false;
+  CHECK_NOTHROW(run(weighted, d, none, Device::kCuda));
 }
 
 TEST_CASE("gpu: results left on the device match the host copy; no synchronisation asked") {

@@ -1241,13 +1241,16 @@ void check_error(F&& f, std::initializer_list<std::string_view> needles) {
 
 // A small valid call that each bad-input test breaks in one place.
 struct BadCall {
-  BadCall() : d(spec()), grads(d, GradRequest{}), out(d.spec.n), ws(std::size_t{1} << 20) {}
-  static CeSpec spec() {
+  BadCall() : BadCall(spec()) {}
+  explicit BadCall(const CeSpec& s)
+      : d(s), grads(d, GradRequest{}), out(d.spec.n), ws(std::size_t{1} << 20) {}
+  static CeSpec spec(bool weights = false) {
     CeSpec s;
     s.n = 5;
     s.h = 8;
     s.v = 11;
     s.bias = true;
+    s.class_weights = s.token_weights = weights;
     s.ignore_fraction = 0.2;
     return s;
   }
@@ -1524,7 +1527,7 @@ TEST_CASE("bad input: options the CPU plan cannot honour") {
   check_error([&] { LinearCrossEntropy(v.o).plan(v.in(), v.grads.views()); }, {"vocab_block"});
 }
 
-TEST_CASE("bad input: check_finite finds NaN and Inf in hidden, weight and bias") {
+TEST_CASE("bad input: check_finite finds NaN and Inf in every float input") {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();
   for (DType dtype : {DType::kF32, DType::kBF16}) {
@@ -1537,10 +1540,13 @@ TEST_CASE("bad input: check_finite finds NaN and Inf in hidden, weight and bias"
     };
     for (const Poison& p :
          {Poison{&CeData::hidden, 17, nan, "hidden"}, Poison{&CeData::weight, 80, inf, "weight"},
-          Poison{&CeData::bias, 10, -inf, "bias"}}) {
+          Poison{&CeData::bias, 10, -inf, "bias"},
+          Poison{&CeData::token_weights, 2, nan, "token_weights"},
+          Poison{&CeData::grad_output, 4, inf, "grad_output"}}) {
       CAPTURE(p.name);
-      BadCall b;
+      BadCall b(BadCall::spec(true));
       b.d.spec.dtype = dtype;
+      if (std::string_view(p.name) == "grad_output") b.o.reduction = Reduction::kNone;
       (b.d.*p.member)[p.index] = p.value;
       b.d.sync();
       b.o.check_finite = true;
@@ -1549,6 +1555,24 @@ TEST_CASE("bad input: check_finite finds NaN and Inf in hidden, weight and bias"
       CHECK_NOTHROW(b.call(b.in()));
     }
   }
+}
+
+TEST_CASE("bad input: class weights negative or not finite, checked always") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (float w : {-1.0f, -1e-30f, nan, std::numeric_limits<float>::infinity()}) {
+    CAPTURE(w);
+    for (bool check : {false, true}) {
+      BadCall b(BadCall::spec(true));
+      b.o.check_finite = check;
+      b.d.class_weights[6] = w;
+      GradBuffers pristine(b.d, GradRequest{});
+      check_error([&] { b.call(b.in()); }, {"class_weights", "index 6", "finite and >= 0"});
+      CHECK(b.grads.bitwise_equal(pristine));
+    }
+  }
+  BadCall zero(BadCall::spec(true));  // zero weights are valid (a class left out of the loss)
+  zero.d.class_weights[6] = 0.0f;
+  CHECK_NOTHROW(zero.call(zero.in()));
 }
 
 TEST_CASE("bad input: empty problems") {

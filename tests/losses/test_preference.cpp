@@ -1723,9 +1723,11 @@ enum class Breaks { kNaN, kStd, kOther };
 // On the pair whose chosen log-prob is `poison`: fails as `breaks` says.
 class BrokenObjective final : public SequenceObjective {
  public:
-  BrokenObjective(double poison, Breaks breaks) : poison_(poison), breaks_(breaks) {}
+  BrokenObjective(double poison, Breaks breaks, bool antisymmetric = false)
+      : poison_(poison), breaks_(breaks), antisymmetric_(antisymmetric) {}
   std::string_view name() const override { return "BrokenObjective"; }
   Unit unit() const override { return Unit::kPair; }
+  bool pair_antisymmetric() const override { return antisymmetric_; }  // (it is, as DPO)
   UnitResult evaluate(std::span<const SequenceStats> seqs, const BatchConstants&,
                       std::span<double>) const override {
     const double d = 0.1 * (seqs[0].logp - seqs[1].logp);
@@ -1741,6 +1743,7 @@ class BrokenObjective final : public SequenceObjective {
  private:
   double poison_;
   Breaks breaks_;
+  bool antisymmetric_;
 };
 
 TEST_CASE("extension point: a user objective on single sequences with extras and an NLL term") {
@@ -1835,6 +1838,40 @@ TEST_CASE("extension point: an objective returning NaN or throwing raises Error 
     }
   }
   CHECK_THROWS_AS(SequenceLoss(nullptr), Error);
+}
+
+TEST_CASE(
+    "extension point: an objective failing on the deferred pair says the buffers are "
+    "unspecified") {
+  // The deferred regime writes the first pair's dH and (all but its last chunk's) dW before
+  // the objective sees that pair: a failure there cannot leave the buffers as they were.
+  PrefSpec s = big_spec();
+  s.ref = RefMode::kNone;
+  s.bias = false;
+  const PrefData d(s);
+  const double poison = oracle(d, PrefConfig::from(DpoOptions{}), false).logps[0];
+  PrefGradRequest req;
+  req.bias = false;
+  for (Breaks breaks : {Breaks::kNaN, Breaks::kStd, Breaks::kOther}) {
+    SequenceOptions o;
+    o.regime = Regime::kDeferred;
+    DpoOptions as_dpo;
+    as_dpo.engine.regime = o.regime;
+    o.memory_budget_bytes = min_budget(d, as_dpo, o.regime, req);
+    const SequenceLoss broken(std::make_shared<BrokenObjective>(poison, breaks, true), o);
+    PrefGradBuffers g(d, req, 3.25f), pristine(d, req, 3.25f);
+    const Plan p = broken.plan(d.inputs(), g.views());
+    REQUIRE(p.regime == Regime::kDeferred);
+    REQUIRE(p.num_chunks > 2);  // (the first pair spans several chunks)
+    AlignedBuffer ws(broken.workspace_bytes(d.inputs(), g.views()));
+    CpuContext ctx;
+    CAPTURE(static_cast<int>(breaks));
+    const std::string what =
+        error_message([&] { broken.forward_backward(ctx, d.inputs(), g.views(), ws.workspace()); });
+    CHECK_MESSAGE(what.find("for unit 0") != std::string::npos, what);
+    CHECK_MESSAGE(what.find("gradient buffers hold unspecified values") != std::string::npos, what);
+    CHECK_FALSE(g.bitwise_equal(pristine));  // (why the message must say so)
+  }
 }
 
 // Declares pair_antisymmetric() but weighs the rejected sequence twice.

@@ -26,6 +26,7 @@ enum Scalar : int {
   kNonFinite,  ///< an unsigned 64-bit count stored in the double's bytes
   kClassWeightSum,
   kRowScale,  ///< power of two applied to the gradient tile (the mean's 1/D = alpha * kRowScale)
+  kBadClassWeights,  ///< class weights that are negative or not finite
   kNumScalars
 };
 

@@ -53,7 +53,8 @@ struct CrossEntropyOptions {
   /// with the gradient of the group's mean (else each rank has its rows' share). The sums are
   /// taken in fp32, through the fp32 dW accumulator this turns on, and rounded once.
   bool reduce_weight_grad_over_data_group = false;
-  /// Check hidden, weight and bias for NaN/Inf before computing (one extra read of each).
+  /// Check hidden, weight, bias, token_weights and grad_output for NaN/Inf before computing (one
+  /// extra read of each). (class_weights are always checked: finite and >= 0.)
   bool check_finite = false;
   /// Skip runs of ignored rows (prompts, padding): the ignored rows before the first valid
   /// target and after the last, and each run of ignored rows between valid ones at least
@@ -85,9 +86,9 @@ struct CrossEntropyOptions {
 /// dtype; a -inf entry masks its column: probability 0, no gradient, check_finite refuses it,
 /// label smoothing then makes the loss infinite as in PyTorch, and a row whose columns are all
 /// masked is NaN), targets [N] i32 or i64 in [0, V) or ignore_index, class_weights [V] f32
-/// optional, token_weights [N] f32 optional (scale each row's loss; not part of the mean's
-/// divisor), grad_output [N] f32: the upstream gradient, required with Reduction::kNone when any
-/// gradient is requested, not allowed otherwise.
+/// optional (finite and >= 0; the mean's divisor sums them), token_weights [N] f32 optional (scale
+/// each row's loss; not part of the mean's divisor), grad_output [N] f32: the upstream gradient,
+/// required with Reduction::kNone when any gradient is requested, not allowed otherwise.
 struct CrossEntropyInputs {
   TensorView hidden;
   TensorView weight;
@@ -136,8 +137,9 @@ struct CrossEntropyGrads {
 /// get 0), lse [N] f32 (ignored rows get their lse too, rows skip_ignored_rows skipped NaN),
 /// predictions [N] i32 (argmax, -1 for ignored rows).
 /// scalars [7] f32 on the inputs' device receives loss, z_loss, accuracy, entropy, valid_rows,
-/// weight_sum and the number of invalid inputs found on the device (out-of-range targets and,
-/// with check_finite, non-finite values: nonzero means the other values are unspecified).
+/// weight_sum and the number of invalid inputs found on the device (out-of-range targets,
+/// negative or non-finite class weights and, with check_finite, non-finite values: nonzero
+/// means the other values are unspecified).
 struct CrossEntropyOutputs {
   TensorView row_loss;
   TensorView lse;
@@ -170,11 +172,11 @@ struct CrossEntropyResult {
 /// Determinism: results are bitwise identical run to run on the same
 /// device, thread count and plan; different budgets agree to rounding.
 /// Throws chunkloss::Error naming the argument and the shapes on any invalid input, before any
-/// output is written. On CUDA alone, the values (targets outside [0, V), and check_finite's
-/// NaN/Inf) are checked on the device as the call runs, to need no extra synchronisation (with
-/// skip_ignored_rows the targets are checked on the host first): the call throws at its end, and
-/// the outputs and gradient buffers then hold unspecified values; with copy_results_to_host = false
-/// nothing is thrown and outputs.scalars[6] counts them.
+/// output is written. On CUDA alone, the values (targets outside [0, V), class weights, and
+/// check_finite's NaN/Inf) are checked on the device as the call runs, to need no extra
+/// synchronisation (with skip_ignored_rows the targets are checked on the host first): the call
+/// throws at its end, and the outputs and gradient buffers then hold unspecified values; with
+/// copy_results_to_host = false nothing is thrown and outputs.scalars[6] counts them.
 class LinearCrossEntropy {
  public:
   explicit LinearCrossEntropy(const CrossEntropyOptions& options = {});

@@ -222,8 +222,9 @@ class SequenceLoss {
   /// chunkloss::Error (with the objective's message; the objective's own exception is nested in
   /// it, for std::rethrow_if_nested); in the resident regime with several
   /// groups the objective runs group by group, so if that happens after the first group the
-  /// gradient buffers hold unspecified values (the message says so). With a data group, see
-  /// PreferenceInputs::data_group.
+  /// gradient buffers hold unspecified values (the message says so), as they do after any such
+  /// failure in the deferred regime, which writes its first pair's gradients before the
+  /// objective sees that pair. With a data group, see PreferenceInputs::data_group.
   PreferenceResult forward_backward(Context& ctx, const PreferenceInputs& in,
                                     const PreferenceGrads& grads, const Workspace& workspace) const;
   /// Evaluation: pass 1 only, no gradient work.
