@@ -189,6 +189,10 @@ Plan call_plan(const Checked& c, const CrossEntropyInputs& in) {
 }  // namespace
 
 LinearCrossEntropy::LinearCrossEntropy(const CrossEntropyOptions& o) : options_(o) {
+  CHUNKLOSS_CHECK(reduction_name(o.reduction) != "?", kWho,
+                  ": reduction must be mean, sum or none, got the value ",
+                  static_cast<int>(o.reduction));
+  detail::check_loop_order(kWho, o.loop_order);
   CHUNKLOSS_CHECK(
       std::isfinite(o.label_smoothing) && o.label_smoothing >= 0.0f && o.label_smoothing <= 1.0f,
       kWho, ": label_smoothing must be in [0, 1], got ", o.label_smoothing);

@@ -71,6 +71,8 @@ class DpoObjective final : public SequenceObjective {
  public:
   explicit DpoObjective(const DpoOptions& o) : o_(o) {
     constexpr const char* kWho = "Dpo";
+    CHUNKLOSS_CHECK(dpo_loss_name(o.loss_type) != "?", kWho,
+                    ": loss_type is not a DpoLoss, got the value ", static_cast<int>(o.loss_type));
     check_beta(kWho, o.beta);
     const float eps = o.label_smoothing;
     switch (o.loss_type) {

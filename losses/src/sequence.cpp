@@ -35,6 +35,11 @@ struct HeadShape {
   DType dtype = DType::kF32;
 };
 
+// Whether any view of the head is given: then all of hidden and weight must be.
+bool given(const Head& head) {
+  return head.hidden.defined() || head.weight.defined() || head.bias.defined();
+}
+
 HeadShape check_head(const char* who, const std::string& name, const Head& head, Device dev,
                      std::int64_t s, std::int64_t t) {
   const std::string hn = name + ".hidden", wn = name + ".weight", bn = name + ".bias";
@@ -199,7 +204,7 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
   const std::int64_t n = hs.n, h = hs.h, v = hs.v;
 
   Checked c;
-  const bool ref_head = in.reference.hidden.defined() || in.reference.weight.defined();
+  const bool ref_head = given(in.reference);
   const bool ref_given = in.reference_logps.defined();
   CHUNKLOSS_CHECK(!(ref_head || ref_given) || obj.uses_reference(), who,
                   " is reference-free: reference and reference_logps must be absent");
@@ -218,7 +223,8 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
                   "] i32 (1 desirable, 0 undesirable) are required");
   CHUNKLOSS_CHECK(!pairs || !in.labels.defined(), who, ": labels ", in.labels.str(),
                   " are only used by unpaired losses");
-  const bool kl_batch = in.kl_batch.targets.defined() || in.kl_batch.policy.hidden.defined();
+  const bool kl_batch = in.kl_batch.targets.defined() || given(in.kl_batch.policy) ||
+                        given(in.kl_batch.reference) || in.kl_batch.reference_logps.defined();
   CHUNKLOSS_CHECK(obj.uses_kl() || (!in.kl && !kl_batch), who,
                   ": kl and kl_batch are only used by KTO-style objectives");
   CHUNKLOSS_CHECK(!(in.kl && kl_batch), who, ": give either kl or kl_batch, not both");
@@ -289,7 +295,7 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
         check_head(who, "kl_batch.policy", kb.policy, dev, c.kl_sequences, c.kl_seq_len);
     CHUNKLOSS_CHECK(ks.h == h && ks.v == v && ks.dtype == hs.dtype, who,
                     ": kl_batch.policy must match the policy head's H, V and dtype");
-    const bool kref_head = kb.reference.hidden.defined() || kb.reference.weight.defined();
+    const bool kref_head = given(kb.reference);
     CHUNKLOSS_CHECK(kref_head != kb.reference_logps.defined(), who,
                     ": kl_batch needs exactly one of a reference head and reference_logps");
     const TensorView krows(kb.targets.data(), kb.targets.dtype(), {ks.n}, kb.targets.device(),
@@ -567,8 +573,11 @@ SequenceLoss::SequenceLoss(std::shared_ptr<const SequenceObjective> objective,
   CHUNKLOSS_CHECK(options_.logits_dtype == DType::kF32 || options_.logits_dtype == DType::kBF16,
                   objective_->name(), ": logits_dtype must be f32 or bf16, got ",
                   dtype_name(options_.logits_dtype));
-  CHUNKLOSS_CHECK(options_.regime != Regime::kNone, objective_->name(),
-                  ": regime none is for token objectives");
+  CHUNKLOSS_CHECK(options_.regime != Regime::kNone && regime_name(options_.regime) != "?",
+                  objective_->name(),
+                  ": regime must be auto, resident, recompute or deferred, got the value ",
+                  static_cast<int>(options_.regime));
+  detail::check_loop_order(objective_->name(), options_.loop_order);
   const double w = objective_->nll_weight();
   CHUNKLOSS_CHECK(std::isfinite(w) && w >= 0, objective_->name(),
                   ": nll_weight must be finite and >= 0, got ", w);

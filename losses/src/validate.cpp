@@ -154,6 +154,12 @@ void check_targets(const char* who, const TensorView& targets, std::int64_t voca
   }
 }
 
+void check_loop_order(std::string_view who, LoopOrder order) {
+  CHUNKLOSS_CHECK(loop_order_name(order) != "?", who,
+                  ": loop_order must be auto, token_chunk or vocab_block, got the value ",
+                  static_cast<int>(order));
+}
+
 void check_class_weights(const char* who, const TensorView& class_weights) {
   if (!class_weights.defined()) return;
   const auto* w = class_weights.data_as<const float>();

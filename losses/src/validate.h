@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -43,6 +44,8 @@ std::int64_t check_vocab_shard(const char* who, const VocabShard& shard, std::in
 /// Targets in [0, V) or equal to ignore_index (host memory only).
 void check_targets(const char* who, const TensorView& targets, std::int64_t vocab,
                    std::int64_t ignore_index);
+/// A LoopOrder that is one of its enumerators.
+void check_loop_order(std::string_view who, LoopOrder order);
 /// Class weights finite and >= 0 (host memory only; absent: nothing to check).
 void check_class_weights(const char* who, const TensorView& class_weights);
 /// Whether each target (of [N] or [S, T], i32 or i64, in host memory or on the context's device,

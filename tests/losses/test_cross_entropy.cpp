@@ -1509,6 +1509,13 @@ TEST_CASE("bad input: invalid option values") {
   CrossEntropyOptions o;
   o.logits_dtype = DType::kI32;
   check_error([&] { LinearCrossEntropy{o}; }, {"logits_dtype"});
+  // Enumerators out of range (a cast from a bad integer) are refused, not read as another one.
+  CrossEntropyOptions red;
+  red.reduction = static_cast<Reduction>(7);
+  check_error([&] { LinearCrossEntropy{red}; }, {"reduction", "value 7"});
+  CrossEntropyOptions order;
+  order.loop_order = static_cast<LoopOrder>(9);
+  check_error([&] { LinearCrossEntropy{order}; }, {"loop_order", "value 9"});
   for (float ok : {0.0f, 1.0f}) {
     CrossEntropyOptions fine;
     fine.label_smoothing = ok;

@@ -1536,6 +1536,13 @@ TEST_CASE("bad input: references where none is allowed, both kinds at once, labe
   PreferenceInputs kboth = kb.d.inputs();
   kboth.reference_logps = TensorView::of(logps.d.ref_logps.data(), {s.s});
   kb.expect(KtoOptions{}, kboth, "reference");
+  // An incomplete reference head (a bias alone, or no weight) is refused, not dropped.
+  PreferenceInputs partial = head.d.inputs();
+  partial.reference.hidden = partial.reference.weight = {};
+  head.expect(DpoOptions{}, partial, "reference.hidden");
+  partial = head.d.inputs();
+  partial.reference.weight = {};
+  head.expect(DpoOptions{}, partial, "reference.weight");
   // KTO needs labels; paired losses take none.
   BadCall plain;
   plain.expect(KtoOptions{}, "labels");
@@ -1597,6 +1604,16 @@ TEST_CASE("bad input: invalid options name the option") {
   KtoOptions wu;
   wu.undesirable_weight = -1.0f;
   kb.expect(wu, "undesirable_weight");
+  // Enumerators out of range (a cast from a bad integer) are refused, not read as another one.
+  DpoOptions type;
+  type.loss_type = static_cast<DpoLoss>(42);
+  b.expect(type, "value 42");
+  DpoOptions regime;
+  regime.engine.regime = static_cast<Regime>(9);
+  b.expect(regime, "regime");
+  DpoOptions order;
+  order.engine.loop_order = static_cast<LoopOrder>(9);
+  b.expect(order, "loop_order");
 }
 
 TEST_CASE("bad input: the KL batch") {
@@ -1628,6 +1645,18 @@ TEST_CASE("bad input: the KL batch") {
     bs.d.kl_ref_logps[1] = bad;
     bs.expect(KtoOptions{}, "kl_batch.reference_logps[1] is not finite");
   }
+  // Parts of a KL batch without its targets and policy head are refused, not dropped.
+  PreferenceInputs part = b.d.inputs();
+  part.kl_batch.targets = {};
+  part.kl_batch.policy = {};
+  b.expect(KtoOptions{}, part, "kl_batch.targets");
+  PrefSpec only_sums = sums;
+  only_sums.kl_batch = false;
+  BadCall os(only_sums);
+  part = os.d.inputs();
+  BadCall full(sums);
+  part.kl_batch.reference_logps = TensorView::of(full.d.kl_ref_logps.data(), {s.kl_s});
+  os.expect(KtoOptions{}, part, "kl_batch.targets");
   // Both a given KL point and a KL batch; a non-finite KL point; KL inputs for a paired loss.
   in = b.d.inputs();
   in.kl = 0.5;
