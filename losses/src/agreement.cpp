@@ -13,9 +13,6 @@
 namespace chunkloss::detail {
 namespace {
 
-// The doubles one exchange sends: a flag, each of `kinds` values and its square, and `sums`.
-std::size_t exchange_size(std::size_t kinds, std::size_t sums) { return 1 + 2 * kinds + sums; }
-
 // One exchange over the group of `sum`: the ranks flagging `failed`, whether every rank sent the
 // same `kind` (each value's sum and sum of squares are the ranks' count times its own and its
 // square), and `sums` summed in place. Returns {failed ranks, same kind}. The kind's values
@@ -50,36 +47,17 @@ double kind_digest(std::span<const std::uint8_t> bytes) {
   return static_cast<double>(h);
 }
 
-std::size_t first_exchange_bytes(std::size_t vocab_kind, std::size_t data_kind,
-                                 std::size_t data_sums) {
-  // (the vocabulary group's kind also holds whether the rank has a data group)
-  return std::max(exchange_size(vocab_kind + 1, 0), exchange_size(data_kind, data_sums)) *
-         sizeof(double);
-}
-
 void GroupSum::operator()(double* values, std::size_t n) const {
-  if (group) all_reduce_host(ctx, *group, values, static_cast<std::int64_t>(n), device);
-}
-
-double* exchange_memory(const Context& ctx, const Workspace& ws) {
-  return ctx.device() == Device::kCpu ? nullptr : static_cast<double*>(ws.base());
+  if (group) all_reduce_host(ctx, *group, values, static_cast<std::int64_t>(n));
 }
 
 void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_group,
-                   dist::Communicator* data_group, const Workspace& ws, std::size_t device_bytes,
-                   std::exception_ptr rejected, const FirstExchange& x) {
+                   dist::Communicator* data_group, std::exception_ptr rejected,
+                   const FirstExchange& x) {
   if (!vocab_group && !data_group) {
     if (rejected) std::rethrow_exception(rejected);
     return;
   }
-  CHUNKLOSS_CHECK(ctx.device() == Device::kCpu ||
-                      (ws.device() == ctx.device() && ws.device_index() == ctx.device_index() &&
-                       ws.bytes() >= device_bytes),
-                  who, ": with vocab_shard or data_group on CUDA the ranks exchange through the ",
-                  "workspace, which must be on the context's device (", device_name(ctx.device()),
-                  ":", ctx.device_index(), ") and hold at least ", device_bytes, " bytes; got ",
-                  ws.bytes(), " bytes on ", device_name(ws.device()), ":", ws.device_index());
-  double* device = exchange_memory(ctx, ws);
   // Whether the rank has a data group is part of its vocabulary kind: in a grid the data groups'
   // verdict goes back over the vocabulary group, a collective that every rank of it must make.
   std::vector<double> vocab_kind(x.vocab_kind.begin(), x.vocab_kind.end());
@@ -88,16 +66,16 @@ void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_grou
   bool vocab_same = true;
   if (vocab_group)
     std::tie(vocab_failed, vocab_same) =
-        exchange(GroupSum{ctx, vocab_group, device}, rejected != nullptr, vocab_kind, {});
+        exchange(GroupSum{ctx, vocab_group}, rejected != nullptr, vocab_kind, {});
   double data_failed = 0;
   bool data_same = true;
   if (data_group)
     std::tie(data_failed, data_same) =
-        exchange(GroupSum{ctx, data_group, device}, rejected || vocab_failed > 0 || !vocab_same,
+        exchange(GroupSum{ctx, data_group}, rejected || vocab_failed > 0 || !vocab_same,
                  x.data_kind, x.data_sums);
   // (vocab_same, the same on every rank of the vocabulary group, says they all have one)
   double grid_failed = data_failed > 0 || !data_same ? 1 : 0;
-  if (vocab_group && data_group && vocab_same) GroupSum{ctx, vocab_group, device}(&grid_failed, 1);
+  if (vocab_group && data_group && vocab_same) GroupSum{ctx, vocab_group}(&grid_failed, 1);
   if (rejected) std::rethrow_exception(rejected);
   CHUNKLOSS_CHECK(vocab_failed == 0, who, ": ", vocab_failed,
                   " rank(s) of vocab_shard.group rejected their calls; this rank's was valid, and "

@@ -9,7 +9,6 @@
 #include <span>
 
 #include "chunkloss/core/context.h"
-#include "chunkloss/core/workspace.h"
 #include "chunkloss/dist/communicator.h"
 
 namespace chunkloss::detail {
@@ -26,16 +25,11 @@ struct FirstExchange {
 /// A digest of bytes for a kind (below 2^20, as the exchange compares kinds).
 double kind_digest(std::span<const std::uint8_t> bytes);
 
-/// The device memory (bytes) an exchange of kinds and sums of these sizes passes through on CUDA.
-std::size_t first_exchange_bytes(std::size_t vocab_kind, std::size_t data_kind,
-                                 std::size_t data_sums);
-
-/// Sums host values over a group's ranks (a null group: unchanged), through `device` (device
-/// memory) on CUDA.
+/// Sums host values over a group's ranks (a null group: unchanged); on CUDA through the
+/// context's scratch memory.
 struct GroupSum {
   Context& ctx;
   dist::Communicator* group;
-  double* device;
   void operator()(double* values, std::size_t n) const;
 };
 
@@ -43,17 +37,12 @@ struct GroupSum {
 /// data groups each hold one rank of every vocabulary group), exchange whether they `rejected`
 /// their call and their kinds (the vocabulary group's kind also holds whether the rank passes a
 /// data group); in a grid the data group's verdict then goes back over the vocabulary group. On
-/// CUDA the values pass through the workspace's first bytes, of which the call needs `device_bytes`
-/// (at least first_exchange_bytes()); a rank whose workspace is not on the context's device or is
-/// smaller cannot take part and throws alone. Then rethrows `rejected`, or throws when any rank of
-/// the groups rejected its call or the kinds differ, naming the group; else returns with
+/// CUDA the values pass through the context's scratch memory, not the workspace, so a rank whose
+/// workspace is wrong takes part too. Then rethrows `rejected`, or throws when any rank of the
+/// groups rejected its call or the kinds differ, naming the group; else returns with
 /// x.data_sums summed over the data group. Without groups it only rethrows `rejected`.
 void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_group,
-                   dist::Communicator* data_group, const Workspace& ws, std::size_t device_bytes,
-                   std::exception_ptr rejected, const FirstExchange& x);
-
-/// The device memory agree_on_call() and later sums of host values use: the workspace's start
-/// on CUDA, null on the CPU.
-double* exchange_memory(const Context& ctx, const Workspace& ws);
+                   dist::Communicator* data_group, std::exception_ptr rejected,
+                   const FirstExchange& x);
 
 }  // namespace chunkloss::detail

@@ -178,13 +178,7 @@ void find_rows_to_compute(Context& ctx, const CrossEntropyOptions& o, const Plan
   k.row_ranges = detail::rows_to_compute(valid, plan.skip_gap_rows);
 }
 
-// The plan; on CUDA with groups its workspace also holds the ranks' first exchange.
-Plan call_plan(const Checked& c, const CrossEntropyInputs& in) {
-  Plan p = plan_token_objective(c.request);
-  if ((c.call.vocab_group || in.data_group) && c.request.device == Device::kCuda)
-    detail::reserve_workspace(p, detail::first_exchange_bytes(kVocabKind, kDataKind, 0));
-  return p;
-}
+Plan call_plan(const Checked& c) { return plan_token_objective(c.request); }
 
 }  // namespace
 
@@ -206,7 +200,7 @@ LinearCrossEntropy::LinearCrossEntropy(const CrossEntropyOptions& o) : options_(
 
 Plan LinearCrossEntropy::plan(const CrossEntropyInputs& in, const CrossEntropyGrads& grads) const {
   const Device dev = in.hidden.defined() ? in.hidden.device() : Device::kCpu;
-  return call_plan(check_call(options_, dev, in, grads, {}, false), in);
+  return call_plan(check_call(options_, dev, in, grads, {}, false));
 }
 
 std::size_t LinearCrossEntropy::workspace_bytes(const CrossEntropyInputs& in,
@@ -227,7 +221,7 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
   std::exception_ptr rejected;
   try {
     c.emplace(check_call(options_, ctx.device(), in, grads, out, true));
-    plan = call_plan(*c, in);
+    plan = call_plan(*c);
     CHUNKLOSS_CHECK(ws.device() == ctx.device(), kWho, ": workspace is on ",
                     device_name(ws.device()), ", the context on ", device_name(ctx.device()));
     detail::check_memory(kWho, ctx, ws,
@@ -269,9 +263,7 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
       data_kind = {d(k.hidden), d(k.vocab), sum && k.grad_w.defined() ? 1.0 : 0.0,
                    sum && k.grad_bias.defined() ? 1.0 : 0.0};
     }
-    // On CUDA through the workspace's first bytes, before any pass uses them.
-    detail::agree_on_call(ctx, kWho, vocab_group, in.data_group, ws,
-                          detail::first_exchange_bytes(kVocabKind, kDataKind, 0), rejected,
+    detail::agree_on_call(ctx, kWho, vocab_group, in.data_group, rejected,
                           {vocab_kind,
                            data_kind,
                            {},

@@ -737,12 +737,15 @@ void cuda_read_to_host(Context& ctx, const TensorView& t, void* dst) {
   CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(s));
 }
 
-void cuda_all_reduce_host(Context& ctx, dist::Communicator& group, double* values, std::int64_t n,
-                          double* device) {
+void cuda_all_reduce_host(Context& ctx, dist::Communicator& group, double* values, std::int64_t n) {
   const auto& g = static_cast<const gpu::Context&>(ctx);
   g.activate();
   const auto s = static_cast<cudaStream_t>(g.stream());
   const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(double);
+  CHUNKLOSS_CHECK(bytes <= gpu::Context::kScratchBytes, "all_reduce_host: ", n,
+                  " doubles exceed the context's scratch of ", gpu::Context::kScratchBytes,
+                  " bytes");
+  auto* device = static_cast<double*>(g.scratch());
   CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(device, values, bytes, cudaMemcpyHostToDevice, s));
   group.all_reduce_sum(ctx, device, n);
   CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(values, device, bytes, cudaMemcpyDeviceToHost, s));

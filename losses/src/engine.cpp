@@ -53,16 +53,14 @@ void reserve_workspace(Plan& p, std::size_t bytes) {
   if (bytes > p.workspace_bytes()) p.layout.add(bytes - p.workspace_bytes());
 }
 
-void all_reduce_host(Context& ctx, dist::Communicator& group, double* values, std::int64_t n,
-                     double* device) {
+void all_reduce_host(Context& ctx, dist::Communicator& group, double* values, std::int64_t n) {
   if (ctx.device() == Device::kCpu) {
     group.all_reduce_sum(ctx, values, n);
     return;
   }
 #if CHUNKLOSS_HAVE_CUDA
-  cuda_all_reduce_host(ctx, group, values, n, device);
+  cuda_all_reduce_host(ctx, group, values, n);
 #else
-  (void)device;
   CHUNKLOSS_FAIL("all_reduce_host: this build of chunkloss has no CUDA support");
 #endif
 }

@@ -186,14 +186,12 @@ void reserve_workspace(Plan& p, std::size_t bytes);
 /// Copies a view's elements to host memory `dst` (nbytes()); device views are read on the
 /// context's stream, which is synchronised.
 void read_to_host(Context& ctx, const TensorView& t, void* dst);
-/// Sums host values[0, n) over the group's ranks: directly on the CPU; on CUDA through
-/// `device`, n doubles of the context's device memory (the stream is synchronised).
-void all_reduce_host(Context& ctx, dist::Communicator& group, double* values, std::int64_t n,
-                     double* device);
+/// Sums host values[0, n) over the group's ranks: directly on the CPU; on CUDA through the
+/// context's scratch() (the stream is synchronised).
+void all_reduce_host(Context& ctx, dist::Communicator& group, double* values, std::int64_t n);
 #if CHUNKLOSS_HAVE_CUDA
 void cuda_read_to_host(Context& ctx, const TensorView& t, void* dst);
-void cuda_all_reduce_host(Context& ctx, dist::Communicator& group, double* values, std::int64_t n,
-                          double* device);
+void cuda_all_reduce_host(Context& ctx, dist::Communicator& group, double* values, std::int64_t n);
 /// The number of non-finite elements of a float device view, counted in `scalars` (a CUDA
 /// plan's scalars slice); synchronises the stream.
 std::uint64_t cuda_count_nonfinite(Context& ctx, const TensorView& t, double* scalars);

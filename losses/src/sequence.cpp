@@ -498,22 +498,11 @@ void check_deferred_pair(const SequenceObjective& obj, const Checked& c,
 // tokens) of the data group's first exchange.
 constexpr std::size_t kVocabKind = 12, kDataKind = 4, kDataSums = 2;
 
-// Bytes at the start of the workspace through which the ranks of a data group or a vocabulary
-// split exchange on CUDA, between the passes (no pass is running then): the first exchange, or
-// the tally.
-std::size_t exchange_bytes(const SequenceObjective& obj) {
-  return std::max(detail::first_exchange_bytes(kVocabKind, kDataKind, kDataSums),
-                  (kNumTally + obj.extra_metrics().size()) * sizeof(double));
-}
-
 // The call's plan; with a KL batch, whose passes run first from the start of the same block,
-// the layout is extended to hold their plan too, and on CUDA with a data group or a vocabulary
-// split to hold the exchange.
-Plan call_plan(const SequenceObjective& obj, const Checked& c) {
+// the layout is extended to hold their plan too.
+Plan call_plan(const Checked& c) {
   Plan p = plan_sequence_objective(c.request, c.layout);
   if (c.kl_policy) detail::reserve_workspace(p, c.kl_plan.workspace_bytes());
-  if ((c.data_group || c.vocab_group) && c.request.device == Device::kCuda)
-    detail::reserve_workspace(p, exchange_bytes(obj));
   return p;
 }
 
@@ -585,7 +574,7 @@ SequenceLoss::SequenceLoss(std::shared_ptr<const SequenceObjective> objective,
 
 Plan SequenceLoss::plan(const PreferenceInputs& in, const PreferenceGrads& grads) const {
   const Device dev = in.policy.hidden.defined() ? in.policy.hidden.device() : Device::kCpu;
-  return call_plan(*objective_, check_call(*objective_, options_, dev, in, grads));
+  return call_plan(check_call(*objective_, options_, dev, in, grads));
 }
 
 std::size_t SequenceLoss::workspace_bytes(const PreferenceInputs& in,
@@ -607,7 +596,7 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   std::exception_ptr rejected;
   try {
     checked.emplace(check_call(obj, options_, ctx.device(), in, grads));
-    plan = call_plan(obj, *checked);
+    plan = call_plan(*checked);
     CHUNKLOSS_CHECK(ws.device() == ctx.device(), who, ": workspace is on ",
                     device_name(ws.device()), ", the context on ", device_name(ctx.device()));
     const auto& kb = in.kl_batch;
@@ -636,9 +625,6 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
     if (!in.data_group && !vocab_group) throw;
     rejected = std::current_exception();
   }
-  // The exchanges: on CUDA through the workspace's first bytes (none of the call's passes is
-  // running when the ranks exchange).
-  double* exchange = detail::exchange_memory(ctx, ws);
   // Units and tokens of the chosen sequences (the NLL term's divisor), summed over the data group.
   double counts[kDataSums] = {0, 0};
   std::array<double, kVocabKind> vocab_kind{};
@@ -652,12 +638,12 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
     data_kind = data_call_kind(obj, c);
   }
   detail::agree_on_call(
-      ctx, who.c_str(), vocab_group, in.data_group, ws, exchange_bytes(obj), rejected,
+      ctx, who.c_str(), vocab_group, in.data_group, rejected,
       {vocab_kind, data_kind, counts,
        "a reference head, a KL batch, dH asked for, H, their rows or targets, their plans, or the "
        "objective",
        "a KL batch, dW or db summed in the call, H or V, or the objective"});
-  const detail::GroupSum group_sum{ctx, in.data_group, exchange};
+  const detail::GroupSum group_sum{ctx, in.data_group};
   Checked& c = *checked;
   const std::int64_t s = c.call.sequences, per = c.call.unit_sequences, units = s / per;
   const double all_units = counts[0], inv_units = 1.0 / all_units, chosen_tokens = counts[1];
@@ -777,20 +763,12 @@ LogProbCall check_log_probs(const SequenceOptions& o, Device dev, const Head& he
 // H, and which rows have valid targets.
 constexpr std::size_t kLogProbKind = 5;
 
-// The plan; on CUDA with a vocabulary split its workspace also holds that exchange.
-Plan log_probs_plan(const LogProbCall& c, const VocabShard& shard) {
-  Plan p = plan_token_objective(c.request);
-  if (detail::vocab_split_group(shard) && c.request.device == Device::kCuda)
-    detail::reserve_workspace(p, detail::first_exchange_bytes(kLogProbKind, 0, 0));
-  return p;
-}
-
 }  // namespace
 
 Plan SequenceLogProbs::plan(const Head& head, const TensorView& targets,
                             const VocabShard& shard) const {
   const Device dev = head.hidden.defined() ? head.hidden.device() : Device::kCpu;
-  return log_probs_plan(check_log_probs(options_, dev, head, targets, shard), shard);
+  return plan_token_objective(check_log_probs(options_, dev, head, targets, shard).request);
 }
 
 std::size_t SequenceLogProbs::workspace_bytes(const Head& head, const TensorView& targets,
@@ -810,7 +788,7 @@ SequenceLogProbResult SequenceLogProbs::compute(Context& ctx, const Head& head,
   std::exception_ptr rejected;
   try {
     c.emplace(check_log_probs(options_, ctx.device(), head, targets, shard));
-    plan = log_probs_plan(*c, shard);
+    plan = plan_token_objective(c->request);
     CHUNKLOSS_CHECK(ws.device() == ctx.device(), kLogProbs, ": workspace is on ",
                     device_name(ws.device()), ", the context on ", device_name(ctx.device()));
     detail::check_memory(kLogProbs, ctx, ws,
@@ -834,8 +812,8 @@ SequenceLogProbResult SequenceLogProbs::compute(Context& ctx, const Head& head,
       kind = {d(plan.chunk_rows), d(targets.size(0)), d(targets.size(1)), d(c->hs.h),
               detail::kind_digest(ht.valid)};
     detail::agree_on_call(
-        ctx, kLogProbs, group, nullptr, ws, detail::first_exchange_bytes(kLogProbKind, 0, 0),
-        rejected, {kind, {}, {}, "their rows, H, which targets are valid, or their plans", ""});
+        ctx, kLogProbs, group, nullptr, rejected,
+        {kind, {}, {}, "their rows, H, which targets are valid, or their plans", ""});
   }
   const TensorView rows(targets.data(), targets.dtype(), {c->hs.n}, targets.device(),
                         targets.device_index());

@@ -929,11 +929,11 @@ TEST_CASE("gpu: vocab parallel: SequenceLogProbs over two ranks matches the unsp
   CHECK(e[1].find("head.weight") != std::string::npos);
 }
 
-TEST_CASE(
-    "gpu: vocab parallel: a workspace too small for the exchange, or on the host, is refused") {
+TEST_CASE("gpu: vocab parallel: a rank's too-small or host workspace makes every rank throw") {
   if (!have_gpu()) return;
-  // The first exchange of a split sends 25 doubles for a sequence loss and 11 for
-  // SequenceLogProbs, from the workspace's start; a rank with fewer bytes throws (alone).
+  // The ranks exchange through each context's scratch memory, not the workspace, so a rank
+  // whose workspace is wrong still takes part in the first exchange: it throws its own error and
+  // the other rank says that one rank rejected its call, instead of waiting for it.
   const PrefData d(gpu_spec());
   std::vector<ShardRun> runs;
   for (int r = 0; r < 2; ++r)
@@ -942,36 +942,42 @@ TEST_CASE(
   const auto errors = on_threads(2, [&](std::size_t r) {
     DeviceInputs di(runs[r].inputs(d), false);
     di.in.vocab_shard = {&group.comm(static_cast<int>(r)), runs[r].v0, d.spec.v};
-    gpu::DeviceBuffer ws(256);
+    const Dpo dpo;
+    const SequenceLogProbs lp;
+    const std::size_t need = std::max(dpo.workspace_bytes(di.in),
+                                      lp.workspace_bytes(di.in.policy, di.in.targets,
+                                                         di.in.vocab_shard));
+    gpu::DeviceBuffer ws(need);
+    const std::size_t small = r == 0 ? 160 : need;  // rank 0's workspace is too small
     gpu::Context ctx(0);
-    std::string dpo, lp;
+    std::array<std::string, 3> e;
     try {
-      Dpo(DpoOptions{}).forward(ctx, di.in, Workspace(ws.data(), 160, Device::kCuda));
-    } catch (const Error& e) {
-      dpo = e.what();
+      dpo.forward(ctx, di.in, Workspace(ws.data(), small, Device::kCuda));
+    } catch (const Error& x) {
+      e[0] = x.what();
     }
     try {
-      SequenceLogProbs().compute(ctx, di.in.policy, di.in.targets,
-                                 Workspace(ws.data(), 64, Device::kCuda), di.in.vocab_shard);
-    } catch (const Error& e) {
-      lp = e.what();
+      lp.compute(ctx, di.in.policy, di.in.targets, Workspace(ws.data(), small, Device::kCuda),
+                 di.in.vocab_shard);
+    } catch (const Error& x) {
+      e[1] = x.what();
     }
-    std::string host;  // a host workspace of the right size
-    const AlignedBuffer hws(std::size_t{16} << 20);
+    const AlignedBuffer hws(need);  // rank 0's workspace is in host memory
     try {
-      Dpo(DpoOptions{}).forward(ctx, di.in, hws.workspace());
-    } catch (const Error& e) {
-      host = e.what();
+      dpo.forward(ctx, di.in,
+                  r == 0 ? hws.workspace() : Workspace(ws.data(), need, Device::kCuda));
+    } catch (const Error& x) {
+      e[2] = x.what();
     }
-    return std::array<std::string, 3>{dpo, lp, host};
+    return e;
   });
-  for (const auto& [dpo, lp, host] : errors) {
-    INFO(dpo, " | ", lp, " | ", host);
-    CHECK(dpo.find("hold at least 216 bytes; got 160 bytes on cuda:0") != std::string::npos);
-    CHECK(lp.find("hold at least 104 bytes; got 64 bytes on cuda:0") != std::string::npos);
-    CHECK(host.find("must be on the context's device (cuda:0)") != std::string::npos);
-    CHECK(host.find("bytes on cpu:0") != std::string::npos);
-  }
+  INFO(errors[0][0], " | ", errors[0][1], " | ", errors[0][2]);
+  INFO(errors[1][0], " | ", errors[1][1], " | ", errors[1][2]);
+  CHECK(errors[0][0].find("workspace of 160 bytes is too small") != std::string::npos);
+  CHECK(errors[0][1].find("workspace of 160 bytes is too small") != std::string::npos);
+  CHECK(errors[0][2].find("workspace is on cpu, the context on cuda") != std::string::npos);
+  for (const std::string& e : errors[1])
+    CHECK(e.find("1 rank(s) of vocab_shard.group rejected their calls") != std::string::npos);
 }
 
 }  // namespace

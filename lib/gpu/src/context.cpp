@@ -84,6 +84,9 @@ std::string Context::gemm_report() const {
   return r;
 }
 GemmSelector& Context::gemm_selector() const { return *impl_->selector; }
+
+static_assert(Context::kScratchBytes <= kCublasWorkspace);
+void* Context::scratch() const { return impl_->cublas_ws; }
 const Context& Context::side() const { return impl_->side ? *impl_->side : *this; }
 
 void Context::fork() const {

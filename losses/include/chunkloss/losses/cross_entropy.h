@@ -105,8 +105,8 @@ struct CrossEntropyInputs {
   /// and check_finite's values) or makes a call whose collectives differ (rows, H, chunks and
   /// the rows skip_ignored_rows computes, dH asked for, a data_group passed or not; over
   /// data_group, H, V, and dW and db summed or not), and then all throw. On CUDA that exchange
-  /// passes through the workspace's first 120 bytes and waits for the stream once per group (once
-  /// more in a grid); a workspace that is smaller or on another device is thrown by its rank alone.
+  /// passes through the context's own scratch memory (gpu::Context::scratch(), not the
+  /// workspace) and waits for the stream once per group (once more in a grid).
   /// On CUDA, out-of-range targets and check_finite's findings are counted and thrown per rank at
   /// the end (outputs.scalars[6]). Unset: not split.
   VocabShard vocab_shard;

@@ -162,9 +162,9 @@ struct PreferenceInputs {
   /// (shapes, workspace, values such as targets, labels, reference_logps, a sequence without
   /// valid tokens, check_finite's findings) makes every rank throw before anything is written,
   /// and an objective that fails (throws, or returns a non-finite value) on any rank makes every
-  /// rank throw at the end of the call. Only a CUDA workspace too small for the exchange of the
-  /// sums (about 220 bytes, at its start) or on another device is thrown by the rank alone. plan()
-  /// and workspace_bytes() must see the same data_group. With vocab_shard too, the data group holds
+  /// rank throw at the end of the call (on CUDA the ranks' sums pass through the context's own
+  /// scratch memory, not the workspace). plan() and workspace_bytes() must see the same
+  /// data_group. With vocab_shard too, the data group holds
   /// the ranks at one vocabulary position. null: this call's sequences alone.
   dist::Communicator* data_group = nullptr;
 };
@@ -252,9 +252,9 @@ class SequenceLogProbs {
   /// PreferenceInputs::vocab_shard; every rank of the group makes the call with the same hidden
   /// rows and targets (ids in [0, V)) and gets every sequence's log-prob. Any rank's rejected
   /// call (shapes, shard, targets, check_finite, a different plan or rows) makes every rank
-  /// throw; on CUDA the ranks exchange through the workspace's first 104 bytes, and a workspace
-  /// that is smaller or on another device is thrown by its rank alone. plan() and
-  /// workspace_bytes() must see the same shard.
+  /// throw (a workspace that is too small or on another device included: on CUDA the ranks
+  /// exchange through the context's own scratch memory). plan() and workspace_bytes() must see
+  /// the same shard.
   Plan plan(const Head& head, const TensorView& targets, const VocabShard& shard = {}) const;
   std::size_t workspace_bytes(const Head& head, const TensorView& targets,
                               const VocabShard& shard = {}) const;

@@ -63,6 +63,12 @@ class Context final : public chunkloss::Context {
   std::string gemm_report() const;
   /// The selector gpu::gemm runs its calls through (internal).
   GemmSelector& gemm_selector() const;
+  /// Bytes of scratch().
+  static constexpr std::size_t kScratchBytes = std::size_t{1} << 20;
+  /// kScratchBytes of device memory in the stream's order, through which the loss objects sum
+  /// host values over a group of ranks (internal): the start of the stream's cuBLAS workspace,
+  /// which a GEMM uses only while it runs on the stream.
+  void* scratch() const;
 
   /// The side: a second non-blocking stream on the same device, with a cuBLAS handle, workspace
   /// (32 MiB) and GEMM selection of its own, made with this context. Its work runs beside the
