@@ -6,6 +6,7 @@
 #include <chunkloss/core/error.h>
 #include <chunkloss/data/jsonl.h>
 
+#include <filesystem>
 #include <string>
 
 #include "expect_error.h"
@@ -144,6 +145,12 @@ TEST_CASE("jsonl: files are read from disk and errors name the path") {
   CHECK(contains(error_message([&] { read_preference_jsonl(missing); }), missing));
   CHECK(contains(error_message([&] { read_sft_jsonl(dir.path()); }),
                  dir.path() + " is a directory, not a file"));
+  // Paths the file system refuses are a chunkloss::Error naming them, not a filesystem_error.
+  const std::string loop = dir.file("loop");
+  std::filesystem::create_symlink(loop, loop);
+  CHECK(contains(error_message([&] { read_sft_jsonl(loop); }), "cannot open " + loop));
+  const std::string long_name = dir.file(std::string(300, 'a') + ".jsonl");
+  CHECK(contains(error_message([&] { read_sft_jsonl(long_name); }), "cannot open " + long_name));
   const std::string kto =
       dir.write("kto.jsonl", "{\"prompt\": \"p\", \"completion\": \"c\", \"label\": false}");
   const auto ex = read_unpaired_jsonl(kto);

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <system_error>
 
 #include "chunkloss/core/error.h"
 
@@ -81,7 +82,11 @@ std::size_t for_each_object(std::string_view text, std::string_view source, F&& 
 }  // namespace
 
 std::string read_text_file(const std::string& path) {
-  CHUNKLOSS_CHECK(!std::filesystem::is_directory(path), path, " is a directory, not a file");
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::status(path, ec);
+  CHUNKLOSS_CHECK(!ec || ec == std::errc::no_such_file_or_directory, "cannot open ", path,
+                  " for reading: ", ec.message());
+  CHUNKLOSS_CHECK(!std::filesystem::is_directory(st), path, " is a directory, not a file");
   std::ifstream in(path, std::ios::binary);
   CHUNKLOSS_CHECK(in.good(), "cannot open ", path, " for reading");
   std::ostringstream os;

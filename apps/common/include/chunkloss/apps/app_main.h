@@ -8,19 +8,27 @@
 #include <filesystem>
 #include <fstream>
 #include <new>
+#include <string>
+#include <system_error>
 
 #include "chunkloss/apps/cli.h"
 
 namespace chunkloss::apps {
 
 /// Adds the options of the INI file `path` (--config) to `vm`; the command line's, stored
-/// first, win. Throws UsageError naming the file when it cannot be read (a directory, say) or
-/// holds an unknown or malformed option. Pipes work too (--config <(...)).
+/// first, win. Throws UsageError naming the file when it cannot be read (missing, a directory, a
+/// symlink loop, a name too long, ...) or holds an unknown or malformed option. Pipes work too
+/// (--config <(...)).
 inline void store_config_file(const std::string& path,
                               const boost::program_options::options_description& options,
                               boost::program_options::variables_map& vm) {
-  std::ifstream in;
-  if (!std::filesystem::is_directory(path)) in.open(path);
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::status(path, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    throw UsageError("--config: cannot open " + path + ": " + ec.message());
+  if (std::filesystem::is_directory(st))
+    throw UsageError("--config: " + path + " is a directory, not a file");
+  std::ifstream in(path);
   if (!in.is_open() || !in) throw UsageError("--config: cannot open " + path + " as a file");
   try {
     boost::program_options::store(boost::program_options::parse_config_file(in, options), vm);

@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Error handling of chunkloss-train, chunkloss-eval and chunkloss-bench (ctest label cpu): bad
+input makes an app print one line naming the problem and exit non-zero (2 for a bad command line,
+1 for a runtime failure), and a failure never loses or corrupts an earlier output.
+
+    cli_errors.py TRAIN EVAL BENCH WORKDIR CASE
+
+CASE is one of:
+  config: --config naming a symlink loop or a name too long is a usage error (train and eval).
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+TINY = ["--hidden-size", "8", "--intermediate-size", "8", "--layers", "1", "--heads", "1",
+        "--kv-heads", "1", "--batch-size", "2", "--threads", "1"]
+
+
+def fail(msg):
+    print("FAIL: " + msg)
+    sys.exit(1)
+
+
+def run(cmd, expect=0, **kw):
+    p = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if p.returncode != expect:
+        fail("%s exited %d (expected %d)\nstdout:\n%s\nstderr:\n%s" %
+             (" ".join(cmd), p.returncode, expect, p.stdout, p.stderr))
+    return p
+
+
+def one_line(cmd, expect, *words, **kw):
+    """Runs cmd, which must exit with `expect` and print one stderr line holding every word."""
+    p = run(cmd, expect, **kw)
+    lines = p.stderr.strip().splitlines()
+    errors = [l for l in lines if "error" in l or "see --help" in l]
+    if len(errors) != 1 or any(w not in errors[0] for w in words):
+        fail("%s: expected one line naming %s, got:\n%s" % (" ".join(cmd), words, p.stderr))
+    if expect == 2 and len(lines) != 1:
+        fail("%s: a usage error must be the only line, got:\n%s" % (" ".join(cmd), p.stderr))
+    return p
+
+
+def config_case(train, evaluate, work):
+    loop = os.path.join(work, "loop.ini")
+    if os.path.lexists(loop):
+        os.remove(loop)
+    os.symlink(loop, loop)
+    long_name = os.path.join(work, "a" * 300 + ".ini")
+    for app in (train, evaluate):
+        one_line([app, "--config", loop], 2, "--config", loop)
+        one_line([app, "--config", long_name], 2, "--config", "name too long")
+
+
+def main():
+    train, evaluate, bench, work, case = sys.argv[1:6]
+    work = os.path.join(work, case)
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    cases = {"config": lambda: config_case(train, evaluate, work)}
+    if case not in cases:
+        fail("unknown case " + case)
+    cases[case]()
+    print("%s: passed" % case)
+
+
+if __name__ == "__main__":
+    main()
