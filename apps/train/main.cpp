@@ -18,6 +18,7 @@
 #include <chunkloss/model/safetensors.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <boost/program_options.hpp>
 #include <charconv>
 #include <cmath>
@@ -30,6 +31,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <span>
 #include <thread>
 
 #include "trainers.h"
@@ -398,6 +400,24 @@ void check_resume(const Settings& s, const std::string& dir, const model::Traine
                   st.global_step == s.steps ? " (it has finished)" : "");
 }
 
+// Throws naming the step and the parameter when the optimizer step left a parameter NaN or Inf
+// (the loss and the gradients were finite: the optimizer's state or --lr is to blame), so that a
+// diverged model is never saved nor the run reported done.
+void check_finite_parameters(const model::LlamaModel& m, std::int64_t step, bool resumed) {
+  const std::span<const float> p = m.params();
+  const auto bad = std::find_if(p.begin(), p.end(), [](float x) { return !std::isfinite(x); });
+  if (bad == p.end()) return;
+  const auto at = static_cast<std::size_t>(bad - p.begin());
+  std::string name = "?";
+  for (const model::ParameterInfo& info : m.parameters())
+    if (at >= info.offset && at < info.offset + info.numel) name = info.name;
+  CHUNKLOSS_FAIL("step ", step, ": the optimizer step made parameter ", name, " ", *bad,
+                 " (the loss and the gradient norm were finite), so the run stops without saving "
+                 "it; ",
+                 resumed ? "the --resume checkpoint's optimizer state may be damaged, or " : "",
+                 "try a lower --lr");
+}
+
 std::unique_ptr<Trainer> make_trainer(const Settings& s, LossDevice& device,
                                       std::optional<model::LlamaModel> reference) {
   if (s.loss.loss == "ce") return make_ce_trainer(s.data, s.loss, device);
@@ -627,6 +647,7 @@ int run(const Settings& s, const std::string& invocation) {
                     ", grad norm ", norm, "); try a lower --lr");
     const double lr = model::learning_rate(s.schedule, step);
     opt->step(*policy, lr);
+    check_finite_parameters(*policy, step + 1, !s.resume.empty());
     for (model::LlamaModel& m : replicas)
       std::copy(policy->params().begin(), policy->params().end(), m.params().begin());
     last_loss = sum.loss * inv;

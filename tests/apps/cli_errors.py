@@ -7,9 +7,14 @@ input makes an app print one line naming the problem and exit non-zero (2 for a 
 
 CASE is one of:
   config: --config naming a symlink loop or a name too long is a usage error (train and eval).
+  resume_state: --resume from an optimizer state with a negative second moment is refused,
+    naming the file and the tensor; one whose finite moments blow a parameter up to Inf stops
+    at that step naming it; neither writes a checkpoint.
 """
+import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -42,6 +47,35 @@ def one_line(cmd, expect, *words, **kw):
     return p
 
 
+def set_tensor(path, name, value):
+    """Overwrites every value of tensor `name` of the F32 safetensors file at `path` in place."""
+    with open(path, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        begin, end = json.loads(f.read(n))[name]["data_offsets"]
+        f.seek(8 + n + begin)
+        f.write(struct.pack("<%df" % ((end - begin) // 4), *[value] * ((end - begin) // 4)))
+
+
+def resume_state_case(train, work):
+    a = os.path.join(work, "a")
+    run([train, "--steps", "3", "--warmup-steps", "0", "--save", a, "--save-every", "2"] + TINY)
+    for tensor, value, words in (
+            ("model.norm.weight.exp_avg_sq", -1.0,
+             ("optimizer.safetensors", "model.norm.weight.exp_avg_sq holds -1")),
+            ("model.norm.weight.exp_avg", 3e38, ("step 3", "model.norm.weight", "inf"))):
+        ck = os.path.join(work, "ck")
+        shutil.rmtree(ck, ignore_errors=True)
+        shutil.copytree(os.path.join(a, "checkpoint-2"), ck)
+        set_tensor(os.path.join(ck, "optimizer.safetensors"), tensor, value)
+        out = os.path.join(work, "out")
+        shutil.rmtree(out, ignore_errors=True)
+        one_line([train, "--steps", "3", "--warmup-steps", "0", "--resume", ck, "--save", out] +
+                 TINY, 1, *words)
+        if os.path.exists(os.path.join(out, "model.safetensors")):
+            fail("a resume from a bad optimizer state (%s = %g) saved a checkpoint" %
+                 (tensor, value))
+
+
 def config_case(train, evaluate, work):
     loop = os.path.join(work, "loop.ini")
     if os.path.lexists(loop):
@@ -58,7 +92,8 @@ def main():
     work = os.path.join(work, case)
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
-    cases = {"config": lambda: config_case(train, evaluate, work)}
+    cases = {"config": lambda: config_case(train, evaluate, work),
+             "resume_state": lambda: resume_state_case(train, work)}
     if case not in cases:
         fail("unknown case " + case)
     cases[case]()

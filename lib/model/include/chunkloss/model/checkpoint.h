@@ -44,7 +44,9 @@ struct TrainerState {
 /// renames before staging its own. Optimizer or trainer-state files of an earlier save that this
 /// save does not write are removed. Each save has a fresh random save id; the loaders reject
 /// files whose ids differ (files copied or edited by hand from different saves).
-/// Throws chunkloss::Error naming the file and the failing call.
+/// Throws chunkloss::Error naming the file and the failing call, and before writing anything
+/// when a parameter or moment is NaN or Inf or a second moment is negative (the loaders would
+/// refuse the save: a diverged run).
 void save_checkpoint(const std::string& dir, const LlamaModel& model,
                      const AdamW* optimizer = nullptr, const TrainerState* state = nullptr);
 
@@ -69,7 +71,8 @@ void load_weights(const std::string& path, LlamaModel& model);
 bool has_training_state(const std::string& dir);
 
 /// Restores the optimizer's m, v and step from dir/optimizer.safetensors (names and shapes
-/// validated against `model` as in load_weights) and returns dir/trainer_state.json. Throws
+/// validated against `model` as in load_weights; NaN or Inf moments and negative second moments
+/// refused, named by tensor and index) and returns dir/trainer_state.json. Throws
 /// chunkloss::Error naming the file and the problem, or when the files' save ids differ from
 /// each other or from config.json's, or from a non-empty `model_save_id` (load_model's: the
 /// directory was saved again after the model was loaded). The optimizer is unchanged when it
