@@ -304,7 +304,7 @@ std::string digest(std::string_view bytes) {
 // same. The data and a DPO or KTO run's reference count by their contents, not their paths.
 // Only the loss's own options count, and beta 0 is the loss's default. (--threads, the outputs
 // and the progress lines do not change the numbers.)
-std::map<std::string, std::string> run_options(const Settings& s,
+std::map<std::string, std::string> run_options(const Settings& s, const std::string& train_text,
                                                const std::optional<model::LlamaModel>& reference) {
   const auto num = [](double v) {
     char buf[32];
@@ -315,7 +315,7 @@ std::map<std::string, std::string> run_options(const Settings& s,
   const LossSettings& l = s.loss;
   std::map<std::string, std::string> o = {
       {"loss", l.loss},
-      {"train_file_digest", digest(data::read_text_file(s.data.file))},
+      {"train_file_digest", digest(train_text)},
       {"seed", std::to_string(s.seed)},
       {"batch_size", integer(s.batch_size)},
       {"grad_accum", integer(s.grad_accum)},
@@ -418,11 +418,12 @@ void check_finite_parameters(const model::LlamaModel& m, std::int64_t step, bool
                  "try a lower --lr");
 }
 
-std::unique_ptr<Trainer> make_trainer(const Settings& s, LossDevice& device,
+std::unique_ptr<Trainer> make_trainer(const Settings& s, const DataSettings& data,
+                                      LossDevice& device,
                                       std::optional<model::LlamaModel> reference) {
-  if (s.loss.loss == "ce") return make_ce_trainer(s.data, s.loss, device);
-  if (s.loss.loss == "kto") return make_kto_trainer(s.data, s.loss, device, std::move(*reference));
-  return make_pair_trainer(s.data, s.loss, device, std::move(reference));
+  if (s.loss.loss == "ce") return make_ce_trainer(data, s.loss, device);
+  if (s.loss.loss == "kto") return make_kto_trainer(data, s.loss, device, std::move(*reference));
+  return make_pair_trainer(data, s.loss, device, std::move(reference));
 }
 
 // The chart's curves from every line of the metrics file (the last record of each step wins,
@@ -540,7 +541,10 @@ int run(const Settings& s, const std::string& invocation) {
     reference.emplace(init.empty() ? model::LlamaModel(policy->config(), s.seed)
                                    : model::load_model(init));
   }
-  const std::map<std::string, std::string> options = run_options(s, reference);
+  // The training file, read once: parsed by every rank's trainer and digested for --resume.
+  DataSettings data = s.data;
+  data.text = data::read_text_file(s.data.file);
+  const std::map<std::string, std::string> options = run_options(s, data.text, reference);
   if (resumed) check_resume(s, s.resume, *resumed, options, opt->step_count());
 
   std::fprintf(stderr, "%s: %s\n", kProg, policy->summary().c_str());
@@ -556,7 +560,7 @@ int run(const Settings& s, const std::string& invocation) {
   for (int r = 0; r < ranks; ++r) {
     devices.push_back(std::make_unique<LossDevice>(s.device, rank_threads, s.measured_gemms));
     trainers.push_back(
-        make_trainer(s, *devices.back(), r + 1 < ranks ? reference : std::move(reference)));
+        make_trainer(s, data, *devices.back(), r + 1 < ranks ? reference : std::move(reference)));
     trainers.back()->set_data_group(grid.data_group(r));
     trainers.back()->set_vocab_group(grid.vocab_group(r));
     if (r > 0) replicas.push_back(*policy);

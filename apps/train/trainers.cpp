@@ -33,7 +33,7 @@ class CeTrainer final : public Trainer {
  public:
   CeTrainer(const DataSettings& data, const LossSettings& loss, LossDevice& device) : dev_(device) {
     const data::ByteTokenizer tok;
-    seqs_ = data::encode_sft(tok, data::read_sft_jsonl(data.file), data.encode);
+    seqs_ = data::encode_sft(tok, data::parse_sft_jsonl(data.text, data.file), data.encode);
     CrossEntropyOptions o;
     o.label_smoothing = static_cast<float>(loss.label_smoothing);
     o.skip_ignored_rows = loss.skip_ignored_rows;
@@ -180,7 +180,8 @@ class PairTrainer final : public Trainer {
     CHUNKLOSS_CHECK(reference_.has_value() == loss_.objective().uses_reference(), "--loss ",
                     loss.loss, reference_ ? " takes no reference model" : " needs a reference");
     const data::ByteTokenizer tok;
-    pairs_ = data::encode_preference(tok, data::read_preference_jsonl(data.file), data.encode);
+    pairs_ = data::encode_preference(tok, data::parse_preference_jsonl(data.text, data.file),
+                                     data.encode);
   }
   std::size_t size() const override { return pairs_.size(); }
   apps::Longest longest() const override {
@@ -232,7 +233,7 @@ class KtoTrainer final : public Trainer {
         reference_(std::move(reference)),
         logps_(loss, device),
         encode_(data.encode) {
-    examples_ = data::read_unpaired_jsonl(data.file);
+    examples_ = data::parse_unpaired_jsonl(data.text, data.file);
     seqs_ = data::encode_unpaired(tok_, examples_, encode_);
   }
   std::size_t size() const override { return seqs_.size(); }

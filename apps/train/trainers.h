@@ -89,7 +89,10 @@ class Trainer {
 
 /// Encoding options shared by every data set.
 struct DataSettings {
-  std::string file;  ///< JSONL in the loss's convention
+  std::string file;  ///< JSONL in the loss's convention (named in messages)
+  /// The file's bytes, read once (data::read_text_file) so that a pipe (--train-file <(...),
+  /// /dev/stdin) works and the data trained on is the data digested for --resume.
+  std::string text;
   data::EncodeOptions encode;
 };
 

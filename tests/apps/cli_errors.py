@@ -10,6 +10,8 @@ CASE is one of:
   resume_state: --resume from an optimizer state with a negative second moment is refused,
     naming the file and the tensor; one whose finite moments blow a parameter up to Inf stops
     at that step naming it; neither writes a checkpoint.
+  stdin: --train-file /dev/stdin (a pipe, readable once) trains, and its digest is the file's:
+    a resume from the same bytes in a regular file is accepted.
 """
 import json
 import os
@@ -76,6 +78,21 @@ def resume_state_case(train, work):
                  (tensor, value))
 
 
+def stdin_case(train, work):
+    data = "".join(json.dumps({"prompt": "%d+1=" % i, "completion": str(i + 1)}) + "\n"
+                   for i in range(6))
+    a = os.path.join(work, "a")
+    p = run([train, "--train-file", "/dev/stdin", "--steps", "4", "--warmup-steps", "0",
+             "--save", a, "--save-every", "2"] + TINY, input=data)
+    if "6 examples" not in p.stderr:
+        fail("--train-file /dev/stdin did not read the 6 examples:\n" + p.stderr)
+    same = os.path.join(work, "same.jsonl")
+    with open(same, "w") as f:
+        f.write(data)
+    run([train, "--train-file", same, "--steps", "4", "--warmup-steps", "0", "--resume",
+         os.path.join(a, "checkpoint-2"), "--save", os.path.join(work, "b")] + TINY)
+
+
 def config_case(train, evaluate, work):
     loop = os.path.join(work, "loop.ini")
     if os.path.lexists(loop):
@@ -93,7 +110,8 @@ def main():
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     cases = {"config": lambda: config_case(train, evaluate, work),
-             "resume_state": lambda: resume_state_case(train, work)}
+             "resume_state": lambda: resume_state_case(train, work),
+             "stdin": lambda: stdin_case(train, work)}
     if case not in cases:
         fail("unknown case " + case)
     cases[case]()
