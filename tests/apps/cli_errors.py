@@ -12,6 +12,9 @@ CASE is one of:
     at that step naming it; neither writes a checkpoint.
   stdin: --train-file /dev/stdin (a pipe, readable once) trains, and its digest is the file's:
     a resume from the same bytes in a regular file is accepted.
+  bench_options: chunkloss-bench refuses at option parsing (exit 2, one line naming the option)
+    --pairs x --seq-len whose N = 2 P T overflows, a negative --seed, bf16 logits on the CPU and a
+    --label-smoothing the loss (or DPO loss type) does not take.
 """
 import json
 import os
@@ -93,6 +96,30 @@ def stdin_case(train, work):
          os.path.join(a, "checkpoint-2"), "--save", os.path.join(work, "b")] + TINY)
 
 
+def bench_options_case(bench):
+    b = [bench, "--threads", "1", "--repeats", "1", "--hidden", "16", "--vocab", "64"]
+    for extra, words in (
+            (["--loss", "dpo", "--pairs", "2147483648", "--seq-len", "2147483648"],
+             ("--pairs 2147483648 --seq-len 2147483648", "exceeds 2^31")),
+            (["--loss", "dpo", "--pairs", "2", "--seq-len", "1073741824"], ("exceeds 2^31",)),
+            (["--rows", "64", "--seed", "-1"], ("--seed", "-1")),
+            (["--rows", "64", "--logits-dtype", "bf16"], ("--logits-dtype bf16", "--device cuda")),
+            (["--loss", "simpo", "--pairs", "1", "--seq-len", "8", "--label-smoothing", "0.7"],
+             ("--label-smoothing 0.7", "simpo", "[0, 0.5]")),
+            (["--loss", "dpo", "--pairs", "1", "--seq-len", "8", "--label-smoothing", "1"],
+             ("--label-smoothing 1", "dpo")),
+            (["--loss", "orpo", "--pairs", "1", "--seq-len", "8", "--label-smoothing", "0.3"],
+             ("--label-smoothing 0.3", "orpo", "no label smoothing")),
+            (["--loss", "dpo", "--dpo-loss", "ipo", "--pairs", "1", "--seq-len", "8",
+              "--label-smoothing", "0.3"], ("--label-smoothing 0.3", "ipo")),
+            (["--loss", "dpo", "--dpo-loss", "exo_pair", "--pairs", "1", "--seq-len", "8"],
+             ("--label-smoothing 0", "exo_pair"))):
+        one_line(b + extra, 2, *words)
+    # A value the loss takes runs.
+    run(b + ["--loss", "dpo", "--dpo-loss", "exo_pair", "--label-smoothing", "0.1", "--pairs",
+             "1", "--seq-len", "8"])
+
+
 def config_case(train, evaluate, work):
     loop = os.path.join(work, "loop.ini")
     if os.path.lexists(loop):
@@ -111,7 +138,8 @@ def main():
     os.makedirs(work)
     cases = {"config": lambda: config_case(train, evaluate, work),
              "resume_state": lambda: resume_state_case(train, work),
-             "stdin": lambda: stdin_case(train, work)}
+             "stdin": lambda: stdin_case(train, work),
+             "bench_options": lambda: bench_options_case(bench)}
     if case not in cases:
         fail("unknown case " + case)
     cases[case]()

@@ -130,6 +130,35 @@ void prepare_output_dir(std::string_view option, const std::string& dir) {
   ::unlink(probe.c_str());
 }
 
+std::string label_smoothing_error(std::string_view loss, std::string_view dpo_loss,
+                                  std::string_view dpo_option, double eps) {
+  const char* range = nullptr;  // nullptr: the loss takes none
+  bool ok = eps == 0;
+  if (loss == "ce") {
+    range = "[0, 1]";
+    ok = eps >= 0 && eps <= 1;
+  } else if (loss == "simpo" || loss == "cpo" || (loss == "dpo" && dpo_loss == "sigmoid")) {
+    range = "[0, 0.5]";
+    ok = eps >= 0 && eps <= 0.5;
+  } else if (loss == "dpo" && dpo_loss == "robust") {
+    range = "[0, 0.5)";
+    ok = eps >= 0 && eps < 0.5;
+  } else if (loss == "dpo" && dpo_loss == "exo_pair") {
+    range = "(0, 1) (exo_pair needs one)";
+    ok = eps > 0 && eps < 1;
+  }
+  if (ok) return "";
+  std::ostringstream os;
+  os << "--label-smoothing " << eps << ": --loss " << loss;
+  if (loss == "dpo") os << " " << dpo_option << " " << dpo_loss;
+  if (range)
+    os << " takes a value in " << range;
+  else
+    os << " has no label smoothing"
+       << (loss == "dpo" ? " (only its sigmoid, robust and exo_pair losses have)" : "");
+  return os.str();
+}
+
 std::size_t budget_bytes(double mib, const std::string& device) {
   if (!(mib >= 0 && mib <= 1048576)) {
     std::ostringstream os;
