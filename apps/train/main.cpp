@@ -152,7 +152,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   output.add_options()
     ("save", po::value<std::string>()->default_value("", "none"), "save the checkpoint (HF layout + optimizer state) into this directory at the end")
     ("save-every", po::value<std::int64_t>()->default_value(0, "0 = only at the end"), "also save every this many steps, into SAVE/checkpoint-STEP")
-    ("metrics", po::value<std::string>()->default_value("", "SAVE/metrics.jsonl"), "one JSON object per step in this file (a new run starts it afresh, --resume appends)")
+    ("metrics", po::value<std::string>()->default_value("", "SAVE/metrics.jsonl"), "one JSON object per step in this file, replaced atomically at each checkpoint save and at the end (a new run starts it afresh; --resume keeps its records up to the resumed step and appends); during the run the records go to FILE.partial")
     ("chart", po::value<std::string>()->default_value("", "SAVE/training.svg"), "write the SVG chart of loss and accuracy here at the end")
     ("log-every", po::value<std::int64_t>()->default_value(25), "plain progress line every this many steps when stderr is not a terminal");
   // clang-format on
@@ -426,6 +426,61 @@ std::unique_ptr<Trainer> make_trainer(const Settings& s, const DataSettings& dat
   return make_pair_trainer(data, s.loss, device, std::move(reference));
 }
 
+// The metrics file of a run, which follows the atomic rule of every output: the records go to
+// PATH.partial as they come (where a run can be watched), and PATH is replaced by it atomically at
+// each checkpoint save and at the end, so a run that fails leaves the previous PATH as it was,
+// beside the checkpoint it belongs to. A new run starts afresh; a resumed one from PATH's records
+// up to the step it resumes at (those of a later, abandoned part of the run are dropped).
+class MetricsLog {
+ public:
+  MetricsLog() = default;
+  MetricsLog(std::string path, std::optional<std::int64_t> resumed_at)
+      : path_(std::move(path)), partial_(path_ + ".partial") {
+    std::string kept;
+    if (resumed_at) {
+      std::ifstream old(path_);
+      for (std::string line; std::getline(old, line);) {
+        const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+        if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+            j["step"].get<std::int64_t>() <= *resumed_at)
+          kept += line + "\n";
+      }
+    }
+    out_.open(partial_, std::ios::trunc | std::ios::binary);
+    out_ << kept;
+    out_.flush();
+    CHUNKLOSS_CHECK(out_.good(), "--metrics: cannot write ", partial_);
+  }
+  bool enabled() const { return !path_.empty(); }
+
+  void append(const nlohmann::json& record) {
+    if (!enabled()) return;
+    out_ << record.dump() << "\n";
+    out_.flush();
+    CHUNKLOSS_CHECK(out_.good(), "--metrics: cannot write ", partial_);
+    published_ = false;
+  }
+  /// PATH becomes the records so far (write, fsync, rename), unless it already is.
+  void publish() {
+    if (!enabled() || published_) return;
+    model::write_file_atomically(path_, data::read_text_file(partial_));
+    published_ = true;
+  }
+  /// The last publish(): the in-progress file is removed.
+  void finish() {
+    if (!enabled()) return;
+    publish();
+    out_.close();
+    std::error_code ec;
+    std::filesystem::remove(partial_, ec);
+  }
+
+ private:
+  std::string path_, partial_;
+  std::ofstream out_;
+  bool published_ = false;
+};
+
 // The chart's curves from every line of the metrics file (the last record of each step wins,
 // so a resumed run's file gives one curve).
 void write_chart(const std::string& metrics, const std::string& chart, const std::string& title,
@@ -585,15 +640,9 @@ int run(const Settings& s, const std::string& invocation) {
       static_cast<long long>(per_epoch), static_cast<long long>(start),
       static_cast<long long>(s.steps));
 
-  std::ofstream metrics;
-  if (!s.metrics.empty()) {
-    const auto parent = std::filesystem::path(s.metrics).parent_path();
-    if (!parent.empty()) std::filesystem::create_directories(parent);
-    // A resumed run adds to its file (the chart keeps each step's last record); a new run, which
-    // may reuse a directory, starts it afresh.
-    metrics.open(s.metrics, s.resume.empty() ? std::ios::trunc : std::ios::app);
-    CHUNKLOSS_CHECK(metrics.good(), "cannot open ", s.metrics, " for writing");
-  }
+  MetricsLog metrics;
+  if (!s.metrics.empty())
+    metrics = MetricsLog(s.metrics, resumed ? std::optional(start) : std::nullopt);
   model::TrainerState state;
   state.strings = options;
   state.strings["command"] = invocation;  // for the record, with the paths below
@@ -602,6 +651,7 @@ int run(const Settings& s, const std::string& invocation) {
   const auto save = [&](std::int64_t step, const std::string& dir) {
     state.global_step = step;
     model::save_checkpoint(dir, *policy, opt_ptr, &state);
+    metrics.publish();  // the records up to this checkpoint
   };
 
   const auto [acc_key, acc_label] = trainer->accuracy_metric();
@@ -664,10 +714,7 @@ int run(const Settings& s, const std::string& invocation) {
         {"grad_norm", norm},
         {"tokens", sum.tokens}};
     for (const auto& [k, v] : metric_sum) rec[k] = v * inv;
-    if (metrics.is_open()) {
-      metrics << rec.dump() << "\n";
-      metrics.flush();
-    }
+    metrics.append(rec);
     const auto acc = metric_sum.find(acc_key);
     progress.update({step + 1, last_loss, acc == metric_sum.end() ? NAN : acc->second * inv,
                      acc_label, sum.tokens});
@@ -681,8 +728,8 @@ int run(const Settings& s, const std::string& invocation) {
     save(s.steps, s.save);
     std::fprintf(stderr, "%s: saved %s\n", kProg, s.save.c_str());
   }
-  if (metrics.is_open()) {
-    metrics.close();
+  if (metrics.enabled()) {
+    metrics.finish();
     if (!s.chart.empty()) {
       write_chart(s.metrics, s.chart, std::string(kProg) + " --loss " + s.loss.loss, acc_key,
                   acc_label);

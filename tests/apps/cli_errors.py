@@ -12,6 +12,10 @@ CASE is one of:
     at that step naming it; neither writes a checkpoint.
   stdin: --train-file /dev/stdin (a pipe, readable once) trains, and its digest is the file's:
     a resume from the same bytes in a regular file is accepted.
+  metrics: the metrics file is replaced atomically: a run that fails before its first checkpoint
+    leaves the previous SAVE/metrics.jsonl as it was, one that fails later leaves it at its last
+    checkpoint; the records so far are in SAVE/metrics.jsonl.partial meanwhile; a resume keeps
+    the records up to its step and appends.
   bench_options: chunkloss-bench refuses at option parsing (exit 2, one line naming the option)
     --pairs x --seq-len whose N = 2 P T overflows, a negative --seed, bf16 logits on the CPU and a
     --label-smoothing the loss (or DPO loss type) does not take.
@@ -120,6 +124,46 @@ def bench_options_case(bench):
              "1", "--seq-len", "8"])
 
 
+def steps_of(path):
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.strip()]
+
+
+def metrics_case(train, work):
+    d = os.path.join(work, "d")
+    m = os.path.join(d, "metrics.jsonl")
+    base = [train, "--warmup-steps", "0", "--save", d] + TINY
+    run(base + ["--steps", "3"])
+    with open(m) as f:
+        first = f.read()
+    # A checkpoint directory that cannot be made (a file in its place) fails the run there.
+    blocker = os.path.join(d, "checkpoint-2")
+    with open(blocker, "w") as f:
+        f.write("not a directory")
+    one_line(base + ["--steps", "4", "--save-every", "2"], 1, "checkpoint-2")
+    with open(m) as f:
+        if f.read() != first:
+            fail("a run that failed before its first checkpoint changed " + m)
+    if steps_of(m + ".partial") != [1, 2]:
+        fail("the failed run's records must be in metrics.jsonl.partial")
+    os.remove(blocker)
+    blocker = os.path.join(d, "checkpoint-4")
+    with open(blocker, "w") as f:
+        f.write("not a directory")
+    one_line(base + ["--steps", "6", "--save-every", "2"], 1, "checkpoint-4")
+    if steps_of(m) != [1, 2]:
+        fail("a run that failed after its checkpoint at step 2 must leave steps 1-2 in " + m)
+    os.remove(blocker)
+    run(base + ["--steps", "6", "--save-every", "2"])
+    if steps_of(m) != [1, 2, 3, 4, 5, 6] or os.path.exists(m + ".partial"):
+        fail("a finished run must leave steps 1-6 in %s and no .partial" % m)
+    # A resume from step 2 into the same directory: steps 1-2 kept, 3-6 again, once each.
+    run(base[:1] + ["--warmup-steps", "0", "--save", d, "--steps", "6", "--resume",
+                    os.path.join(d, "checkpoint-2"), "--batch-size", "2", "--threads", "1"])
+    if steps_of(m) != [1, 2, 3, 4, 5, 6]:
+        fail("a resume from step 2 must leave steps 1-6 once each, got %s" % steps_of(m))
+
+
 def config_case(train, evaluate, work):
     loop = os.path.join(work, "loop.ini")
     if os.path.lexists(loop):
@@ -139,7 +183,8 @@ def main():
     cases = {"config": lambda: config_case(train, evaluate, work),
              "resume_state": lambda: resume_state_case(train, work),
              "stdin": lambda: stdin_case(train, work),
-             "bench_options": lambda: bench_options_case(bench)}
+             "bench_options": lambda: bench_options_case(bench),
+             "metrics": lambda: metrics_case(train, work)}
     if case not in cases:
         fail("unknown case " + case)
     cases[case]()
