@@ -305,8 +305,7 @@ Cli parse(int argc, char** argv) {
 int run(const Cli& cli, int argc, char** argv) {
   const std::vector<std::string> words(argv, argv + argc);
   const std::string invoked = apps::shell_join(words);
-  if (!cli.json.empty())
-    apps::prepare_output_dir("json", std::filesystem::path(cli.json).parent_path().string());
+  if (!cli.json.empty()) apps::prepare_output_file("json", cli.json);  // before any case
   std::vector<CaseRecord> records;
   nlohmann::json all = nlohmann::json::array();
   std::cout << kProg << " " << apps::utc_now_iso() << "\n";

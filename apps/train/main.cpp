@@ -69,6 +69,7 @@ struct Settings {
   int data_parallel = 1;
   int vocab_parallel = 1;
   std::string init, resume, save, metrics, chart;
+  std::string config_file;  ///< --config (an input no output may overwrite)
   std::int64_t steps = 0, batch_size = 0, grad_accum = 1, log_every = 0, save_every = 0;
   model::LrSchedule schedule;
   model::AdamWOptions adam;
@@ -167,11 +168,12 @@ std::optional<Settings> parse(int argc, char** argv) {
     std::cout << all << "\n";
     return std::nullopt;
   }
-  if (const std::string cfg = vm["config"].as<std::string>(); !cfg.empty())
-    apps::store_config_file(cfg, all, vm);
+  const std::string config_file = vm["config"].as<std::string>();
+  if (!config_file.empty()) apps::store_config_file(config_file, all, vm);
   po::notify(vm);
 
   Settings s;
+  s.config_file = config_file;
   s.loss.loss = vm["loss"].as<std::string>();
   if (std::find(kLosses.begin(), kLosses.end(), s.loss.loss) == kLosses.end())
     throw apps::UsageError("--loss: '" + s.loss.loss + "' is not ce, dpo, orpo, simpo, cpo or kto");
@@ -563,11 +565,35 @@ class Ranks {
   std::vector<std::unique_ptr<dist::InProcessGroup>> vocab_groups_, data_groups_;
 };
 
+// Checks every output before any work (and makes their directories): --save, --metrics and
+// --chart must be writable, files where files go, and must not overwrite an input (the training
+// data, the --config file, the --init checkpoint) or a file of a checkpoint the run reads or
+// writes (--resume, --init, --save and its checkpoint-N).
+void prepare_outputs(const Settings& s) {
+  if (!s.save.empty() && !s.init.empty() && apps::same_file(s.save, s.init))
+    throw apps::UsageError("--save " + s.save +
+                           ": it is the --init checkpoint, which this run starts from (and "
+                           "compares a --resume with): save elsewhere");
+  if (!s.save.empty()) apps::prepare_output_dir("save", s.save);
+  const std::vector<std::string> checkpoints = {s.resume, s.init, s.save};
+  std::vector<std::pair<std::string, std::string>> inputs = {{"--train-file", s.data.file},
+                                                             {"--config", s.config_file}};
+  if (!s.metrics.empty()) {
+    apps::check_not_checkpoint_file("metrics", s.metrics, checkpoints, s.save);
+    apps::prepare_output_file("metrics", s.metrics, inputs, {".tmp", ".partial"});
+    // The chart is drawn from the metrics.
+    for (const char* suffix : {"", ".tmp", ".partial"})
+      inputs.emplace_back(*suffix ? "the metrics' file" : "--metrics", s.metrics + suffix);
+  }
+  if (!s.chart.empty()) {
+    apps::check_not_checkpoint_file("chart", s.chart, checkpoints, s.save);
+    apps::prepare_output_file("chart", s.chart, inputs);
+  }
+}
+
 int run(const Settings& s, const std::string& invocation) {
   if (s.threads > 0) omp_set_num_threads(s.threads);
-  if (!s.save.empty()) apps::prepare_output_dir("save", s.save);
-  if (!s.chart.empty())
-    apps::prepare_output_dir("chart", std::filesystem::path(s.chart).parent_path().string());
+  prepare_outputs(s);
   // The policy: resumed, initialised from a checkpoint, or new.
   std::optional<model::LlamaModel> policy;
   std::string init = s.init;

@@ -16,6 +16,11 @@ CASE is one of:
     leaves the previous SAVE/metrics.jsonl as it was, one that fails later leaves it at its last
     checkpoint; the records so far are in SAVE/metrics.jsonl.partial meanwhile; a resume keeps
     the records up to its step and appends.
+  outputs: output paths are checked before any work, naming the option: a directory or a
+    device given as a file (eval --json, bench --json, train --chart, --metrics), a parent that is
+    a file, an output that is an input (--train-file, --config, the --init checkpoint saved
+    over, the metrics drawn as the chart) or a file of a checkpoint read or written (--resume's,
+    --save's checkpoint-N); the inputs stay intact.
   bench_options: chunkloss-bench refuses at option parsing (exit 2, one line naming the option)
     --pairs x --seq-len whose N = 2 P T overflows, a negative --seed, bf16 logits on the CPU and a
     --label-smoothing the loss (or DPO loss type) does not take.
@@ -164,6 +169,58 @@ def metrics_case(train, work):
         fail("a resume from step 2 must leave steps 1-6 once each, got %s" % steps_of(m))
 
 
+def outputs_case(train, evaluate, bench, work):
+    ck = os.path.join(work, "ck")
+    run([train, "--steps", "2", "--warmup-steps", "0", "--save", ck, "--save-every", "1"] + TINY)
+    afile = os.path.join(work, "afile")
+    data = os.path.join(work, "x.jsonl")
+    ini = os.path.join(work, "c.ini")
+    for path, text in ((afile, "x"), (data, '{"prompt": "1+1=", "completion": "2"}\n' * 4),
+                       (ini, "steps = 2\n")):
+        with open(path, "w") as f:
+            f.write(text)
+    m = os.path.join(work, "m.jsonl")
+    t = [train, "--steps", "2", "--warmup-steps", "0"] + TINY
+    e = [evaluate, "--model", ck, "--limit", "2"]
+    b = [bench, "--threads", "1", "--repeats", "1", "--hidden", "16", "--vocab", "64", "--rows",
+         "64"]
+    state = os.path.join(ck, "trainer_state.json")
+    with open(state) as f:
+        saved_state = f.read()
+    for cmd, code, words in (
+            (e + ["--json", work], 2, ("--json", "is a directory")),
+            (e + ["--json", "/dev/null"], 2, ("--json", "not a regular file")),
+            (e + ["--json", os.path.join(ck, "config.json")], 2, ("--json", "checkpoint")),
+            (e + ["--json", os.path.join(afile, "x.json")], 1, ("--json", "afile")),
+            (b + ["--json", work], 2, ("--json", "is a directory")),
+            (t + ["--metrics", m, "--chart", work], 2, ("--chart", "is a directory")),
+            (t + ["--metrics", os.path.join(afile, "m.jsonl")], 1,
+             ("--metrics", "cannot create directory", "afile")),
+            (t + ["--train-file", data, "--metrics", data], 2, ("--metrics", "input")),
+            (t + ["--config", ini, "--metrics", ini], 2, ("--metrics", "input")),
+            (t + ["--metrics", m, "--chart", m], 2, ("--chart", "input")),
+            (t + ["--resume", os.path.join(ck, "checkpoint-1"), "--metrics",
+                  os.path.join(ck, "checkpoint-1", "trainer_state.json")], 2,
+             ("--metrics", "checkpoint")),
+            (t + ["--metrics", state], 2, ("--metrics", "checkpoint")),  # (--init's, below)
+            (t + ["--save", work, "--metrics", os.path.join(work, "checkpoint-1",
+                                                             "model.safetensors")], 2,
+             ("--metrics", "checkpoint-1")),
+            (t + ["--init", ck, "--save", ck], 2, ("--save", "--init"))):
+        if cmd[-1] == state:
+            cmd = cmd[:-2] + ["--init", ck, "--metrics", state]
+        p = one_line(cmd, code, *words)
+        if "step" in p.stderr or "case 1" in p.stderr or "|" in p.stdout:
+            fail("%s: refused only after some work:\n%s%s" % (" ".join(cmd), p.stdout, p.stderr))
+    with open(data) as f:
+        if f.read() != '{"prompt": "1+1=", "completion": "2"}\n' * 4:
+            fail("--metrics overwrote the training data")
+    with open(state) as f:
+        if f.read() != saved_state:
+            fail("--metrics overwrote the checkpoint's trainer_state.json")
+    run(t + ["--resume", os.path.join(ck, "checkpoint-1")])
+
+
 def config_case(train, evaluate, work):
     loop = os.path.join(work, "loop.ini")
     if os.path.lexists(loop):
@@ -184,7 +241,8 @@ def main():
              "resume_state": lambda: resume_state_case(train, work),
              "stdin": lambda: stdin_case(train, work),
              "bench_options": lambda: bench_options_case(bench),
-             "metrics": lambda: metrics_case(train, work)}
+             "metrics": lambda: metrics_case(train, work),
+             "outputs": lambda: outputs_case(train, evaluate, bench, work)}
     if case not in cases:
         fail("unknown case " + case)
     cases[case]()

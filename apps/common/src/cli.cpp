@@ -159,6 +159,44 @@ std::string label_smoothing_error(std::string_view loss, std::string_view dpo_lo
   return os.str();
 }
 
+bool same_file(const std::string& a, const std::string& b) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::equivalent(a, b, ec)) return true;
+  const auto normal = [](const std::string& p) {
+    std::error_code e;
+    const fs::path c = fs::weakly_canonical(p, e);
+    return e ? fs::absolute(p, e).lexically_normal() : c;
+  };
+  return normal(a) == normal(b);
+}
+
+void prepare_output_file(std::string_view option, const std::string& path,
+                         const std::vector<std::pair<std::string, std::string>>& inputs,
+                         const std::vector<std::string>& suffixes) {
+  namespace fs = std::filesystem;
+  const std::string opt = "--" + std::string(option);
+  if (path.empty()) throw UsageError(opt + ": an empty file name");
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  // (A missing parent, or a file in its place: prepare_output_dir names it below.)
+  if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory)
+    throw std::runtime_error(opt + ": cannot use " + path + ": " + ec.message());
+  if (fs::is_directory(st))
+    throw UsageError(opt + ": " + path + " is a directory; give a file name");
+  if (fs::exists(st) && !fs::is_regular_file(st))
+    throw UsageError(opt + ": " + path +
+                     " is not a regular file (an output is written beside it and renamed over it)");
+  std::vector<std::string> writes = {path};
+  for (const std::string& suffix : suffixes) writes.push_back(path + suffix);
+  for (const std::string& w : writes)
+    for (const auto& [what, in] : inputs)
+      if (!in.empty() && same_file(w, in))
+        throw UsageError(opt + " " + path + ": " + (w == path ? "" : "its file " + w + " ") +
+                         "would overwrite " + what + " " + in + ", an input of the run");
+  prepare_output_dir(option, fs::path(path).parent_path().string());
+}
+
 std::size_t budget_bytes(double mib, const std::string& device) {
   if (!(mib >= 0 && mib <= 1048576)) {
     std::ostringstream os;

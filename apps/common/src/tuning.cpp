@@ -2,11 +2,32 @@
 #include "chunkloss/apps/tuning.h"
 
 #include <chunkloss/core/error.h>
+#include <chunkloss/model/checkpoint.h>
+
+#include <filesystem>
+
+#include "chunkloss/apps/cli.h"
 
 namespace chunkloss::apps {
 
 std::string bundled_data(const std::string& name) {
   return std::string(CHUNKLOSS_BUNDLED_DATA_DIR) + "/" + name;
+}
+
+void check_not_checkpoint_file(std::string_view option, const std::string& path,
+                               const std::vector<std::string>& dirs, const std::string& save) {
+  const std::filesystem::path p(path);
+  if (!model::is_checkpoint_file_name(p.filename().string())) return;
+  const std::filesystem::path parent = p.parent_path().empty() ? "." : p.parent_path();
+  std::vector<std::string> clashes;
+  for (const std::string& dir : dirs)
+    if (!dir.empty() && same_file(parent.string(), dir)) clashes.push_back(dir);
+  if (!save.empty() && parent.filename().string().rfind("checkpoint-", 0) == 0 &&
+      same_file(parent.parent_path().empty() ? "." : parent.parent_path().string(), save))
+    clashes.push_back(parent.string());
+  if (!clashes.empty())
+    throw UsageError("--" + std::string(option) + " " + path + ": a file of the checkpoint in " +
+                     clashes.front() + ", which saving or loading it would clash with");
 }
 
 void Longest::take(const data::Sequence& s, const std::string& name) {

@@ -278,6 +278,13 @@ void finish_commit(const std::string& dir) {
 
 }  // namespace
 
+bool is_checkpoint_file_name(std::string_view name) {
+  if (name == kCommitFile || name == detail::temp_path(kCommitFile)) return true;
+  for (const std::string& f : kCheckpointFiles)
+    if (name == f || name == detail::temp_path(f)) return true;
+  return false;
+}
+
 void save_checkpoint(const std::string& dir, const LlamaModel& model, const AdamW* optimizer,
                      const TrainerState* state) {
   check_saveable(model.params(), model, "the parameter");

@@ -11,6 +11,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <vector>
 
 namespace chunkloss::apps {
 
@@ -32,6 +34,13 @@ struct Longest {
     take(pair.rejected, index);
   }
 };
+
+/// Throws UsageError naming `option` when output file `path` would be a file of one of the
+/// checkpoint directories `dirs` (a name model::is_checkpoint_file_name gives, in the directory
+/// itself), which a save would overwrite or a load read. With `save` (chunkloss-train's --save),
+/// its DIR/checkpoint-N directories count too.
+void check_not_checkpoint_file(std::string_view option, const std::string& path,
+                               const std::vector<std::string>& dirs, const std::string& save = "");
 
 /// Throws chunkloss::Error naming `file`, the example and both lengths when `longest` has more
 /// positions than a model of `config` takes; `hint` says how to shorten it.

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 
 #include "chunkloss/model/config.h"
 #include "chunkloss/model/model.h"
@@ -19,6 +20,12 @@ inline constexpr const char* kConfigFile = "config.json";
 inline constexpr const char* kModelFile = "model.safetensors";
 inline constexpr const char* kOptimizerFile = "optimizer.safetensors";
 inline constexpr const char* kTrainerStateFile = "trainer_state.json";
+
+/// Whether save_checkpoint writes a file of this name into its directory: one of the four files
+/// above, its temporary ("<file>.tmp"), or the save's commit record. Another program's file of
+/// such a name in a checkpoint directory would be overwritten or removed by a save, or read as
+/// part of the checkpoint.
+bool is_checkpoint_file_name(std::string_view name);
 
 /// Training-loop state saved with the optimizer (trainer_state.json).
 struct TrainerState {
