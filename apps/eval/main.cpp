@@ -268,13 +268,24 @@ int run(const Settings& s) {
   Data d;
   d.sft = first(data::read_sft_jsonl(s.sft_file), s.limit);
   d.sft_seqs = data::encode_sft(tok, d.sft);
-  d.pairs = data::encode_preference(tok, first(data::read_preference_jsonl(s.pref_file), s.limit));
-  for (std::size_t i = 0; i < d.sft_seqs.size(); ++i) d.longest_sft.take(d.sft_seqs[i], i);
-  for (std::size_t i = 0; i < d.pairs.size(); ++i) d.longest_pair.take(d.pairs[i], i);
+  const std::vector<data::PreferenceExample> pref =
+      first(data::read_preference_jsonl(s.pref_file), s.limit);
+  d.pairs = data::encode_preference(tok, pref);
+  for (std::size_t i = 0; i < d.sft_seqs.size(); ++i)
+    d.longest_sft.take(d.sft_seqs[i], d.sft[i].line);
+  for (std::size_t i = 0; i < d.pairs.size(); ++i) d.longest_pair.take(d.pairs[i], pref[i].line);
 
-  // Every model's positions against the data, before any pass runs.
-  for (const std::string& dir : s.models) d.check_fits(model::load_config(dir), s);
-  if (!s.reference.empty()) d.check_fits(model::load_config(s.reference), s);
+  // Every model's vocabulary and positions against the data, before any pass runs.
+  for (const std::string& dir : s.models) {
+    const model::LlamaConfig config = model::load_config(dir);
+    apps::check_vocab(config, "--model " + dir);
+    d.check_fits(config, s);
+  }
+  if (!s.reference.empty()) {
+    const model::LlamaConfig config = model::load_config(s.reference);
+    apps::check_vocab(config, "--reference " + s.reference);
+    d.check_fits(config, s);
+  }
 
   std::optional<std::vector<std::pair<double, double>>> ref;
   if (!s.reference.empty()) {

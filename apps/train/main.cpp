@@ -614,6 +614,9 @@ int run(const Settings& s, const std::string& invocation) {
     policy.emplace(s.config, s.seed);
   }
   check_architecture(s, policy->config());
+  if (!s.resume.empty() || !init.empty())
+    apps::check_vocab(policy->config(),
+                      s.resume.empty() ? "--init " + init : "--resume " + s.resume);
   if (!opt) opt.emplace(policy->params().size(), s.adam);
   opt_ptr = &*opt;
   // DPO's and KTO's frozen reference: the --init model, or a new one like the policy's start.
@@ -621,6 +624,7 @@ int run(const Settings& s, const std::string& invocation) {
   if (s.loss.loss == "dpo" || s.loss.loss == "kto") {
     reference.emplace(init.empty() ? model::LlamaModel(policy->config(), s.seed)
                                    : model::load_model(init));
+    if (!init.empty()) apps::check_vocab(reference->config(), "the reference " + init);
   }
   // The training file, read once: parsed by every rank's trainer and digested for --resume.
   DataSettings data = s.data;
@@ -656,6 +660,17 @@ int run(const Settings& s, const std::string& invocation) {
   // Over a data group every rank needs an example; KTO's KL estimate needs two per micro-batch.
   const bool drop_last =
       s.data_parallel > 1 || (s.loss.loss == "kto" && trainer->size() % s.batch_size == 1);
+  CHUNKLOSS_CHECK(!drop_last || trainer->size() >= static_cast<std::size_t>(s.batch_size),
+                  s.data.file, ": ", trainer->size(),
+                  trainer->size() == 1 ? " example" : " examples", ", fewer than --batch-size ",
+                  s.batch_size, ", and ",
+                  s.data_parallel > 1
+                      ? "with --data-parallel " + std::to_string(s.data_parallel) +
+                            " an epoch's last short micro-batch is dropped (every rank needs "
+                            "examples): use a smaller --batch-size (>= --data-parallel) or more "
+                            "examples"
+                      : std::string("kto drops a micro-batch of one example (its KL estimate "
+                                    "needs two): give at least two examples"));
   const data::BatchSampler sampler(trainer->size(), static_cast<std::size_t>(s.batch_size), s.seed,
                                    true, drop_last);
   const std::int64_t per_epoch = static_cast<std::int64_t>(sampler.batches_per_epoch());

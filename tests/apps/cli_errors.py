@@ -21,6 +21,10 @@ CASE is one of:
     a file, an output that is an input (--train-file, --config, the --init checkpoint saved
     over, the metrics drawn as the chart) or a file of a checkpoint read or written (--resume's,
     --save's checkpoint-N); the inputs stay intact.
+  messages: runtime errors name what to fix: too few examples for a micro-batch with
+    --data-parallel names the file and both options; a checkpoint whose vocab_size is below the
+    tokenizer's is refused when loaded (--init, --model), naming it; a too long example is named
+    by its line, as JSON errors are (blank lines count), in train and eval.
   bench_options: chunkloss-bench refuses at option parsing (exit 2, one line naming the option)
     --pairs x --seq-len whose N = 2 P T overflows, a negative --seed, bf16 logits on the CPU and a
     --label-smoothing the loss (or DPO loss type) does not take.
@@ -221,6 +225,70 @@ def outputs_case(train, evaluate, bench, work):
     run(t + ["--resume", os.path.join(ck, "checkpoint-1")])
 
 
+def shrink_vocab(ck, vocab):
+    """Rewrites checkpoint `ck` as a model of `vocab` tokens (fewer rows of the embedding and
+    lm_head), as a checkpoint made for another tokenizer would be."""
+    path = os.path.join(ck, "model.safetensors")
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    data, out = raw[8 + n:], {}
+    blobs = b""
+    for name, t in header.items():
+        if name == "__metadata__":
+            out[name] = t
+            continue
+        blob = data[t["data_offsets"][0]:t["data_offsets"][1]]
+        if t["shape"][0] > vocab and len(t["shape"]) == 2:
+            blob = blob[:vocab * t["shape"][1] * 4]
+            t = dict(t, shape=[vocab, t["shape"][1]])
+        out[name] = dict(t, data_offsets=[len(blobs), len(blobs) + len(blob)])
+        blobs += blob
+    head = json.dumps(out).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + blobs)
+    with open(os.path.join(ck, "config.json")) as f:
+        config = json.load(f)
+    config["vocab_size"] = vocab
+    config["pad_token_id"] = None  # (as Llama's own configs have it)
+    with open(os.path.join(ck, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def messages_case(train, evaluate, work):
+    one = os.path.join(work, "one.jsonl")
+    with open(one, "w") as f:
+        f.write(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
+    one_line([train, "--train-file", one, "--steps", "2", "--data-parallel", "2"] + TINY, 1,
+             one, "1 example", "--batch-size 2", "--data-parallel 2")
+
+    ck = os.path.join(work, "v258")
+    run([train, "--steps", "1", "--warmup-steps", "0", "--save", ck] + TINY)
+    shrink_vocab(ck, 258)
+    one_line([train, "--init", ck, "--steps", "2", "--batch-size", "2", "--threads", "1"], 1,
+             "--init " + ck, "vocab_size 258", "259")
+    p = one_line([evaluate, "--model", ck, "--limit", "2"], 1, "--model " + ck, "vocab_size 258")
+    if "|" in p.stdout:
+        fail("eval refused a checkpoint only after evaluating it:\n" + p.stdout)
+
+    long_file = os.path.join(work, "long.jsonl")
+    with open(long_file, "w") as f:
+        f.write(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n\n")
+        f.write(json.dumps({"prompt": "1+1=", "completion": "2" * 80}) + "\n")
+    good = os.path.join(work, "good")
+    run([train, "--steps", "1", "--warmup-steps", "0", "--save", good] + TINY)
+    for cmd in ([train, "--train-file", long_file, "--max-length", "0", "--steps", "2"] + TINY,
+                [evaluate, "--model", good, "--sft-file", long_file]):
+        one_line(cmd, 1, long_file + ":3: the example encodes to 85 positions")
+    kto = os.path.join(work, "kto.jsonl")
+    with open(kto, "w") as f:
+        f.write(json.dumps({"prompt": "p" * 40, "completion": "a", "label": True}) + "\n\n")
+        f.write(json.dumps({"prompt": "q", "completion": "b" * 40, "label": False}) + "\n")
+    one_line([train, "--loss", "kto", "--train-file", kto, "--max-length", "0", "--steps", "2"] +
+             TINY, 1, kto + ": the KL pair of line 1's prompt and line 3's completion")
+
+
 def config_case(train, evaluate, work):
     loop = os.path.join(work, "loop.ini")
     if os.path.lexists(loop):
@@ -242,7 +310,8 @@ def main():
              "stdin": lambda: stdin_case(train, work),
              "bench_options": lambda: bench_options_case(bench),
              "metrics": lambda: metrics_case(train, work),
-             "outputs": lambda: outputs_case(train, evaluate, bench, work)}
+             "outputs": lambda: outputs_case(train, evaluate, bench, work),
+             "messages": lambda: messages_case(train, evaluate, work)}
     if case not in cases:
         fail("unknown case " + case)
     cases[case]()

@@ -32,6 +32,10 @@ TEST_CASE("jsonl: SFT prompt/completion and text lines") {
   CHECK(ex[1].completion == "hello");
   CHECK(ex[2].prompt.empty());
   CHECK(ex[2].completion == "x\ny\xc3\xa9");
+  // Each example knows its line (blank lines count), as messages name it.
+  CHECK(ex[0].line == 1);
+  CHECK(ex[1].line == 4);
+  CHECK(ex[2].line == 5);
 }
 
 TEST_CASE("jsonl: preference and unpaired lines") {
@@ -52,6 +56,8 @@ TEST_CASE("jsonl: preference and unpaired lines") {
   CHECK(kto[0].label);
   CHECK(!kto[1].label);
   CHECK(kto[1].completion == "b");
+  CHECK(pref[1].line == 2);
+  CHECK(kto[1].line == 2);
 }
 
 // The message of parsing `text` as `kind`, which must name "<source>:<line>:".

@@ -2,6 +2,7 @@
 #include "chunkloss/apps/tuning.h"
 
 #include <chunkloss/core/error.h>
+#include <chunkloss/data/tokenizer.h>
 #include <chunkloss/model/checkpoint.h>
 
 #include <filesystem>
@@ -30,17 +31,27 @@ void check_not_checkpoint_file(std::string_view option, const std::string& path,
                      clashes.front() + ", which saving or loading it would clash with");
 }
 
-void Longest::take(const data::Sequence& s, const std::string& name) {
+void Longest::take(const data::Sequence& s, std::size_t at_line, const std::string& description) {
   const auto n = static_cast<std::int64_t>(s.tokens.size());
   if (n <= positions) return;
   positions = n;
-  what = name;
+  line = at_line;
+  what = description;
+}
+
+void check_vocab(const model::LlamaConfig& config, const std::string& what) {
+  const data::ByteTokenizer tok;
+  CHUNKLOSS_CHECK(config.vocab_size >= tok.vocab_size(), what, ": the checkpoint's vocab_size ",
+                  config.vocab_size, " is smaller than the byte tokenizer's ", tok.vocab_size(),
+                  " (ids 0-255 bytes, ", tok.bos_id(), " BOS, ", tok.eos_id(), " EOS, ",
+                  tok.pad_id(), " PAD): it was not trained with this data layer");
 }
 
 void check_fits(const Longest& longest, const std::string& file, const model::LlamaConfig& config,
                 const std::string& hint) {
-  CHUNKLOSS_CHECK(longest.positions <= config.max_position_embeddings, file, ": ", longest.what,
-                  " encodes to ", longest.positions,
+  CHUNKLOSS_CHECK(longest.positions <= config.max_position_embeddings, file,
+                  longest.line ? ":" + std::to_string(longest.line) : std::string(), ": ",
+                  longest.what, " encodes to ", longest.positions,
                   " positions, more than the model's max_position_embeddings = ",
                   config.max_position_embeddings, " (", hint, ")");
 }
