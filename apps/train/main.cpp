@@ -45,6 +45,19 @@ namespace {
 
 constexpr const char* kProg = "chunkloss-train";
 const std::vector<std::string> kLosses = {"ce", "dpo", "orpo", "simpo", "cpo", "kto"};
+// The loss options and the losses that take each (--budget-mib is every loss's); giving one to
+// another loss is a usage error rather than silently ignored.
+const std::vector<std::pair<std::string, std::vector<std::string>>> kLossOptions = {
+    {"beta", {"dpo", "orpo", "simpo", "cpo", "kto"}},
+    {"label-smoothing", {"ce", "dpo", "simpo", "cpo"}},
+    {"skip-ignored-rows", {"ce"}},
+    {"dpo-loss-type", {"dpo"}},
+    {"rpo-alpha", {"dpo"}},
+    {"gamma", {"simpo"}},
+    {"simpo-alpha", {"simpo"}},
+    {"cpo-alpha", {"cpo"}},
+    {"desirable-weight", {"kto"}},
+    {"undesirable-weight", {"kto"}}};
 // The model options and their LlamaConfig fields (with --init or --resume, the checkpoint's).
 const std::vector<std::pair<std::string, std::int64_t (*)(const model::LlamaConfig&)>>
     kArchitecture = {
@@ -122,7 +135,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("kv-heads", po::value<std::int64_t>()->default_value(4), "key/value heads (< heads: grouped-query attention)")
     ("max-positions", po::value<std::int64_t>()->default_value(64), "max_position_embeddings")
     ("tie-embeddings", po::value<bool>()->default_value(false), "tie lm_head to the token embedding")
-    ("init", po::value<std::string>()->default_value("", "none"), "start from this checkpoint directory (the SFT model): the policy, and for dpo/kto also the frozen reference")
+    ("init", po::value<std::string>()->default_value("", "none"), "start from this checkpoint directory (the SFT model): the policy, and for dpo/kto also the frozen reference (not with --resume, which takes the --init its run was saved with)")
     ("resume", po::value<std::string>()->default_value("", "none"), "continue the run saved in this directory (model, optimizer, step) exactly");
   po::options_description optim("Optimiser");
   optim.add_options()
@@ -136,7 +149,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("adam-eps", po::value<double>()->default_value(1e-8), "AdamW epsilon")
     ("max-grad-norm", po::value<double>()->default_value(1.0), "clip the global gradient norm (0: off)")
     ("grad-accum", po::value<std::int64_t>()->default_value(1), "micro-batches per optimizer step");
-  po::options_description loss_opts("Loss (the formulas are in chunkloss/losses/preference.h)");
+  po::options_description loss_opts("Loss (the formulas are in chunkloss/losses/preference.h; an option another --loss takes is refused)");
   loss_opts.add_options()
     ("beta", po::value<double>()->default_value(0, "0 = the loss's default: 0.1, simpo 2.0"), "beta of dpo, orpo, simpo, cpo, kto")
     ("label-smoothing", po::value<double>()->default_value(0), "ce: label smoothing; dpo, simpo, cpo: the conservative eps")
@@ -154,7 +167,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("save", po::value<std::string>()->default_value("", "none"), "save the checkpoint (HF layout + optimizer state) into this directory at the end")
     ("save-every", po::value<std::int64_t>()->default_value(0, "0 = only at the end"), "also save every this many steps, into SAVE/checkpoint-STEP")
     ("metrics", po::value<std::string>()->default_value("", "SAVE/metrics.jsonl"), "one JSON object per step in this file, replaced atomically at each checkpoint save and at the end (a new run starts it afresh; --resume keeps its records up to the resumed step and appends); during the run the records go to FILE.partial")
-    ("chart", po::value<std::string>()->default_value("", "SAVE/training.svg"), "write the SVG chart of loss and accuracy here at the end")
+    ("chart", po::value<std::string>()->default_value("", "SAVE/training.svg"), "write the SVG chart of loss and accuracy here at the end (drawn from --metrics, so it needs --metrics or --save)")
     ("log-every", po::value<std::int64_t>()->default_value(25), "plain progress line every this many steps when stderr is not a terminal");
   // clang-format on
   po::options_description all(std::string("Usage: ") + kProg +
@@ -208,6 +221,10 @@ std::optional<Settings> parse(int argc, char** argv) {
 
   s.init = vm["init"].as<std::string>();
   s.resume = vm["resume"].as<std::string>();
+  if (!s.init.empty() && !s.resume.empty())
+    throw apps::UsageError("--init " + s.init + " with --resume " + s.resume +
+                           ": a resumed run starts from its own checkpoint and the --init it "
+                           "was saved with; give only --resume");
   if (!s.init.empty() || !s.resume.empty()) {
     for (const auto& [name, field] : kArchitecture)
       if (!vm[name].defaulted()) s.architecture_given.push_back(name);
@@ -241,6 +258,15 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.max_grad_norm = in_range<double>(vm, "max-grad-norm", 0, 1e9);
   s.grad_accum = in_range<std::int64_t>(vm, "grad-accum", 1, 1 << 20);
 
+  for (const auto& [option, losses] : kLossOptions) {
+    if (vm[option].defaulted() ||
+        std::find(losses.begin(), losses.end(), s.loss.loss) != losses.end())
+      continue;
+    std::string takers;
+    for (const std::string& l : losses) takers += (takers.empty() ? "" : ", ") + l;
+    throw apps::UsageError("--" + option + ": --loss " + s.loss.loss +
+                           " does not take it (it is for " + takers + ")");
+  }
   s.loss.beta = in_range<double>(vm, "beta", 0, 1e6);
   s.loss.label_smoothing = in_range<double>(vm, "label-smoothing", 0, 1);
   s.loss.skip_ignored_rows = vm["skip-ignored-rows"].as<bool>();
@@ -257,6 +283,15 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.loss.desirable_weight = in_range<double>(vm, "desirable-weight", 0, 1e6);
   s.loss.undesirable_weight = in_range<double>(vm, "undesirable-weight", 0, 1e6);
   s.loss.budget_bytes = apps::budget_bytes(vm["budget-mib"].as<double>(), s.device);
+  if (const std::string bad = apps::label_smoothing_error(
+          s.loss.loss, s.loss.dpo_loss_type, "--dpo-loss-type", s.loss.label_smoothing);
+      !bad.empty())
+    throw apps::UsageError(bad);
+  try {  // whatever else the loss object refuses, refused here too
+    check_loss_settings(s.loss);
+  } catch (const Error& e) {
+    throw apps::UsageError("--loss " + s.loss.loss + " options: " + e.what());
+  }
 
   s.save = vm["save"].as<std::string>();
   s.save_every = in_range<std::int64_t>(vm, "save-every", 0, std::int64_t{1} << 40);
@@ -267,6 +302,9 @@ std::optional<Settings> parse(int argc, char** argv) {
     if (s.metrics.empty()) s.metrics = (std::filesystem::path(s.save) / "metrics.jsonl").string();
     if (s.chart.empty()) s.chart = (std::filesystem::path(s.save) / "training.svg").string();
   }
+  if (!s.chart.empty() && s.metrics.empty())
+    throw apps::UsageError("--chart " + s.chart +
+                           " needs --metrics FILE or --save DIR (it is drawn from the metrics)");
   s.log_every = in_range<std::int64_t>(vm, "log-every", 1, std::int64_t{1} << 40);
   return s;
 }

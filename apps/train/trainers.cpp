@@ -319,6 +319,18 @@ class KtoTrainer final : public Trainer {
 
 }  // namespace
 
+void check_loss_settings(const LossSettings& loss) {
+  if (loss.loss == "ce") {
+    CrossEntropyOptions o;
+    o.label_smoothing = static_cast<float>(loss.label_smoothing);
+    (void)LinearCrossEntropy(o);
+  } else if (loss.loss == "kto") {
+    (void)make_kto_loss(loss);
+  } else {
+    (void)make_pair_loss(loss);
+  }
+}
+
 std::unique_ptr<Trainer> make_pair_trainer(const DataSettings& data, const LossSettings& loss,
                                            LossDevice& device,
                                            std::optional<model::LlamaModel> reference) {

@@ -43,6 +43,10 @@ struct LossSettings {
   std::size_t budget_bytes = 0;
 };
 
+/// Builds the loss object `loss` describes, as a trainer would, and drops it: throws the loss's
+/// chunkloss::Error for a value it refuses, so that option parsing finds it before any work.
+void check_loss_settings(const LossSettings& loss);
+
 class Trainer {
  public:
   virtual ~Trainer() = default;

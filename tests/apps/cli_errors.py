@@ -25,6 +25,9 @@ CASE is one of:
     --data-parallel names the file and both options; a checkpoint whose vocab_size is below the
     tokenizer's is refused when loaded (--init, --model), naming it; a too long example is named
     by its line, as JSON errors are (blank lines count), in train and eval.
+  loss_options: chunkloss-train refuses at option parsing (exit 2, one line naming the option
+    and the loss) an option the --loss does not take, a --label-smoothing outside the loss's
+    range, --init with --resume, and --chart with nothing to draw it from.
   bench_options: chunkloss-bench refuses at option parsing (exit 2, one line naming the option)
     --pairs x --seq-len whose N = 2 P T overflows, a negative --seed, bf16 logits on the CPU and a
     --label-smoothing the loss (or DPO loss type) does not take.
@@ -289,6 +292,34 @@ def messages_case(train, evaluate, work):
              TINY, 1, kto + ": the KL pair of line 1's prompt and line 3's completion")
 
 
+def loss_options_case(train, work):
+    t = [train, "--steps", "2", "--warmup-steps", "0"] + TINY
+    for extra, words in (
+            (["--beta", "0.5"], ("--beta", "--loss ce")),
+            (["--gamma", "3"], ("--gamma", "--loss ce", "simpo")),
+            (["--dpo-loss-type", "hinge"], ("--dpo-loss-type", "--loss ce")),
+            (["--loss", "orpo", "--rpo-alpha", "1"], ("--rpo-alpha", "--loss orpo")),
+            (["--loss", "orpo", "--label-smoothing", "0.3"], ("--label-smoothing", "orpo")),
+            (["--loss", "kto", "--label-smoothing", "0.3"], ("--label-smoothing", "kto")),
+            (["--loss", "dpo", "--skip-ignored-rows", "0"], ("--skip-ignored-rows", "dpo")),
+            (["--loss", "cpo", "--simpo-alpha", "1"], ("--simpo-alpha", "cpo")),
+            (["--loss", "simpo", "--label-smoothing", "0.7"], ("--label-smoothing 0.7", "simpo")),
+            (["--loss", "dpo", "--label-smoothing", "1"], ("--label-smoothing 1", "dpo")),
+            (["--loss", "dpo", "--dpo-loss-type", "ipo", "--label-smoothing", "0.2"],
+             ("--label-smoothing 0.2", "ipo")),
+            (["--loss", "dpo", "--dpo-loss-type", "exo_pair"], ("--label-smoothing 0", "exo_pair")),
+            (["--init", "a", "--resume", "b"], ("--init a", "--resume b")),
+            (["--chart", os.path.join(work, "c.svg")], ("--chart", "--metrics", "--save"))):
+        one_line(t + extra, 2, *words)
+    if os.path.exists(os.path.join(work, "c.svg")):
+        fail("a refused --chart was written")
+    # The same options where they belong run (label smoothing shared by ce, dpo, simpo, cpo).
+    for extra in (["--label-smoothing", "0.1"],
+                  ["--loss", "dpo", "--dpo-loss-type", "exo_pair", "--label-smoothing", "0.1"],
+                  ["--loss", "simpo", "--gamma", "1", "--label-smoothing", "0.5"]):
+        run(t + extra)
+
+
 def config_case(train, evaluate, work):
     loop = os.path.join(work, "loop.ini")
     if os.path.lexists(loop):
@@ -311,7 +342,8 @@ def main():
              "bench_options": lambda: bench_options_case(bench),
              "metrics": lambda: metrics_case(train, work),
              "outputs": lambda: outputs_case(train, evaluate, bench, work),
-             "messages": lambda: messages_case(train, evaluate, work)}
+             "messages": lambda: messages_case(train, evaluate, work),
+             "loss_options": lambda: loss_options_case(train, work)}
     if case not in cases:
         fail("unknown case " + case)
     cases[case]()
