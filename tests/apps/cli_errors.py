@@ -28,6 +28,8 @@ CASE is one of:
   loss_options: chunkloss-train refuses at option parsing (exit 2, one line naming the option
     and the loss) an option the --loss does not take, a --label-smoothing outside the loss's
     range, --init with --resume, and --chart with nothing to draw it from.
+  stdout: eval's table, bench's report and --help written to a full device (/dev/full) exit 1
+    with one line saying that standard output could not be written.
   bench_options: chunkloss-bench refuses at option parsing (exit 2, one line naming the option)
     --pairs x --seq-len whose N = 2 P T overflows, a negative --seed, bf16 logits on the CPU and a
     --label-smoothing the loss (or DPO loss type) does not take.
@@ -49,7 +51,11 @@ def fail(msg):
 
 
 def run(cmd, expect=0, **kw):
-    p = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if "stdout" in kw:
+        kw["stderr"] = subprocess.PIPE
+    else:
+        kw["capture_output"] = True
+    p = subprocess.run(cmd, text=True, **kw)
     if p.returncode != expect:
         fail("%s exited %d (expected %d)\nstdout:\n%s\nstderr:\n%s" %
              (" ".join(cmd), p.returncode, expect, p.stdout, p.stderr))
@@ -320,6 +326,20 @@ def loss_options_case(train, work):
         run(t + extra)
 
 
+def stdout_case(train, evaluate, bench, work):
+    ck = os.path.join(work, "ck")
+    run([train, "--steps", "1", "--warmup-steps", "0", "--save", ck] + TINY)
+    if not os.path.exists("/dev/full"):
+        print("no /dev/full: skipped")
+        return
+    with open("/dev/full", "w") as full:
+        for cmd in ([evaluate, "--model", ck, "--limit", "2"],
+                    [bench, "--threads", "1", "--repeats", "1", "--hidden", "16", "--vocab", "64",
+                     "--rows", "64"],
+                    [train, "--help"], [evaluate, "--help"], [bench, "--help"]):
+            one_line(cmd, 1, "standard output", stdout=full)
+
+
 def config_case(train, evaluate, work):
     loop = os.path.join(work, "loop.ini")
     if os.path.lexists(loop):
@@ -343,7 +363,8 @@ def main():
              "metrics": lambda: metrics_case(train, work),
              "outputs": lambda: outputs_case(train, evaluate, bench, work),
              "messages": lambda: messages_case(train, evaluate, work),
-             "loss_options": lambda: loss_options_case(train, work)}
+             "loss_options": lambda: loss_options_case(train, work),
+             "stdout": lambda: stdout_case(train, evaluate, bench, work)}
     if case not in cases:
         fail("unknown case " + case)
     cases[case]()
