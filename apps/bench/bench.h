@@ -114,7 +114,7 @@ struct CaseResult {
   /// with a gradient), vs float64: the tail a norm over all rows hides
   std::optional<std::array<double, 3>> f64_row_err_grad_hidden;
   std::optional<double> bf16_storage_err;  ///< error of storing the naive's gradients in bf16
-  std::optional<double> f64_err_loss;      ///< |loss - float64 loss| / |float64 loss| (exact)
+  std::optional<double> f64_err_loss;      ///< scalar_rel_err(loss, float64 loss) (exact)
   std::string reference;                   ///< how the naive computation was done, in words
 
   // What the inputs were, in words (JSON keys inputs, ignored_rows, reduction).
@@ -137,6 +137,13 @@ struct CaseResult {
   std::string device_desc;
   std::string load_before, load_after;  ///< /proc/loadavg around the case (CPU)
 };
+
+/// |a - b| / |b|, or |a - b| when b is 0, as rel_norm_err does for a zero reference: a loss
+/// that is exactly 0 (V = 1, where every log-prob is 0) is compared absolutely, not as 0 / 0.
+inline double scalar_rel_err(double a, double b) {
+  const double d = std::abs(a - b);
+  return b == 0 ? d : d / std::abs(b);
+}
 
 /// The largest of some relative errors; NaN when any is (std::max would drop it).
 inline double worst_error(std::initializer_list<double> errors) {

@@ -215,7 +215,7 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
   if (c.naive) {
     res.naive_ms = median(res.naive_times_ms);
     res.naive_loss_value = naive_loss;
-    res.err_loss = std::abs(res.loss_value - naive_loss) / std::abs(naive_loss);
+    res.err_loss = scalar_rel_err(res.loss_value, naive_loss);
     const float* rx = ndx.as<float>();
     const float* rw = ndw.as<float>();
     res.err_grad_hidden = bf16 ? rel_norm_err(dx.as<BFloat16>(), rx, n * h, threads)
@@ -240,7 +240,7 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
     widen_to_double(w32.as<float>(), wd.data(), v * h, threads);
     const double l64 = Naive<double>(xd.data(), wd.data(), y, h, v, valid, threads)
                            .run(zd.data(), dxd.data(), dwd.data());
-    res.f64_err_loss = std::abs(res.loss_value - l64) / std::abs(l64);
+    res.f64_err_loss = scalar_rel_err(res.loss_value, l64);
     res.f64_err_grad_hidden = bf16 ? rel_norm_err(dx.as<BFloat16>(), dxd.data(), n * h, threads)
                                    : rel_norm_err(dx.as<float>(), dxd.data(), n * h, threads);
     res.f64_err_grad_weight = bf16 ? rel_norm_err(dw.as<BFloat16>(), dwd.data(), v * h, threads)

@@ -268,7 +268,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
     res.naive_ms = time_ms(s, c.repeats, naive, &res.naive_times_ms);
     const double naive_loss = mean_loss(lse, zy);
     res.naive_loss_value = naive_loss;
-    const double e_loss = std::abs(res.loss_value - naive_loss) / std::abs(naive_loss);
+    const double e_loss = scalar_rel_err(res.loss_value, naive_loss);
     const double e_dx = bf16 ? rel_err(dx.as<__nv_bfloat16>(), ndx.as<float>(), n * h)
                              : rel_err(dx.as<float>(), ndx.as<float>(), n * h);
     const double e_dw = bf16 ? rel_err(dw.as<__nv_bfloat16>(), ndw.as<float>(), v * h)
@@ -298,7 +298,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
     g64.dw(zd.data(), xd.data(), dwd.data(), ni, hi, vi, CUDA_R_64F, CUDA_R_64F, CUDA_R_64F,
            CUBLAS_COMPUTE_64F);
     const double f64_loss = mean_loss(lse, zy);
-    res.f64_err_loss = std::abs(res.loss_value - f64_loss) / std::abs(f64_loss);
+    res.f64_err_loss = scalar_rel_err(res.loss_value, f64_loss);
     res.f64_err_grad_hidden = bf16 ? rel_err(dx.as<__nv_bfloat16>(), dxd.as<double>(), n * h)
                                    : rel_err(dx.as<float>(), dxd.as<double>(), n * h);
     res.f64_err_grad_weight = bf16 ? rel_err(dw.as<__nv_bfloat16>(), dwd.as<double>(), v * h)

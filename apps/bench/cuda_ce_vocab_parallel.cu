@@ -229,7 +229,7 @@ CaseResult run_ce_cuda_vocab_parallel(const CaseConfig& c, BenchDevice&) {
   res.unsplit_ms = time_ms(
       s0, c.repeats, [&] { unsplit_loss = ce.forward_backward(*r0.ctx, in, gr, {}, wsv).loss; });
   r0.ctx->synchronize();
-  res.unsplit_err_loss = std::abs(res.loss_value - unsplit_loss) / std::abs(unsplit_loss);
+  res.unsplit_err_loss = scalar_rel_err(res.loss_value, unsplit_loss);
   res.unsplit_err_grad_hidden =
       host_rel_err(host_floats(r0.dx.data(), n * h, dt), host_floats(dx_full.data(), n * h, dt));
   std::vector<float> dw_split;

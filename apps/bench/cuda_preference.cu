@@ -277,7 +277,7 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
     res.naive_ms = time_ms(
         s, c.repeats, [&] { naive_loss = naive.run(); }, &res.naive_times_ms);
     res.naive_loss_value = naive_loss;
-    res.err_loss = std::abs(res.loss_value - naive_loss) / std::abs(naive_loss);
+    res.err_loss = scalar_rel_err(res.loss_value, naive_loss);
     double e_dx = 0, e_dw = 0;
     grad_err(ndx.as<float>(), ndw.as<float>(), e_dx, e_dw);
     res.err_grad_hidden = e_dx;
@@ -334,7 +334,7 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
                             {},
                             {}};
     const double l64 = exact.run();
-    res.f64_err_loss = std::abs(res.loss_value - l64) / std::abs(l64);
+    res.f64_err_loss = scalar_rel_err(res.loss_value, l64);
     double e_dx = 0, e_dw = 0;
     grad_err(dxd.as<double>(), dwd.as<double>(), e_dx, e_dw);
     res.f64_err_grad_hidden = e_dx;

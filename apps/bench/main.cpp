@@ -120,7 +120,7 @@ Cli parse(int argc, char** argv) {
     ("order", po::value<std::string>()->default_value("auto"), "loop order: auto|token_chunk|vocab_block")
     ("repeats", po::value<int>()->default_value(3), "timed repeats after one warm-up run; the median is reported")
     ("threads", po::value<int>()->default_value(cores, std::to_string(cores) + " = all cores"), "threads for the loss, the floor GEMMs and the naive (0: all cores)")
-    ("seed", po::value<std::uint64_t>()->default_value(1), "seed of the random inputs")
+    ("seed", po::value<std::int64_t>()->default_value(1), "seed of the random inputs (>= 0)")
     ("json", po::value<std::string>()->default_value("", "none"), "write the cases as a JSON array to FILE (atomically: FILE.tmp, then rename)")
     ("no-naive", po::bool_switch()->default_value(false, "off"), "skip the naive materialised run (and the error check)")
     ("chunked-floor", po::bool_switch()->default_value(false, "off"), "also time the floor GEMMs at the plan's chunk rows (token_chunk order; cuda: the library's GEMMs, fp32 logits chunk and its in-place gradient operand, dW beside dX; and the full-size floor with dW beside dX)")
@@ -200,14 +200,16 @@ Cli parse(int argc, char** argv) {
     throw apps::UsageError("--ce-seq-len: " + std::to_string(base.ce_seq_len) + " is not in [0, " +
                            std::to_string(kMaxDim) + "]");
   base.label_smoothing = vm["label-smoothing"].as<double>();
-  if (!(base.label_smoothing >= 0 && base.label_smoothing < 1))
-    throw apps::UsageError("--label-smoothing: " + fmt("%g", base.label_smoothing) +
-                           " is not in [0, 1)");
   base.dpo_loss = vm["dpo-loss"].as<std::string>();
   try {
     parse_dpo_loss(base.dpo_loss);
   } catch (const Error& e) {
     throw apps::UsageError(std::string("--dpo-loss: ") + e.what());
+  }
+  if (pref) {
+    const std::string bad =
+        apps::label_smoothing_error(base.loss, base.dpo_loss, "--dpo-loss", base.label_smoothing);
+    if (!bad.empty()) throw apps::UsageError(bad);
   }
   base.reference = vm["reference"].as<std::string>();
   if (base.reference.empty())
@@ -225,12 +227,17 @@ Cli parse(int argc, char** argv) {
   if (base.threads < 0 || base.threads > 4096)
     throw apps::UsageError("--threads: " + std::to_string(base.threads) + " is not in [0, 4096]");
   if (base.threads == 0) base.threads = cores;
-  base.seed = vm["seed"].as<std::uint64_t>();
+  const std::int64_t seed = vm["seed"].as<std::int64_t>();
+  if (seed < 0) throw apps::UsageError("--seed: " + std::to_string(seed) + " is not >= 0");
+  base.seed = static_cast<std::uint64_t>(seed);
   base.naive = !vm["no-naive"].as<bool>();
   base.chunked_floor = vm["chunked-floor"].as<bool>();
   base.phases = vm["phases"].as<bool>();
   base.fp32_weight_grad_accumulator = vm["fp32-dw-accum"].as<bool>();
   base.logits_dtype = parse_dtype(vm["logits-dtype"].as<std::string>(), "--logits-dtype");
+  if (base.logits_dtype == DType::kBF16 && base.device != "cuda")
+    throw apps::UsageError("--logits-dtype bf16 is for --device cuda (the " + base.device +
+                           " loss keeps its logits chunk in f32)");
   base.exact = vm["exact"].as<bool>();
   base.logit_std = vm["logit-std"].as<double>();
   if (!(base.logit_std > 0 && base.logit_std <= 1000))
@@ -259,7 +266,7 @@ Cli parse(int argc, char** argv) {
     for (auto p : pairs)
       for (auto t : lens)
         for (Regime r : regimes) {
-          if (2 * p * t > kMaxDim)
+          if (p > kMaxDim / (2 * t))  // 2 P T > 2^31, without computing 2 P T
             throw apps::UsageError("--pairs " + std::to_string(p) + " --seq-len " +
                                    std::to_string(t) + ": N = 2 P T exceeds 2^31");
           CaseConfig c = base;
@@ -298,8 +305,7 @@ Cli parse(int argc, char** argv) {
 int run(const Cli& cli, int argc, char** argv) {
   const std::vector<std::string> words(argv, argv + argc);
   const std::string invoked = apps::shell_join(words);
-  if (!cli.json.empty())
-    apps::prepare_output_dir("json", std::filesystem::path(cli.json).parent_path().string());
+  if (!cli.json.empty()) apps::prepare_output_file("json", cli.json);  // before any case
   std::vector<CaseRecord> records;
   nlohmann::json all = nlohmann::json::array();
   std::cout << kProg << " " << apps::utc_now_iso() << "\n";

@@ -269,7 +269,7 @@ CaseResult run_preference_cpu(const CaseConfig& c, BenchDevice& dev) {
   if (c.naive) {
     res.naive_ms = median(res.naive_times_ms);
     res.naive_loss_value = naive_loss;
-    res.err_loss = std::abs(res.loss_value - naive_loss) / std::abs(naive_loss);
+    res.err_loss = scalar_rel_err(res.loss_value, naive_loss);
     double e_dx = 0, e_dw = 0;
     grad_err(ndx.as<float>(), ndw.as<float>(), e_dx, e_dw);
     res.err_grad_hidden = e_dx;
@@ -309,7 +309,7 @@ CaseResult run_preference_cpu(const CaseConfig& c, BenchDevice& dev) {
                                   {},
                                   {}};
     const double l64 = exact.run(zd.data(), dxd.data(), dwd.data());
-    res.f64_err_loss = std::abs(res.loss_value - l64) / std::abs(l64);
+    res.f64_err_loss = scalar_rel_err(res.loss_value, l64);
     double e_dx = 0, e_dw = 0;
     grad_err(dxd.data(), dwd.data(), e_dx, e_dw);
     res.f64_err_grad_hidden = e_dx;

@@ -32,6 +32,7 @@ constexpr const char* kProg = "chunkloss-eval";
 struct Settings {
   std::vector<std::string> models, names;
   std::string reference, sft_file, pref_file, json;
+  std::string config_file;  ///< --config
   double beta = 0.1;
   std::int64_t batch_size = 64, max_new_tokens = 8, limit = 0;
   int threads = 1;
@@ -67,10 +68,11 @@ std::optional<Settings> parse(int argc, char** argv) {
     std::cout << desc << "\n";
     return std::nullopt;
   }
-  if (const std::string cfg = vm["config"].as<std::string>(); !cfg.empty())
-    apps::store_config_file(cfg, desc, vm);
+  const std::string config_file = vm["config"].as<std::string>();
+  if (!config_file.empty()) apps::store_config_file(config_file, desc, vm);
   po::notify(vm);
   Settings s;
+  s.config_file = config_file;
   s.models = vm["model"].as<std::vector<std::string>>();
   if (s.models.empty()) throw apps::UsageError("--model DIR is required");
   s.names = vm["name"].as<std::vector<std::string>>();
@@ -253,20 +255,37 @@ void print_table(const std::vector<nlohmann::json>& rows, const Settings& s) {
 
 int run(const Settings& s) {
   if (s.threads > 0) omp_set_num_threads(s.threads);
-  if (!s.json.empty())
-    apps::prepare_output_dir("json", std::filesystem::path(s.json).parent_path().string());
+  if (!s.json.empty()) {  // before any work: a file that overwrites no input
+    std::vector<std::string> checkpoints = s.models;
+    checkpoints.push_back(s.reference);
+    apps::check_not_checkpoint_file("json", s.json, checkpoints);
+    apps::prepare_output_file(
+        "json", s.json,
+        {{"--sft-file", s.sft_file}, {"--pref-file", s.pref_file}, {"--config", s.config_file}});
+  }
   apps::LossDevice dev(s.device, s.threads);
   const data::ByteTokenizer tok;
   Data d;
   d.sft = first(data::read_sft_jsonl(s.sft_file), s.limit);
   d.sft_seqs = data::encode_sft(tok, d.sft);
-  d.pairs = data::encode_preference(tok, first(data::read_preference_jsonl(s.pref_file), s.limit));
-  for (std::size_t i = 0; i < d.sft_seqs.size(); ++i) d.longest_sft.take(d.sft_seqs[i], i);
-  for (std::size_t i = 0; i < d.pairs.size(); ++i) d.longest_pair.take(d.pairs[i], i);
+  const std::vector<data::PreferenceExample> pref =
+      first(data::read_preference_jsonl(s.pref_file), s.limit);
+  d.pairs = data::encode_preference(tok, pref);
+  for (std::size_t i = 0; i < d.sft_seqs.size(); ++i)
+    d.longest_sft.take(d.sft_seqs[i], d.sft[i].line);
+  for (std::size_t i = 0; i < d.pairs.size(); ++i) d.longest_pair.take(d.pairs[i], pref[i].line);
 
-  // Every model's positions against the data, before any pass runs.
-  for (const std::string& dir : s.models) d.check_fits(model::load_config(dir), s);
-  if (!s.reference.empty()) d.check_fits(model::load_config(s.reference), s);
+  // Every model's vocabulary and positions against the data, before any pass runs.
+  for (const std::string& dir : s.models) {
+    const model::LlamaConfig config = model::load_config(dir);
+    apps::check_vocab(config, "--model " + dir);
+    d.check_fits(config, s);
+  }
+  if (!s.reference.empty()) {
+    const model::LlamaConfig config = model::load_config(s.reference);
+    apps::check_vocab(config, "--reference " + s.reference);
+    d.check_fits(config, s);
+  }
 
   std::optional<std::vector<std::pair<double, double>>> ref;
   if (!s.reference.empty()) {

@@ -18,6 +18,7 @@
 #include <chunkloss/model/safetensors.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <boost/program_options.hpp>
 #include <charconv>
 #include <cmath>
@@ -30,6 +31,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <span>
 #include <thread>
 
 #include "trainers.h"
@@ -43,6 +45,19 @@ namespace {
 
 constexpr const char* kProg = "chunkloss-train";
 const std::vector<std::string> kLosses = {"ce", "dpo", "orpo", "simpo", "cpo", "kto"};
+// The loss options and the losses that take each (--budget-mib is every loss's); giving one to
+// another loss is a usage error rather than silently ignored.
+const std::vector<std::pair<std::string, std::vector<std::string>>> kLossOptions = {
+    {"beta", {"dpo", "orpo", "simpo", "cpo", "kto"}},
+    {"label-smoothing", {"ce", "dpo", "simpo", "cpo"}},
+    {"skip-ignored-rows", {"ce"}},
+    {"dpo-loss-type", {"dpo"}},
+    {"rpo-alpha", {"dpo"}},
+    {"gamma", {"simpo"}},
+    {"simpo-alpha", {"simpo"}},
+    {"cpo-alpha", {"cpo"}},
+    {"desirable-weight", {"kto"}},
+    {"undesirable-weight", {"kto"}}};
 // The model options and their LlamaConfig fields (with --init or --resume, the checkpoint's).
 const std::vector<std::pair<std::string, std::int64_t (*)(const model::LlamaConfig&)>>
     kArchitecture = {
@@ -67,6 +82,7 @@ struct Settings {
   int data_parallel = 1;
   int vocab_parallel = 1;
   std::string init, resume, save, metrics, chart;
+  std::string config_file;  ///< --config (an input no output may overwrite)
   std::int64_t steps = 0, batch_size = 0, grad_accum = 1, log_every = 0, save_every = 0;
   model::LrSchedule schedule;
   model::AdamWOptions adam;
@@ -119,7 +135,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("kv-heads", po::value<std::int64_t>()->default_value(4), "key/value heads (< heads: grouped-query attention)")
     ("max-positions", po::value<std::int64_t>()->default_value(64), "max_position_embeddings")
     ("tie-embeddings", po::value<bool>()->default_value(false), "tie lm_head to the token embedding")
-    ("init", po::value<std::string>()->default_value("", "none"), "start from this checkpoint directory (the SFT model): the policy, and for dpo/kto also the frozen reference")
+    ("init", po::value<std::string>()->default_value("", "none"), "start from this checkpoint directory (the SFT model): the policy, and for dpo/kto also the frozen reference (not with --resume, which takes the --init its run was saved with)")
     ("resume", po::value<std::string>()->default_value("", "none"), "continue the run saved in this directory (model, optimizer, step) exactly");
   po::options_description optim("Optimiser");
   optim.add_options()
@@ -133,7 +149,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("adam-eps", po::value<double>()->default_value(1e-8), "AdamW epsilon")
     ("max-grad-norm", po::value<double>()->default_value(1.0), "clip the global gradient norm (0: off)")
     ("grad-accum", po::value<std::int64_t>()->default_value(1), "micro-batches per optimizer step");
-  po::options_description loss_opts("Loss (the formulas are in chunkloss/losses/preference.h)");
+  po::options_description loss_opts("Loss (the formulas are in chunkloss/losses/preference.h; an option another --loss takes is refused)");
   loss_opts.add_options()
     ("beta", po::value<double>()->default_value(0, "0 = the loss's default: 0.1, simpo 2.0"), "beta of dpo, orpo, simpo, cpo, kto")
     ("label-smoothing", po::value<double>()->default_value(0), "ce: label smoothing; dpo, simpo, cpo: the conservative eps")
@@ -150,8 +166,8 @@ std::optional<Settings> parse(int argc, char** argv) {
   output.add_options()
     ("save", po::value<std::string>()->default_value("", "none"), "save the checkpoint (HF layout + optimizer state) into this directory at the end")
     ("save-every", po::value<std::int64_t>()->default_value(0, "0 = only at the end"), "also save every this many steps, into SAVE/checkpoint-STEP")
-    ("metrics", po::value<std::string>()->default_value("", "SAVE/metrics.jsonl"), "one JSON object per step in this file (a new run starts it afresh, --resume appends)")
-    ("chart", po::value<std::string>()->default_value("", "SAVE/training.svg"), "write the SVG chart of loss and accuracy here at the end")
+    ("metrics", po::value<std::string>()->default_value("", "SAVE/metrics.jsonl"), "one JSON object per step in this file, replaced atomically at each checkpoint save and at the end (a new run starts it afresh; --resume keeps its records up to the resumed step and appends); during the run the records go to FILE.partial")
+    ("chart", po::value<std::string>()->default_value("", "SAVE/training.svg"), "write the SVG chart of loss and accuracy here at the end (drawn from --metrics, so it needs --metrics or --save)")
     ("log-every", po::value<std::int64_t>()->default_value(25), "plain progress line every this many steps when stderr is not a terminal");
   // clang-format on
   po::options_description all(std::string("Usage: ") + kProg +
@@ -165,11 +181,12 @@ std::optional<Settings> parse(int argc, char** argv) {
     std::cout << all << "\n";
     return std::nullopt;
   }
-  if (const std::string cfg = vm["config"].as<std::string>(); !cfg.empty())
-    apps::store_config_file(cfg, all, vm);
+  const std::string config_file = vm["config"].as<std::string>();
+  if (!config_file.empty()) apps::store_config_file(config_file, all, vm);
   po::notify(vm);
 
   Settings s;
+  s.config_file = config_file;
   s.loss.loss = vm["loss"].as<std::string>();
   if (std::find(kLosses.begin(), kLosses.end(), s.loss.loss) == kLosses.end())
     throw apps::UsageError("--loss: '" + s.loss.loss + "' is not ce, dpo, orpo, simpo, cpo or kto");
@@ -204,6 +221,10 @@ std::optional<Settings> parse(int argc, char** argv) {
 
   s.init = vm["init"].as<std::string>();
   s.resume = vm["resume"].as<std::string>();
+  if (!s.init.empty() && !s.resume.empty())
+    throw apps::UsageError("--init " + s.init + " with --resume " + s.resume +
+                           ": a resumed run starts from its own checkpoint and the --init it "
+                           "was saved with; give only --resume");
   if (!s.init.empty() || !s.resume.empty()) {
     for (const auto& [name, field] : kArchitecture)
       if (!vm[name].defaulted()) s.architecture_given.push_back(name);
@@ -237,6 +258,15 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.max_grad_norm = in_range<double>(vm, "max-grad-norm", 0, 1e9);
   s.grad_accum = in_range<std::int64_t>(vm, "grad-accum", 1, 1 << 20);
 
+  for (const auto& [option, losses] : kLossOptions) {
+    if (vm[option].defaulted() ||
+        std::find(losses.begin(), losses.end(), s.loss.loss) != losses.end())
+      continue;
+    std::string takers;
+    for (const std::string& l : losses) takers += (takers.empty() ? "" : ", ") + l;
+    throw apps::UsageError("--" + option + ": --loss " + s.loss.loss +
+                           " does not take it (it is for " + takers + ")");
+  }
   s.loss.beta = in_range<double>(vm, "beta", 0, 1e6);
   s.loss.label_smoothing = in_range<double>(vm, "label-smoothing", 0, 1);
   s.loss.skip_ignored_rows = vm["skip-ignored-rows"].as<bool>();
@@ -253,6 +283,15 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.loss.desirable_weight = in_range<double>(vm, "desirable-weight", 0, 1e6);
   s.loss.undesirable_weight = in_range<double>(vm, "undesirable-weight", 0, 1e6);
   s.loss.budget_bytes = apps::budget_bytes(vm["budget-mib"].as<double>(), s.device);
+  if (const std::string bad = apps::label_smoothing_error(
+          s.loss.loss, s.loss.dpo_loss_type, "--dpo-loss-type", s.loss.label_smoothing);
+      !bad.empty())
+    throw apps::UsageError(bad);
+  try {  // whatever else the loss object refuses, refused here too
+    check_loss_settings(s.loss);
+  } catch (const Error& e) {
+    throw apps::UsageError("--loss " + s.loss.loss + " options: " + e.what());
+  }
 
   s.save = vm["save"].as<std::string>();
   s.save_every = in_range<std::int64_t>(vm, "save-every", 0, std::int64_t{1} << 40);
@@ -263,6 +302,9 @@ std::optional<Settings> parse(int argc, char** argv) {
     if (s.metrics.empty()) s.metrics = (std::filesystem::path(s.save) / "metrics.jsonl").string();
     if (s.chart.empty()) s.chart = (std::filesystem::path(s.save) / "training.svg").string();
   }
+  if (!s.chart.empty() && s.metrics.empty())
+    throw apps::UsageError("--chart " + s.chart +
+                           " needs --metrics FILE or --save DIR (it is drawn from the metrics)");
   s.log_every = in_range<std::int64_t>(vm, "log-every", 1, std::int64_t{1} << 40);
   return s;
 }
@@ -302,7 +344,7 @@ std::string digest(std::string_view bytes) {
 // same. The data and a DPO or KTO run's reference count by their contents, not their paths.
 // Only the loss's own options count, and beta 0 is the loss's default. (--threads, the outputs
 // and the progress lines do not change the numbers.)
-std::map<std::string, std::string> run_options(const Settings& s,
+std::map<std::string, std::string> run_options(const Settings& s, const std::string& train_text,
                                                const std::optional<model::LlamaModel>& reference) {
   const auto num = [](double v) {
     char buf[32];
@@ -313,7 +355,7 @@ std::map<std::string, std::string> run_options(const Settings& s,
   const LossSettings& l = s.loss;
   std::map<std::string, std::string> o = {
       {"loss", l.loss},
-      {"train_file_digest", digest(data::read_text_file(s.data.file))},
+      {"train_file_digest", digest(train_text)},
       {"seed", std::to_string(s.seed)},
       {"batch_size", integer(s.batch_size)},
       {"grad_accum", integer(s.grad_accum)},
@@ -398,12 +440,86 @@ void check_resume(const Settings& s, const std::string& dir, const model::Traine
                   st.global_step == s.steps ? " (it has finished)" : "");
 }
 
-std::unique_ptr<Trainer> make_trainer(const Settings& s, LossDevice& device,
-                                      std::optional<model::LlamaModel> reference) {
-  if (s.loss.loss == "ce") return make_ce_trainer(s.data, s.loss, device);
-  if (s.loss.loss == "kto") return make_kto_trainer(s.data, s.loss, device, std::move(*reference));
-  return make_pair_trainer(s.data, s.loss, device, std::move(reference));
+// Throws naming the step and the parameter when the optimizer step left a parameter NaN or Inf
+// (the loss and the gradients were finite: the optimizer's state or --lr is to blame), so that a
+// diverged model is never saved nor the run reported done.
+void check_finite_parameters(const model::LlamaModel& m, std::int64_t step, bool resumed) {
+  const std::span<const float> p = m.params();
+  const auto bad = std::find_if(p.begin(), p.end(), [](float x) { return !std::isfinite(x); });
+  if (bad == p.end()) return;
+  const auto at = static_cast<std::size_t>(bad - p.begin());
+  std::string name = "?";
+  for (const model::ParameterInfo& info : m.parameters())
+    if (at >= info.offset && at < info.offset + info.numel) name = info.name;
+  CHUNKLOSS_FAIL("step ", step, ": the optimizer step made parameter ", name, " ", *bad,
+                 " (the loss and the gradient norm were finite), so the run stops without saving "
+                 "it; ",
+                 resumed ? "the --resume checkpoint's optimizer state may be damaged, or " : "",
+                 "try a lower --lr");
 }
+
+std::unique_ptr<Trainer> make_trainer(const Settings& s, const DataSettings& data,
+                                      LossDevice& device,
+                                      std::optional<model::LlamaModel> reference) {
+  if (s.loss.loss == "ce") return make_ce_trainer(data, s.loss, device);
+  if (s.loss.loss == "kto") return make_kto_trainer(data, s.loss, device, std::move(*reference));
+  return make_pair_trainer(data, s.loss, device, std::move(reference));
+}
+
+// The metrics file of a run, which follows the atomic rule of every output: the records go to
+// PATH.partial as they come (where a run can be watched), and PATH is replaced by it atomically at
+// each checkpoint save and at the end, so a run that fails leaves the previous PATH as it was,
+// beside the checkpoint it belongs to. A new run starts afresh; a resumed one from PATH's records
+// up to the step it resumes at (those of a later, abandoned part of the run are dropped).
+class MetricsLog {
+ public:
+  MetricsLog() = default;
+  MetricsLog(std::string path, std::optional<std::int64_t> resumed_at)
+      : path_(std::move(path)), partial_(path_ + ".partial") {
+    std::string kept;
+    if (resumed_at) {
+      std::ifstream old(path_);
+      for (std::string line; std::getline(old, line);) {
+        const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+        if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+            j["step"].get<std::int64_t>() <= *resumed_at)
+          kept += line + "\n";
+      }
+    }
+    out_.open(partial_, std::ios::trunc | std::ios::binary);
+    out_ << kept;
+    out_.flush();
+    CHUNKLOSS_CHECK(out_.good(), "--metrics: cannot write ", partial_);
+  }
+  bool enabled() const { return !path_.empty(); }
+
+  void append(const nlohmann::json& record) {
+    if (!enabled()) return;
+    out_ << record.dump() << "\n";
+    out_.flush();
+    CHUNKLOSS_CHECK(out_.good(), "--metrics: cannot write ", partial_);
+    published_ = false;
+  }
+  /// PATH becomes the records so far (write, fsync, rename), unless it already is.
+  void publish() {
+    if (!enabled() || published_) return;
+    model::write_file_atomically(path_, data::read_text_file(partial_));
+    published_ = true;
+  }
+  /// The last publish(): the in-progress file is removed.
+  void finish() {
+    if (!enabled()) return;
+    publish();
+    out_.close();
+    std::error_code ec;
+    std::filesystem::remove(partial_, ec);
+  }
+
+ private:
+  std::string path_, partial_;
+  std::ofstream out_;
+  bool published_ = false;
+};
 
 // The chart's curves from every line of the metrics file (the last record of each step wins,
 // so a resumed run's file gives one curve).
@@ -487,11 +603,35 @@ class Ranks {
   std::vector<std::unique_ptr<dist::InProcessGroup>> vocab_groups_, data_groups_;
 };
 
+// Checks every output before any work (and makes their directories): --save, --metrics and
+// --chart must be writable, files where files go, and must not overwrite an input (the training
+// data, the --config file, the --init checkpoint) or a file of a checkpoint the run reads or
+// writes (--resume, --init, --save and its checkpoint-N).
+void prepare_outputs(const Settings& s) {
+  if (!s.save.empty() && !s.init.empty() && apps::same_file(s.save, s.init))
+    throw apps::UsageError("--save " + s.save +
+                           ": it is the --init checkpoint, which this run starts from (and "
+                           "compares a --resume with): save elsewhere");
+  if (!s.save.empty()) apps::prepare_output_dir("save", s.save);
+  const std::vector<std::string> checkpoints = {s.resume, s.init, s.save};
+  std::vector<std::pair<std::string, std::string>> inputs = {{"--train-file", s.data.file},
+                                                             {"--config", s.config_file}};
+  if (!s.metrics.empty()) {
+    apps::check_not_checkpoint_file("metrics", s.metrics, checkpoints, s.save);
+    apps::prepare_output_file("metrics", s.metrics, inputs, {".tmp", ".partial"});
+    // The chart is drawn from the metrics.
+    for (const char* suffix : {"", ".tmp", ".partial"})
+      inputs.emplace_back(*suffix ? "the metrics' file" : "--metrics", s.metrics + suffix);
+  }
+  if (!s.chart.empty()) {
+    apps::check_not_checkpoint_file("chart", s.chart, checkpoints, s.save);
+    apps::prepare_output_file("chart", s.chart, inputs);
+  }
+}
+
 int run(const Settings& s, const std::string& invocation) {
   if (s.threads > 0) omp_set_num_threads(s.threads);
-  if (!s.save.empty()) apps::prepare_output_dir("save", s.save);
-  if (!s.chart.empty())
-    apps::prepare_output_dir("chart", std::filesystem::path(s.chart).parent_path().string());
+  prepare_outputs(s);
   // The policy: resumed, initialised from a checkpoint, or new.
   std::optional<model::LlamaModel> policy;
   std::string init = s.init;
@@ -512,6 +652,9 @@ int run(const Settings& s, const std::string& invocation) {
     policy.emplace(s.config, s.seed);
   }
   check_architecture(s, policy->config());
+  if (!s.resume.empty() || !init.empty())
+    apps::check_vocab(policy->config(),
+                      s.resume.empty() ? "--init " + init : "--resume " + s.resume);
   if (!opt) opt.emplace(policy->params().size(), s.adam);
   opt_ptr = &*opt;
   // DPO's and KTO's frozen reference: the --init model, or a new one like the policy's start.
@@ -519,8 +662,12 @@ int run(const Settings& s, const std::string& invocation) {
   if (s.loss.loss == "dpo" || s.loss.loss == "kto") {
     reference.emplace(init.empty() ? model::LlamaModel(policy->config(), s.seed)
                                    : model::load_model(init));
+    if (!init.empty()) apps::check_vocab(reference->config(), "the reference " + init);
   }
-  const std::map<std::string, std::string> options = run_options(s, reference);
+  // The training file, read once: parsed by every rank's trainer and digested for --resume.
+  DataSettings data = s.data;
+  data.text = data::read_text_file(s.data.file);
+  const std::map<std::string, std::string> options = run_options(s, data.text, reference);
   if (resumed) check_resume(s, s.resume, *resumed, options, opt->step_count());
 
   std::fprintf(stderr, "%s: %s\n", kProg, policy->summary().c_str());
@@ -536,7 +683,7 @@ int run(const Settings& s, const std::string& invocation) {
   for (int r = 0; r < ranks; ++r) {
     devices.push_back(std::make_unique<LossDevice>(s.device, rank_threads, s.measured_gemms));
     trainers.push_back(
-        make_trainer(s, *devices.back(), r + 1 < ranks ? reference : std::move(reference)));
+        make_trainer(s, data, *devices.back(), r + 1 < ranks ? reference : std::move(reference)));
     trainers.back()->set_data_group(grid.data_group(r));
     trainers.back()->set_vocab_group(grid.vocab_group(r));
     if (r > 0) replicas.push_back(*policy);
@@ -551,6 +698,17 @@ int run(const Settings& s, const std::string& invocation) {
   // Over a data group every rank needs an example; KTO's KL estimate needs two per micro-batch.
   const bool drop_last =
       s.data_parallel > 1 || (s.loss.loss == "kto" && trainer->size() % s.batch_size == 1);
+  CHUNKLOSS_CHECK(!drop_last || trainer->size() >= static_cast<std::size_t>(s.batch_size),
+                  s.data.file, ": ", trainer->size(),
+                  trainer->size() == 1 ? " example" : " examples", ", fewer than --batch-size ",
+                  s.batch_size, ", and ",
+                  s.data_parallel > 1
+                      ? "with --data-parallel " + std::to_string(s.data_parallel) +
+                            " an epoch's last short micro-batch is dropped (every rank needs "
+                            "examples): use a smaller --batch-size (>= --data-parallel) or more "
+                            "examples"
+                      : std::string("kto drops a micro-batch of one example (its KL estimate "
+                                    "needs two): give at least two examples"));
   const data::BatchSampler sampler(trainer->size(), static_cast<std::size_t>(s.batch_size), s.seed,
                                    true, drop_last);
   const std::int64_t per_epoch = static_cast<std::int64_t>(sampler.batches_per_epoch());
@@ -561,15 +719,9 @@ int run(const Settings& s, const std::string& invocation) {
       static_cast<long long>(per_epoch), static_cast<long long>(start),
       static_cast<long long>(s.steps));
 
-  std::ofstream metrics;
-  if (!s.metrics.empty()) {
-    const auto parent = std::filesystem::path(s.metrics).parent_path();
-    if (!parent.empty()) std::filesystem::create_directories(parent);
-    // A resumed run adds to its file (the chart keeps each step's last record); a new run, which
-    // may reuse a directory, starts it afresh.
-    metrics.open(s.metrics, s.resume.empty() ? std::ios::trunc : std::ios::app);
-    CHUNKLOSS_CHECK(metrics.good(), "cannot open ", s.metrics, " for writing");
-  }
+  MetricsLog metrics;
+  if (!s.metrics.empty())
+    metrics = MetricsLog(s.metrics, resumed ? std::optional(start) : std::nullopt);
   model::TrainerState state;
   state.strings = options;
   state.strings["command"] = invocation;  // for the record, with the paths below
@@ -578,6 +730,7 @@ int run(const Settings& s, const std::string& invocation) {
   const auto save = [&](std::int64_t step, const std::string& dir) {
     state.global_step = step;
     model::save_checkpoint(dir, *policy, opt_ptr, &state);
+    metrics.publish();  // the records up to this checkpoint
   };
 
   const auto [acc_key, acc_label] = trainer->accuracy_metric();
@@ -627,6 +780,7 @@ int run(const Settings& s, const std::string& invocation) {
                     ", grad norm ", norm, "); try a lower --lr");
     const double lr = model::learning_rate(s.schedule, step);
     opt->step(*policy, lr);
+    check_finite_parameters(*policy, step + 1, !s.resume.empty());
     for (model::LlamaModel& m : replicas)
       std::copy(policy->params().begin(), policy->params().end(), m.params().begin());
     last_loss = sum.loss * inv;
@@ -639,10 +793,7 @@ int run(const Settings& s, const std::string& invocation) {
         {"grad_norm", norm},
         {"tokens", sum.tokens}};
     for (const auto& [k, v] : metric_sum) rec[k] = v * inv;
-    if (metrics.is_open()) {
-      metrics << rec.dump() << "\n";
-      metrics.flush();
-    }
+    metrics.append(rec);
     const auto acc = metric_sum.find(acc_key);
     progress.update({step + 1, last_loss, acc == metric_sum.end() ? NAN : acc->second * inv,
                      acc_label, sum.tokens});
@@ -656,8 +807,8 @@ int run(const Settings& s, const std::string& invocation) {
     save(s.steps, s.save);
     std::fprintf(stderr, "%s: saved %s\n", kProg, s.save.c_str());
   }
-  if (metrics.is_open()) {
-    metrics.close();
+  if (metrics.enabled()) {
+    metrics.finish();
     if (!s.chart.empty()) {
       write_chart(s.metrics, s.chart, std::string(kProg) + " --loss " + s.loss.loss, acc_key,
                   acc_label);

@@ -33,7 +33,9 @@ class CeTrainer final : public Trainer {
  public:
   CeTrainer(const DataSettings& data, const LossSettings& loss, LossDevice& device) : dev_(device) {
     const data::ByteTokenizer tok;
-    seqs_ = data::encode_sft(tok, data::read_sft_jsonl(data.file), data.encode);
+    const std::vector<data::SftExample> examples = data::parse_sft_jsonl(data.text, data.file);
+    seqs_ = data::encode_sft(tok, examples, data.encode);
+    for (const data::SftExample& e : examples) lines_.push_back(e.line);
     CrossEntropyOptions o;
     o.label_smoothing = static_cast<float>(loss.label_smoothing);
     o.skip_ignored_rows = loss.skip_ignored_rows;
@@ -43,7 +45,7 @@ class CeTrainer final : public Trainer {
   std::size_t size() const override { return seqs_.size(); }
   apps::Longest longest() const override {
     apps::Longest l;
-    for (std::size_t i = 0; i < seqs_.size(); ++i) l.take(seqs_[i], i);
+    for (std::size_t i = 0; i < seqs_.size(); ++i) l.take(seqs_[i], lines_[i]);
     return l;
   }
   std::pair<const char*, const char*> accuracy_metric() const override {
@@ -76,6 +78,7 @@ class CeTrainer final : public Trainer {
  private:
   LossDevice& dev_;
   std::vector<data::Sequence> seqs_;
+  std::vector<std::size_t> lines_;  // each example's line in the file
   LinearCrossEntropy ce_;
   HiddenGrad dh_;
 };
@@ -180,12 +183,15 @@ class PairTrainer final : public Trainer {
     CHUNKLOSS_CHECK(reference_.has_value() == loss_.objective().uses_reference(), "--loss ",
                     loss.loss, reference_ ? " takes no reference model" : " needs a reference");
     const data::ByteTokenizer tok;
-    pairs_ = data::encode_preference(tok, data::read_preference_jsonl(data.file), data.encode);
+    const std::vector<data::PreferenceExample> examples =
+        data::parse_preference_jsonl(data.text, data.file);
+    pairs_ = data::encode_preference(tok, examples, data.encode);
+    for (const data::PreferenceExample& e : examples) lines_.push_back(e.line);
   }
   std::size_t size() const override { return pairs_.size(); }
   apps::Longest longest() const override {
     apps::Longest l;
-    for (std::size_t i = 0; i < pairs_.size(); ++i) l.take(pairs_[i], i);
+    for (std::size_t i = 0; i < pairs_.size(); ++i) l.take(pairs_[i], lines_[i]);
     return l;
   }
   std::pair<const char*, const char*> accuracy_metric() const override {
@@ -211,6 +217,7 @@ class PairTrainer final : public Trainer {
   std::optional<model::LlamaModel> reference_;
   LogProbs ref_logps_;
   std::vector<data::PreferenceSequences> pairs_;
+  std::vector<std::size_t> lines_;  // each pair's line in the file
   HiddenGrad dh_;
 };
 
@@ -232,13 +239,13 @@ class KtoTrainer final : public Trainer {
         reference_(std::move(reference)),
         logps_(loss, device),
         encode_(data.encode) {
-    examples_ = data::read_unpaired_jsonl(data.file);
+    examples_ = data::parse_unpaired_jsonl(data.text, data.file);
     seqs_ = data::encode_unpaired(tok_, examples_, encode_);
   }
   std::size_t size() const override { return seqs_.size(); }
   apps::Longest longest() const override {
     apps::Longest l;
-    for (std::size_t i = 0; i < seqs_.size(); ++i) l.take(seqs_[i].sequence, i);
+    for (std::size_t i = 0; i < seqs_.size(); ++i) l.take(seqs_[i].sequence, examples_[i].line);
     // A mismatched pair's length grows with its prompt and its completion (truncation keeps
     // that order), so the longest prompt with the longest completion bounds them all.
     const auto by = [&](auto field) {
@@ -251,9 +258,9 @@ class KtoTrainer final : public Trainer {
     };
     const std::size_t p = by(&data::UnpairedExample::prompt),
                       c = by(&data::UnpairedExample::completion);
-    l.take(data::encode(tok_, examples_[p].prompt, examples_[c].completion, encode_),
-           "the KL pair of example " + std::to_string(p + 1) + "'s prompt and example " +
-               std::to_string(c + 1) + "'s completion");
+    l.take(data::encode(tok_, examples_[p].prompt, examples_[c].completion, encode_), 0,
+           "the KL pair of line " + std::to_string(examples_[p].line) + "'s prompt and line " +
+               std::to_string(examples_[c].line) + "'s completion");
     return l;
   }
   std::pair<const char*, const char*> accuracy_metric() const override {
@@ -311,6 +318,18 @@ class KtoTrainer final : public Trainer {
 };
 
 }  // namespace
+
+void check_loss_settings(const LossSettings& loss) {
+  if (loss.loss == "ce") {
+    CrossEntropyOptions o;
+    o.label_smoothing = static_cast<float>(loss.label_smoothing);
+    (void)LinearCrossEntropy(o);
+  } else if (loss.loss == "kto") {
+    (void)make_kto_loss(loss);
+  } else {
+    (void)make_pair_loss(loss);
+  }
+}
 
 std::unique_ptr<Trainer> make_pair_trainer(const DataSettings& data, const LossSettings& loss,
                                            LossDevice& device,

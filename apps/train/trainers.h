@@ -43,6 +43,10 @@ struct LossSettings {
   std::size_t budget_bytes = 0;
 };
 
+/// Builds the loss object `loss` describes, as a trainer would, and drops it: throws the loss's
+/// chunkloss::Error for a value it refuses, so that option parsing finds it before any work.
+void check_loss_settings(const LossSettings& loss);
+
 class Trainer {
  public:
   virtual ~Trainer() = default;
@@ -89,7 +93,10 @@ class Trainer {
 
 /// Encoding options shared by every data set.
 struct DataSettings {
-  std::string file;  ///< JSONL in the loss's convention
+  std::string file;  ///< JSONL in the loss's convention (named in messages)
+  /// The file's bytes, read once (data::read_text_file) so that a pipe (--train-file <(...),
+  /// /dev/stdin) works and the data trained on is the data digested for --resume.
+  std::string text;
   data::EncodeOptions encode;
 };
 

@@ -255,10 +255,10 @@ def main():
                 f.write(json.dumps({"prompt": "1+1=", "completion": "2" * (3 if i else 70)}) + "\n")
         p = run([train, "--train-file", long_file, "--max-positions", "16", "--max-length", "0",
                  "--steps", "2", "--warmup-steps", "0", "--batch-size", "2"], expect=1)
-        if "long.jsonl: example 1 encodes to 75 positions" not in p.stderr or "step" in p.stderr:
+        if "long.jsonl:1: the example encodes to 75 positions" not in p.stderr or "step" in p.stderr:
             fail("a too long example must be named before training:\n" + p.stderr)
         p = run([evaluate, "--model", sft, "--sft-file", long_file], expect=1)
-        if "long.jsonl: example 1 encodes to 75 positions" not in p.stderr:
+        if "long.jsonl:1: the example encodes to 75 positions" not in p.stderr:
             fail("eval must name a too long example:\n" + p.stderr)
         # KTO drops an epoch's last micro-batch of one example (its KL estimate needs two).
         kto_file = os.path.join(work, "kto5.jsonl")

@@ -6,6 +6,7 @@
 #include <chunkloss/core/error.h>
 #include <chunkloss/data/jsonl.h>
 
+#include <filesystem>
 #include <string>
 
 #include "expect_error.h"
@@ -31,6 +32,10 @@ TEST_CASE("jsonl: SFT prompt/completion and text lines") {
   CHECK(ex[1].completion == "hello");
   CHECK(ex[2].prompt.empty());
   CHECK(ex[2].completion == "x\ny\xc3\xa9");
+  // Each example knows its line (blank lines count), as messages name it.
+  CHECK(ex[0].line == 1);
+  CHECK(ex[1].line == 4);
+  CHECK(ex[2].line == 5);
 }
 
 TEST_CASE("jsonl: preference and unpaired lines") {
@@ -51,6 +56,8 @@ TEST_CASE("jsonl: preference and unpaired lines") {
   CHECK(kto[0].label);
   CHECK(!kto[1].label);
   CHECK(kto[1].completion == "b");
+  CHECK(pref[1].line == 2);
+  CHECK(kto[1].line == 2);
 }
 
 // The message of parsing `text` as `kind`, which must name "<source>:<line>:".
@@ -144,6 +151,12 @@ TEST_CASE("jsonl: files are read from disk and errors name the path") {
   CHECK(contains(error_message([&] { read_preference_jsonl(missing); }), missing));
   CHECK(contains(error_message([&] { read_sft_jsonl(dir.path()); }),
                  dir.path() + " is a directory, not a file"));
+  // Paths the file system refuses are a chunkloss::Error naming them, not a filesystem_error.
+  const std::string loop = dir.file("loop");
+  std::filesystem::create_symlink(loop, loop);
+  CHECK(contains(error_message([&] { read_sft_jsonl(loop); }), "cannot open " + loop));
+  const std::string long_name = dir.file(std::string(300, 'a') + ".jsonl");
+  CHECK(contains(error_message([&] { read_sft_jsonl(long_name); }), "cannot open " + long_name));
   const std::string kto =
       dir.write("kto.jsonl", "{\"prompt\": \"p\", \"completion\": \"c\", \"label\": false}");
   const auto ex = read_unpaired_jsonl(kto);

@@ -459,6 +459,35 @@ TEST_CASE("checkpoint errors: NaN or Inf weights and moments") {
   CHECK(contains(error_message([&] { load_training_state(dir.path(), t.m, fresh); }),
                  "tensor lm_head.weight.exp_avg_sq holds inf at flat index 3"));
   CHECK(fresh.step_count() == 0);
+  // A negative second moment is finite but makes the next update sqrt(-x) = NaN.
+  t.save(dir.path());
+  with_value(opt_path, SafetensorsFile::read(opt_path), "model.norm.weight.exp_avg_sq", -1.0f);
+  CHECK(contains(error_message([&] { load_training_state(dir.path(), t.m, fresh); }),
+                 opt_path + ": tensor model.norm.weight.exp_avg_sq holds -1 at flat index 3"));
+  CHECK(fresh.step_count() == 0);
+}
+
+TEST_CASE("checkpoint: a model holding NaN or Inf is not saved") {
+  const TempDir dir;
+  Trained t(tiny_config(false, false));
+  t.save(dir.path());
+  const std::string before = slurp(dir.file("model.safetensors"));
+  const std::size_t norm = t.m.parameters().back().offset;  // (some parameter's first value)
+  t.m.params()[norm + 1] = NAN;
+  std::string m = error_message([&] { t.save(dir.path()); });
+  CHECK(contains(m, "save_checkpoint: the parameter of " + t.m.parameters().back().name +
+                        " holds nan at flat index 1: not saved"));
+  CHECK(slurp(dir.file("model.safetensors")) == before);  // the previous save is untouched
+  CHECK(!fs::exists(dir.file("model.safetensors.tmp")));
+  // A NaN moment makes the next run's first update NaN: not saved either.
+  t.m.params()[norm + 1] = 0.5f;
+  const TempDir other;
+  std::vector<float> g(t.m.params().size(), 0.0f);
+  g[7] = NAN;
+  t.opt.step(t.m.params(), g, 1e-3);
+  m = error_message([&] { t.save(other.path()); });
+  CHECK(contains(m, "save_checkpoint: the parameter of "));  // the NaN reached the parameter
+  CHECK(!fs::exists(other.file("model.safetensors")));
 }
 
 TEST_CASE("checkpoint errors: optimizer state, trainer state and mixed saves") {

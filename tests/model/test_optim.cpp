@@ -90,6 +90,13 @@ TEST_CASE("AdamW: argument errors") {
   CHECK(contains(error_message([&] { opt.step(p, g, 0.1); }), "3 params and 2 grads"));
   std::vector<float> m(2), v(3);
   CHECK(contains(error_message([&] { opt.load_state(m, v, 1); }), "2 exp_avg"));
+  // Moments no update can produce are refused, and the state stays as it was.
+  std::vector<float> m3 = {0, 0, INFINITY}, v3 = {0, 0, 0};
+  CHECK(contains(error_message([&] { opt.load_state(m3, v3, 1); }), "exp_avg[2] = inf"));
+  m3[2] = 0;
+  v3[1] = -2;
+  CHECK(contains(error_message([&] { opt.load_state(m3, v3, 1); }), "exp_avg_sq[1] = -2"));
+  CHECK(opt.step_count() == 0);
 }
 
 TEST_CASE("clip_grad_norm: measures, scales above max_norm, leaves non-finite alone") {

@@ -130,6 +130,73 @@ void prepare_output_dir(std::string_view option, const std::string& dir) {
   ::unlink(probe.c_str());
 }
 
+std::string label_smoothing_error(std::string_view loss, std::string_view dpo_loss,
+                                  std::string_view dpo_option, double eps) {
+  const char* range = nullptr;  // nullptr: the loss takes none
+  bool ok = eps == 0;
+  if (loss == "ce") {
+    range = "[0, 1]";
+    ok = eps >= 0 && eps <= 1;
+  } else if (loss == "simpo" || loss == "cpo" || (loss == "dpo" && dpo_loss == "sigmoid")) {
+    range = "[0, 0.5]";
+    ok = eps >= 0 && eps <= 0.5;
+  } else if (loss == "dpo" && dpo_loss == "robust") {
+    range = "[0, 0.5)";
+    ok = eps >= 0 && eps < 0.5;
+  } else if (loss == "dpo" && dpo_loss == "exo_pair") {
+    range = "(0, 1) (exo_pair needs one)";
+    ok = eps > 0 && eps < 1;
+  }
+  if (ok) return "";
+  std::ostringstream os;
+  os << "--label-smoothing " << eps << ": --loss " << loss;
+  if (loss == "dpo") os << " " << dpo_option << " " << dpo_loss;
+  if (range)
+    os << " takes a value in " << range;
+  else
+    os << " has no label smoothing"
+       << (loss == "dpo" ? " (only its sigmoid, robust and exo_pair losses have)" : "");
+  return os.str();
+}
+
+bool same_file(const std::string& a, const std::string& b) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::equivalent(a, b, ec)) return true;
+  const auto normal = [](const std::string& p) {
+    std::error_code e;
+    const fs::path c = fs::weakly_canonical(p, e);
+    return e ? fs::absolute(p, e).lexically_normal() : c;
+  };
+  return normal(a) == normal(b);
+}
+
+void prepare_output_file(std::string_view option, const std::string& path,
+                         const std::vector<std::pair<std::string, std::string>>& inputs,
+                         const std::vector<std::string>& suffixes) {
+  namespace fs = std::filesystem;
+  const std::string opt = "--" + std::string(option);
+  if (path.empty()) throw UsageError(opt + ": an empty file name");
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  // (A missing parent, or a file in its place: prepare_output_dir names it below.)
+  if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory)
+    throw std::runtime_error(opt + ": cannot use " + path + ": " + ec.message());
+  if (fs::is_directory(st))
+    throw UsageError(opt + ": " + path + " is a directory; give a file name");
+  if (fs::exists(st) && !fs::is_regular_file(st))
+    throw UsageError(opt + ": " + path +
+                     " is not a regular file (an output is written beside it and renamed over it)");
+  std::vector<std::string> writes = {path};
+  for (const std::string& suffix : suffixes) writes.push_back(path + suffix);
+  for (const std::string& w : writes)
+    for (const auto& [what, in] : inputs)
+      if (!in.empty() && same_file(w, in))
+        throw UsageError(opt + " " + path + ": " + (w == path ? "" : "its file " + w + " ") +
+                         "would overwrite " + what + " " + in + ", an input of the run");
+  prepare_output_dir(option, fs::path(path).parent_path().string());
+}
+
 std::size_t budget_bytes(double mib, const std::string& device) {
   if (!(mib >= 0 && mib <= 1048576)) {
     std::ostringstream os;

@@ -2,6 +2,12 @@
 #include "chunkloss/apps/tuning.h"
 
 #include <chunkloss/core/error.h>
+#include <chunkloss/data/tokenizer.h>
+#include <chunkloss/model/checkpoint.h>
+
+#include <filesystem>
+
+#include "chunkloss/apps/cli.h"
 
 namespace chunkloss::apps {
 
@@ -9,17 +15,43 @@ std::string bundled_data(const std::string& name) {
   return std::string(CHUNKLOSS_BUNDLED_DATA_DIR) + "/" + name;
 }
 
-void Longest::take(const data::Sequence& s, const std::string& name) {
+void check_not_checkpoint_file(std::string_view option, const std::string& path,
+                               const std::vector<std::string>& dirs, const std::string& save) {
+  const std::filesystem::path p(path);
+  if (!model::is_checkpoint_file_name(p.filename().string())) return;
+  const std::filesystem::path parent = p.parent_path().empty() ? "." : p.parent_path();
+  std::vector<std::string> clashes;
+  for (const std::string& dir : dirs)
+    if (!dir.empty() && same_file(parent.string(), dir)) clashes.push_back(dir);
+  if (!save.empty() && parent.filename().string().rfind("checkpoint-", 0) == 0 &&
+      same_file(parent.parent_path().empty() ? "." : parent.parent_path().string(), save))
+    clashes.push_back(parent.string());
+  if (!clashes.empty())
+    throw UsageError("--" + std::string(option) + " " + path + ": a file of the checkpoint in " +
+                     clashes.front() + ", which saving or loading it would clash with");
+}
+
+void Longest::take(const data::Sequence& s, std::size_t at_line, const std::string& description) {
   const auto n = static_cast<std::int64_t>(s.tokens.size());
   if (n <= positions) return;
   positions = n;
-  what = name;
+  line = at_line;
+  what = description;
+}
+
+void check_vocab(const model::LlamaConfig& config, const std::string& what) {
+  const data::ByteTokenizer tok;
+  CHUNKLOSS_CHECK(config.vocab_size >= tok.vocab_size(), what, ": the checkpoint's vocab_size ",
+                  config.vocab_size, " is smaller than the byte tokenizer's ", tok.vocab_size(),
+                  " (ids 0-255 bytes, ", tok.bos_id(), " BOS, ", tok.eos_id(), " EOS, ",
+                  tok.pad_id(), " PAD): it was not trained with this data layer");
 }
 
 void check_fits(const Longest& longest, const std::string& file, const model::LlamaConfig& config,
                 const std::string& hint) {
-  CHUNKLOSS_CHECK(longest.positions <= config.max_position_embeddings, file, ": ", longest.what,
-                  " encodes to ", longest.positions,
+  CHUNKLOSS_CHECK(longest.positions <= config.max_position_embeddings, file,
+                  longest.line ? ":" + std::to_string(longest.line) : std::string(), ": ",
+                  longest.what, " encodes to ", longest.positions,
                   " positions, more than the model's max_position_embeddings = ",
                   config.max_position_embeddings, " (", hint, ")");
 }

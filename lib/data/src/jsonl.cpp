@@ -6,6 +6,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <system_error>
 
 #include "chunkloss/core/error.h"
 
@@ -81,7 +82,11 @@ std::size_t for_each_object(std::string_view text, std::string_view source, F&& 
 }  // namespace
 
 std::string read_text_file(const std::string& path) {
-  CHUNKLOSS_CHECK(!std::filesystem::is_directory(path), path, " is a directory, not a file");
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::status(path, ec);
+  CHUNKLOSS_CHECK(!ec || ec == std::errc::no_such_file_or_directory, "cannot open ", path,
+                  " for reading: ", ec.message());
+  CHUNKLOSS_CHECK(!std::filesystem::is_directory(st), path, " is a directory, not a file");
   std::ifstream in(path, std::ios::binary);
   CHUNKLOSS_CHECK(in.good(), "cannot open ", path, " for reading");
   std::ostringstream os;
@@ -97,15 +102,18 @@ std::vector<SftExample> parse_sft_jsonl(std::string_view text, std::string_view 
     const bool has_pc = obj.contains("prompt") || obj.contains("completion");
     CHUNKLOSS_CHECK(!(has_text && has_pc), at.source, ":", at.number,
                     ": ambiguous SFT line: both \"text\" and \"prompt\"/\"completion\" present");
+    SftExample ex;
+    ex.line = at.number;
     if (has_text) {
-      out.push_back({std::string(), string_field(obj, at, "text", false)});
+      ex.completion = string_field(obj, at, "text", false);
     } else {
       CHUNKLOSS_CHECK(has_pc, at.source, ":", at.number,
                       ": missing field \"completion\" (an SFT line needs \"prompt\" and "
                       "\"completion\", or \"text\")");
-      std::string prompt = string_field(obj, at, "prompt", true);
-      out.push_back({std::move(prompt), string_field(obj, at, "completion", false)});
+      ex.prompt = string_field(obj, at, "prompt", true);
+      ex.completion = string_field(obj, at, "completion", false);
     }
+    out.push_back(std::move(ex));
   });
   return out;
 }
@@ -115,6 +123,7 @@ std::vector<PreferenceExample> parse_preference_jsonl(std::string_view text,
   std::vector<PreferenceExample> out;
   for_each_object(text, source, [&](const json& obj, const Line& at) {
     PreferenceExample ex;
+    ex.line = at.number;
     ex.prompt = string_field(obj, at, "prompt", true);
     ex.chosen = string_field(obj, at, "chosen", false);
     ex.rejected = string_field(obj, at, "rejected", false);
@@ -127,6 +136,7 @@ std::vector<UnpairedExample> parse_unpaired_jsonl(std::string_view text, std::st
   std::vector<UnpairedExample> out;
   for_each_object(text, source, [&](const json& obj, const Line& at) {
     UnpairedExample ex;
+    ex.line = at.number;
     ex.prompt = string_field(obj, at, "prompt", true);
     ex.completion = string_field(obj, at, "completion", false);
     ex.label = bool_field(obj, at, "label");

@@ -121,9 +121,10 @@ std::vector<Wanted> model_tensors(const LlamaModel& model, const char* suffix) {
 
 // The values of the model's parameters, each from tensor "<name><suffix>" of `f` (whose tensor set
 // was checked), in the model's layout. Throws naming the file and the tensor when a value is NaN
-// or Inf: a diverged run's save, which no training or evaluation can use.
+// or Inf (a diverged run's save, which no training or evaluation can use), or with
+// `non_negative` (AdamW's second moments) below 0.
 std::vector<float> read_parameters(const SafetensorsFile& f, const LlamaModel& model,
-                                   const char* suffix) {
+                                   const char* suffix, bool non_negative = false) {
   std::vector<float> values(model.params().size());
   for (const ParameterInfo& p : model.parameters()) {
     const std::span<float> dst = std::span<float>(values).subspan(p.offset, p.numel);
@@ -132,8 +133,29 @@ std::vector<float> read_parameters(const SafetensorsFile& f, const LlamaModel& m
         std::find_if(dst.begin(), dst.end(), [](float x) { return !std::isfinite(x); });
     CHUNKLOSS_CHECK(bad == dst.end(), f.source(), ": tensor ", p.name, suffix, " holds ", *bad,
                     " at flat index ", bad - dst.begin(), " (a diverged run's save?)");
+    const auto negative =
+        std::find_if(dst.begin(), dst.end(), [&](float x) { return non_negative && x < 0.0f; });
+    CHUNKLOSS_CHECK(negative == dst.end(), f.source(), ": tensor ", p.name, suffix, " holds ",
+                    *negative, " at flat index ", negative - dst.begin(),
+                    " (a second moment is never negative: a damaged or hand-made file?)");
   }
   return values;
+}
+
+// Throws naming `what` and the parameter when `values` (laid out as the model's parameters) holds
+// NaN or Inf, or with `non_negative` a negative value: the loaders refuse such a save, so it is
+// never written.
+void check_saveable(std::span<const float> values, const LlamaModel& model, const char* what,
+                    bool non_negative = false) {
+  for (const ParameterInfo& p : model.parameters()) {
+    const std::span<const float> v = values.subspan(p.offset, p.numel);
+    const auto bad = std::find_if(v.begin(), v.end(), [&](float x) {
+      return !std::isfinite(x) || (non_negative && x < 0.0f);
+    });
+    CHUNKLOSS_CHECK(bad == v.end(), "save_checkpoint: ", what, " of ", p.name, " holds ", *bad,
+                    " at flat index ", bad - v.begin(),
+                    ": not saved (the loaders would refuse it; a diverged run?)");
+  }
 }
 
 // Checks the tensor set of `f` against `model` and copies its values in (all or none).
@@ -256,8 +278,20 @@ void finish_commit(const std::string& dir) {
 
 }  // namespace
 
+bool is_checkpoint_file_name(std::string_view name) {
+  if (name == kCommitFile || name == detail::temp_path(kCommitFile)) return true;
+  for (const std::string& f : kCheckpointFiles)
+    if (name == f || name == detail::temp_path(f)) return true;
+  return false;
+}
+
 void save_checkpoint(const std::string& dir, const LlamaModel& model, const AdamW* optimizer,
                      const TrainerState* state) {
+  check_saveable(model.params(), model, "the parameter");
+  if (optimizer && optimizer->size() == model.params().size()) {
+    check_saveable(optimizer->exp_avg(), model, "the optimizer's exp_avg");
+    check_saveable(optimizer->exp_avg_sq(), model, "the optimizer's exp_avg_sq", true);
+  }
   try {
     fs::create_directories(dir);
   } catch (const fs::filesystem_error& e) {
@@ -423,7 +457,7 @@ TrainerState load_training_state(const std::string& dir, const LlamaModel& model
       "strings", st.strings, [](const json& v) { return v.is_string(); }, "an object of strings");
 
   optimizer.load_state(read_parameters(f, model, ".exp_avg"),
-                       read_parameters(f, model, ".exp_avg_sq"), step);
+                       read_parameters(f, model, ".exp_avg_sq", true), step);
   return st;
 }
 

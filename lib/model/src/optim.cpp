@@ -57,6 +57,13 @@ void AdamW::load_state(std::span<const float> exp_avg, std::span<const float> ex
                   "AdamW::load_state: ", exp_avg.size(), " exp_avg and ", exp_avg_sq.size(),
                   " exp_avg_sq values for an optimizer of ", m_.size());
   CHUNKLOSS_CHECK(step >= 0, "AdamW::load_state: step=", step, " must be >= 0");
+  for (std::size_t j = 0; j < m_.size(); ++j) {
+    CHUNKLOSS_CHECK(std::isfinite(exp_avg[j]), "AdamW::load_state: exp_avg[", j, "] = ", exp_avg[j],
+                    " is not finite");
+    CHUNKLOSS_CHECK(std::isfinite(exp_avg_sq[j]) && exp_avg_sq[j] >= 0.0f,
+                    "AdamW::load_state: exp_avg_sq[", j, "] = ", exp_avg_sq[j],
+                    " is not a finite value >= 0 (a second moment)");
+  }
   std::copy(exp_avg.begin(), exp_avg.end(), m_.begin());
   std::copy(exp_avg_sq.begin(), exp_avg_sq.end(), v_.begin());
   step_ = step;

@@ -3,24 +3,35 @@
 #pragma once
 
 #include <boost/program_options.hpp>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <new>
+#include <string>
+#include <system_error>
 
 #include "chunkloss/apps/cli.h"
 
 namespace chunkloss::apps {
 
 /// Adds the options of the INI file `path` (--config) to `vm`; the command line's, stored
-/// first, win. Throws UsageError naming the file when it cannot be read (a directory, say) or
-/// holds an unknown or malformed option. Pipes work too (--config <(...)).
+/// first, win. Throws UsageError naming the file when it cannot be read (missing, a directory, a
+/// symlink loop, a name too long, ...) or holds an unknown or malformed option. Pipes work too
+/// (--config <(...)).
 inline void store_config_file(const std::string& path,
                               const boost::program_options::options_description& options,
                               boost::program_options::variables_map& vm) {
-  std::ifstream in;
-  if (!std::filesystem::is_directory(path)) in.open(path);
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::status(path, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    throw UsageError("--config: cannot open " + path + ": " + ec.message());
+  if (std::filesystem::is_directory(st))
+    throw UsageError("--config: " + path + " is a directory, not a file");
+  std::ifstream in(path);
   if (!in.is_open() || !in) throw UsageError("--config: cannot open " + path + " as a file");
   try {
     boost::program_options::store(boost::program_options::parse_config_file(in, options), vm);
@@ -29,11 +40,26 @@ inline void store_config_file(const std::string& path,
   }
 }
 
+/// Flushes standard output and returns `code`, or kExitFailure after one line on stderr when a
+/// write to it failed (a full disk, /dev/full, ...): an app whose results did not reach its
+/// output has not succeeded.
+inline int check_stdout(const char* prog, int code) {
+  errno = 0;
+  std::cout.flush();
+  const bool flushed = std::fflush(stdout) == 0;
+  const int err = errno;
+  if (flushed && !std::ferror(stdout) && !std::cout.bad()) return code;
+  std::fprintf(stderr, "%s: error: cannot write to standard output: %s\n", prog,
+               err ? std::strerror(err) : "a write failed");
+  return kExitFailure;
+}
+
 /// Runs an app: `parse()` returns its settings as a std::optional (empty: --help was printed,
 /// exit 0), then `run(settings)` returns the exit code. A boost::program_options error or a
 /// UsageError (from either step) prints "PROG: MESSAGE (see --help)" and gives kExitUsage; any
 /// other std::exception from run prints "PROG: error: MESSAGE" ("out of memory" for
-/// std::bad_alloc) and gives kExitFailure. Messages print on one line.
+/// std::bad_alloc) and gives kExitFailure. Messages print on one line. Either way, a failed write
+/// to standard output gives kExitFailure (check_stdout).
 template <typename Parse, typename Run>
 int guarded_main(const char* prog, Parse&& parse, Run&& run) {
   auto usage = [prog](const std::exception& e) {
@@ -48,9 +74,9 @@ int guarded_main(const char* prog, Parse&& parse, Run&& run) {
   } catch (const UsageError& e) {
     return usage(e);
   }
-  if (!settings) return 0;
+  if (!settings) return check_stdout(prog, 0);
   try {
-    return run(*settings);
+    return check_stdout(prog, run(*settings));
   } catch (const UsageError& e) {
     return usage(e);
   } catch (const std::bad_alloc&) {

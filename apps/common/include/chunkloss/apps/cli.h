@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace chunkloss::apps {
@@ -50,6 +51,28 @@ std::string utc_today();
 /// can be created in it, so that a run fails before its work rather than at its end. Throws
 /// std::runtime_error naming the option, the directory and the reason.
 void prepare_output_dir(std::string_view option, const std::string& dir);
+
+/// What is wrong with --label-smoothing `eps` for `loss` ("" when nothing), by the ranges the
+/// library's loss objects accept: ce [0, 1]; dpo by its loss type `dpo_loss` (the value of option
+/// `dpo_option`): sigmoid [0, 0.5], robust [0, 0.5), exo_pair (0, 1), the others none; simpo and
+/// cpo [0, 0.5]; orpo and kto none. The message names --label-smoothing and the loss.
+std::string label_smoothing_error(std::string_view loss, std::string_view dpo_loss,
+                                  std::string_view dpo_option, double eps);
+
+/// Whether `a` and `b` name the same file: the same existing file (hard links, symlinks and
+/// relative spellings included), or the same path once made absolute and normalised.
+bool same_file(const std::string& a, const std::string& b);
+
+/// Checks output file `path` of option `option` before the run's work, and creates its parent
+/// directory when missing (prepare_output_dir), so that a bad output fails at once rather than at
+/// the end. Throws UsageError naming the option when `path` is a directory or another
+/// non-regular file (outputs are replaced by rename), or when it or one of `path + suffix` (the
+/// other files the option writes, e.g. ".tmp") is the same file as one of `inputs` (each a
+/// description, e.g. "--train-file", and a path; empty paths are skipped); throws
+/// std::runtime_error naming the option when the parent directory cannot be made or written.
+void prepare_output_file(std::string_view option, const std::string& path,
+                         const std::vector<std::pair<std::string, std::string>>& inputs = {},
+                         const std::vector<std::string>& suffixes = {".tmp"});
 
 /// The bytes of a --budget-mib value in [0, 2^20] MiB; 0 gives the library's default for
 /// `device` ("cpu" or "cuda", default_memory_budget), so that both spellings of a budget are one.

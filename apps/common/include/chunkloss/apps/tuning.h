@@ -11,6 +11,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <vector>
 
 namespace chunkloss::apps {
 
@@ -20,21 +22,35 @@ std::string bundled_data(const std::string& name);
 /// The longest encoded example of a data file, found before training or evaluating so that a
 /// sequence longer than the model's positions is reported up front.
 struct Longest {
-  std::string what;  ///< "example 7" (1-based, blank lines not counted), or a derived sequence
+  std::size_t line = 0;  ///< the example's line in its file (0: a sequence of several lines)
+  std::string what;      ///< "the example", its "chosen sequence", or a derived sequence
   std::int64_t positions = 0;
-  /// Keeps `s` (described by `name`) when it is longer than the longest so far.
-  void take(const data::Sequence& s, const std::string& name);
-  void take(const data::Sequence& s, std::size_t index) {
-    take(s, "example " + std::to_string(index + 1));
-  }
-  void take(const data::PreferenceSequences& pair, std::size_t index) {
-    take(pair.chosen, index);
-    take(pair.rejected, index);
+  /// Keeps `s` (from line `at_line`, described by `description`) when it is longer than the
+  /// longest so far.
+  void take(const data::Sequence& s, std::size_t at_line,
+            const std::string& description = "the example");
+  void take(const data::PreferenceSequences& pair, std::size_t at_line) {
+    take(pair.chosen, at_line, "the pair's chosen sequence");
+    take(pair.rejected, at_line, "the pair's rejected sequence");
   }
 };
 
-/// Throws chunkloss::Error naming `file`, the example and both lengths when `longest` has more
-/// positions than a model of `config` takes; `hint` says how to shorten it.
+/// Throws UsageError naming `option` when output file `path` would be a file of one of the
+/// checkpoint directories `dirs` (a name model::is_checkpoint_file_name gives, in the directory
+/// itself), which a save would overwrite or a load read. With `save` (chunkloss-train's --save),
+/// its DIR/checkpoint-N directories count too.
+void check_not_checkpoint_file(std::string_view option, const std::string& path,
+                               const std::vector<std::string>& dirs, const std::string& save = "");
+
+/// Throws chunkloss::Error naming `what` (the checkpoint, e.g. "--init runs/sft") when a model
+/// of `config` cannot take every id of the apps' byte tokenizer (data::ByteTokenizer): a
+/// vocab_size below its 259 (the bytes, BOS, EOS and PAD), found when the checkpoint is loaded
+/// rather than at the first padded batch.
+void check_vocab(const model::LlamaConfig& config, const std::string& what);
+
+/// Throws chunkloss::Error naming `file` and the example's line ("file:7: the example encodes
+/// to ...", as the JSONL readers name lines) and both lengths when `longest` has more positions
+/// than a model of `config` takes; `hint` says how to shorten it.
 void check_fits(const Longest& longest, const std::string& file, const model::LlamaConfig& config,
                 const std::string& hint);
 

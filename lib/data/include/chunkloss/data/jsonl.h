@@ -3,6 +3,7 @@
 // One JSON object per line; a malformed line is an error naming the file and the line number.
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -14,6 +15,7 @@ namespace chunkloss::data {
 struct SftExample {
   std::string prompt;
   std::string completion;
+  std::size_t line = 0;  ///< its 1-based line in the source (what messages name it by)
 };
 
 /// One paired preference example (DPO, ORPO, SimPO, CPO).
@@ -21,6 +23,7 @@ struct PreferenceExample {
   std::string prompt;
   std::string chosen;
   std::string rejected;
+  std::size_t line = 0;  ///< its 1-based line in the source (what messages name it by)
 };
 
 /// One unpaired example (KTO): `label` true marks a desirable completion.
@@ -28,6 +31,7 @@ struct UnpairedExample {
   std::string prompt;
   std::string completion;
   bool label = false;
+  std::size_t line = 0;  ///< its 1-based line in the source (what messages name it by)
 };
 
 /// Rules shared by the readers:

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 
 #include "chunkloss/model/config.h"
 #include "chunkloss/model/model.h"
@@ -19,6 +20,12 @@ inline constexpr const char* kConfigFile = "config.json";
 inline constexpr const char* kModelFile = "model.safetensors";
 inline constexpr const char* kOptimizerFile = "optimizer.safetensors";
 inline constexpr const char* kTrainerStateFile = "trainer_state.json";
+
+/// Whether save_checkpoint writes a file of this name into its directory: one of the four files
+/// above, its temporary ("<file>.tmp"), or the save's commit record. Another program's file of
+/// such a name in a checkpoint directory would be overwritten or removed by a save, or read as
+/// part of the checkpoint.
+bool is_checkpoint_file_name(std::string_view name);
 
 /// Training-loop state saved with the optimizer (trainer_state.json).
 struct TrainerState {
@@ -44,7 +51,9 @@ struct TrainerState {
 /// renames before staging its own. Optimizer or trainer-state files of an earlier save that this
 /// save does not write are removed. Each save has a fresh random save id; the loaders reject
 /// files whose ids differ (files copied or edited by hand from different saves).
-/// Throws chunkloss::Error naming the file and the failing call.
+/// Throws chunkloss::Error naming the file and the failing call, and before writing anything
+/// when a parameter or moment is NaN or Inf or a second moment is negative (the loaders would
+/// refuse the save: a diverged run).
 void save_checkpoint(const std::string& dir, const LlamaModel& model,
                      const AdamW* optimizer = nullptr, const TrainerState* state = nullptr);
 
@@ -69,7 +78,8 @@ void load_weights(const std::string& path, LlamaModel& model);
 bool has_training_state(const std::string& dir);
 
 /// Restores the optimizer's m, v and step from dir/optimizer.safetensors (names and shapes
-/// validated against `model` as in load_weights) and returns dir/trainer_state.json. Throws
+/// validated against `model` as in load_weights; NaN or Inf moments and negative second moments
+/// refused, named by tensor and index) and returns dir/trainer_state.json. Throws
 /// chunkloss::Error naming the file and the problem, or when the files' save ids differ from
 /// each other or from config.json's, or from a non-empty `model_save_id` (load_model's: the
 /// directory was saved again after the model was loaded). The optimizer is unchanged when it

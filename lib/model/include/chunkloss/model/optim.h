@@ -47,7 +47,8 @@ class AdamW {
   std::span<const float> exp_avg_sq() const { return v_; }
 
   /// Restores a saved state (the checkpoint loader's entry point). Throws chunkloss::Error for
-  /// sizes other than size() or a negative step.
+  /// sizes other than size(), a negative step, a non-finite moment or a negative second moment
+  /// (which would turn the next update into NaN); the state is unchanged then.
   void load_state(std::span<const float> exp_avg, std::span<const float> exp_avg_sq,
                   std::int64_t step);
 

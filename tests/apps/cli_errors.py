@@ -1,0 +1,375 @@
+#!/usr/bin/env python3
+"""Error handling of chunkloss-train, chunkloss-eval and chunkloss-bench (ctest label cpu): bad
+input makes an app print one line naming the problem and exit non-zero (2 for a bad command line,
+1 for a runtime failure), and a failure never loses or corrupts an earlier output.
+
+    cli_errors.py TRAIN EVAL BENCH WORKDIR CASE
+
+CASE is one of:
+  config: --config naming a symlink loop or a name too long is a usage error (train and eval).
+  resume_state: --resume from an optimizer state with a negative second moment is refused,
+    naming the file and the tensor; one whose finite moments blow a parameter up to Inf stops
+    at that step naming it; neither writes a checkpoint.
+  stdin: --train-file /dev/stdin (a pipe, readable once) trains, and its digest is the file's:
+    a resume from the same bytes in a regular file is accepted.
+  metrics: the metrics file is replaced atomically: a run that fails before its first checkpoint
+    leaves the previous SAVE/metrics.jsonl as it was, one that fails later leaves it at its last
+    checkpoint; the records so far are in SAVE/metrics.jsonl.partial meanwhile; a resume keeps
+    the records up to its step and appends.
+  outputs: output paths are checked before any work, naming the option: a directory or a
+    device given as a file (eval --json, bench --json, train --chart, --metrics), a parent that is
+    a file, an output that is an input (--train-file, --config, the --init checkpoint saved
+    over, the metrics drawn as the chart) or a file of a checkpoint read or written (--resume's,
+    --save's checkpoint-N); the inputs stay intact.
+  messages: runtime errors name what to fix: too few examples for a micro-batch with
+    --data-parallel names the file and both options; a checkpoint whose vocab_size is below the
+    tokenizer's is refused when loaded (--init, --model), naming it; a too long example is named
+    by its line, as JSON errors are (blank lines count), in train and eval.
+  loss_options: chunkloss-train refuses at option parsing (exit 2, one line naming the option
+    and the loss) an option the --loss does not take, a --label-smoothing outside the loss's
+    range, --init with --resume, and --chart with nothing to draw it from.
+  stdout: eval's table, bench's report and --help written to a full device (/dev/full) exit 1
+    with one line saying that standard output could not be written.
+  bench_options: chunkloss-bench refuses at option parsing (exit 2, one line naming the option)
+    --pairs x --seq-len whose N = 2 P T overflows, a negative --seed, bf16 logits on the CPU and a
+    --label-smoothing the loss (or DPO loss type) does not take.
+"""
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+TINY = ["--hidden-size", "8", "--intermediate-size", "8", "--layers", "1", "--heads", "1",
+        "--kv-heads", "1", "--batch-size", "2", "--threads", "1"]
+
+
+def fail(msg):
+    print("FAIL: " + msg)
+    sys.exit(1)
+
+
+def run(cmd, expect=0, **kw):
+    if "stdout" in kw:
+        kw["stderr"] = subprocess.PIPE
+    else:
+        kw["capture_output"] = True
+    p = subprocess.run(cmd, text=True, **kw)
+    if p.returncode != expect:
+        fail("%s exited %d (expected %d)\nstdout:\n%s\nstderr:\n%s" %
+             (" ".join(cmd), p.returncode, expect, p.stdout, p.stderr))
+    return p
+
+
+def one_line(cmd, expect, *words, **kw):
+    """Runs cmd, which must exit with `expect` and print one stderr line holding every word."""
+    p = run(cmd, expect, **kw)
+    lines = p.stderr.strip().splitlines()
+    errors = [l for l in lines if "error" in l or "see --help" in l]
+    if len(errors) != 1 or any(w not in errors[0] for w in words):
+        fail("%s: expected one line naming %s, got:\n%s" % (" ".join(cmd), words, p.stderr))
+    if expect == 2 and len(lines) != 1:
+        fail("%s: a usage error must be the only line, got:\n%s" % (" ".join(cmd), p.stderr))
+    return p
+
+
+def set_tensor(path, name, value):
+    """Overwrites every value of tensor `name` of the F32 safetensors file at `path` in place."""
+    with open(path, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        begin, end = json.loads(f.read(n))[name]["data_offsets"]
+        f.seek(8 + n + begin)
+        f.write(struct.pack("<%df" % ((end - begin) // 4), *[value] * ((end - begin) // 4)))
+
+
+def resume_state_case(train, work):
+    a = os.path.join(work, "a")
+    run([train, "--steps", "3", "--warmup-steps", "0", "--save", a, "--save-every", "2"] + TINY)
+    for tensor, value, words in (
+            ("model.norm.weight.exp_avg_sq", -1.0,
+             ("optimizer.safetensors", "model.norm.weight.exp_avg_sq holds -1")),
+            ("model.norm.weight.exp_avg", 3e38, ("step 3", "model.norm.weight", "inf"))):
+        ck = os.path.join(work, "ck")
+        shutil.rmtree(ck, ignore_errors=True)
+        shutil.copytree(os.path.join(a, "checkpoint-2"), ck)
+        set_tensor(os.path.join(ck, "optimizer.safetensors"), tensor, value)
+        out = os.path.join(work, "out")
+        shutil.rmtree(out, ignore_errors=True)
+        one_line([train, "--steps", "3", "--warmup-steps", "0", "--resume", ck, "--save", out] +
+                 TINY, 1, *words)
+        if os.path.exists(os.path.join(out, "model.safetensors")):
+            fail("a resume from a bad optimizer state (%s = %g) saved a checkpoint" %
+                 (tensor, value))
+
+
+def stdin_case(train, work):
+    data = "".join(json.dumps({"prompt": "%d+1=" % i, "completion": str(i + 1)}) + "\n"
+                   for i in range(6))
+    a = os.path.join(work, "a")
+    p = run([train, "--train-file", "/dev/stdin", "--steps", "4", "--warmup-steps", "0",
+             "--save", a, "--save-every", "2"] + TINY, input=data)
+    if "6 examples" not in p.stderr:
+        fail("--train-file /dev/stdin did not read the 6 examples:\n" + p.stderr)
+    same = os.path.join(work, "same.jsonl")
+    with open(same, "w") as f:
+        f.write(data)
+    run([train, "--train-file", same, "--steps", "4", "--warmup-steps", "0", "--resume",
+         os.path.join(a, "checkpoint-2"), "--save", os.path.join(work, "b")] + TINY)
+
+
+def bench_options_case(bench):
+    b = [bench, "--threads", "1", "--repeats", "1", "--hidden", "16", "--vocab", "64"]
+    for extra, words in (
+            (["--loss", "dpo", "--pairs", "2147483648", "--seq-len", "2147483648"],
+             ("--pairs 2147483648 --seq-len 2147483648", "exceeds 2^31")),
+            (["--loss", "dpo", "--pairs", "2", "--seq-len", "1073741824"], ("exceeds 2^31",)),
+            (["--rows", "64", "--seed", "-1"], ("--seed", "-1")),
+            (["--rows", "64", "--logits-dtype", "bf16"], ("--logits-dtype bf16", "--device cuda")),
+            (["--loss", "simpo", "--pairs", "1", "--seq-len", "8", "--label-smoothing", "0.7"],
+             ("--label-smoothing 0.7", "simpo", "[0, 0.5]")),
+            (["--loss", "dpo", "--pairs", "1", "--seq-len", "8", "--label-smoothing", "1"],
+             ("--label-smoothing 1", "dpo")),
+            (["--loss", "orpo", "--pairs", "1", "--seq-len", "8", "--label-smoothing", "0.3"],
+             ("--label-smoothing 0.3", "orpo", "no label smoothing")),
+            (["--loss", "dpo", "--dpo-loss", "ipo", "--pairs", "1", "--seq-len", "8",
+              "--label-smoothing", "0.3"], ("--label-smoothing 0.3", "ipo")),
+            (["--loss", "dpo", "--dpo-loss", "exo_pair", "--pairs", "1", "--seq-len", "8"],
+             ("--label-smoothing 0", "exo_pair"))):
+        one_line(b + extra, 2, *words)
+    # A value the loss takes runs.
+    run(b + ["--loss", "dpo", "--dpo-loss", "exo_pair", "--label-smoothing", "0.1", "--pairs",
+             "1", "--seq-len", "8"])
+
+
+def steps_of(path):
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.strip()]
+
+
+def metrics_case(train, work):
+    d = os.path.join(work, "d")
+    m = os.path.join(d, "metrics.jsonl")
+    base = [train, "--warmup-steps", "0", "--save", d] + TINY
+    run(base + ["--steps", "3"])
+    with open(m) as f:
+        first = f.read()
+    # A checkpoint directory that cannot be made (a file in its place) fails the run there.
+    blocker = os.path.join(d, "checkpoint-2")
+    with open(blocker, "w") as f:
+        f.write("not a directory")
+    one_line(base + ["--steps", "4", "--save-every", "2"], 1, "checkpoint-2")
+    with open(m) as f:
+        if f.read() != first:
+            fail("a run that failed before its first checkpoint changed " + m)
+    if steps_of(m + ".partial") != [1, 2]:
+        fail("the failed run's records must be in metrics.jsonl.partial")
+    os.remove(blocker)
+    blocker = os.path.join(d, "checkpoint-4")
+    with open(blocker, "w") as f:
+        f.write("not a directory")
+    one_line(base + ["--steps", "6", "--save-every", "2"], 1, "checkpoint-4")
+    if steps_of(m) != [1, 2]:
+        fail("a run that failed after its checkpoint at step 2 must leave steps 1-2 in " + m)
+    os.remove(blocker)
+    run(base + ["--steps", "6", "--save-every", "2"])
+    if steps_of(m) != [1, 2, 3, 4, 5, 6] or os.path.exists(m + ".partial"):
+        fail("a finished run must leave steps 1-6 in %s and no .partial" % m)
+    # A resume from step 2 into the same directory: steps 1-2 kept, 3-6 again, once each.
+    run(base[:1] + ["--warmup-steps", "0", "--save", d, "--steps", "6", "--resume",
+                    os.path.join(d, "checkpoint-2"), "--batch-size", "2", "--threads", "1"])
+    if steps_of(m) != [1, 2, 3, 4, 5, 6]:
+        fail("a resume from step 2 must leave steps 1-6 once each, got %s" % steps_of(m))
+
+
+def outputs_case(train, evaluate, bench, work):
+    ck = os.path.join(work, "ck")
+    run([train, "--steps", "2", "--warmup-steps", "0", "--save", ck, "--save-every", "1"] + TINY)
+    afile = os.path.join(work, "afile")
+    data = os.path.join(work, "x.jsonl")
+    ini = os.path.join(work, "c.ini")
+    for path, text in ((afile, "x"), (data, '{"prompt": "1+1=", "completion": "2"}\n' * 4),
+                       (ini, "steps = 2\n")):
+        with open(path, "w") as f:
+            f.write(text)
+    m = os.path.join(work, "m.jsonl")
+    t = [train, "--steps", "2", "--warmup-steps", "0"] + TINY
+    e = [evaluate, "--model", ck, "--limit", "2"]
+    b = [bench, "--threads", "1", "--repeats", "1", "--hidden", "16", "--vocab", "64", "--rows",
+         "64"]
+    state = os.path.join(ck, "trainer_state.json")
+    with open(state) as f:
+        saved_state = f.read()
+    for cmd, code, words in (
+            (e + ["--json", work], 2, ("--json", "is a directory")),
+            (e + ["--json", "/dev/null"], 2, ("--json", "not a regular file")),
+            (e + ["--json", os.path.join(ck, "config.json")], 2, ("--json", "checkpoint")),
+            (e + ["--json", os.path.join(afile, "x.json")], 1, ("--json", "afile")),
+            (b + ["--json", work], 2, ("--json", "is a directory")),
+            (t + ["--metrics", m, "--chart", work], 2, ("--chart", "is a directory")),
+            (t + ["--metrics", os.path.join(afile, "m.jsonl")], 1,
+             ("--metrics", "cannot create directory", "afile")),
+            (t + ["--train-file", data, "--metrics", data], 2, ("--metrics", "input")),
+            (t + ["--config", ini, "--metrics", ini], 2, ("--metrics", "input")),
+            (t + ["--metrics", m, "--chart", m], 2, ("--chart", "input")),
+            (t + ["--resume", os.path.join(ck, "checkpoint-1"), "--metrics",
+                  os.path.join(ck, "checkpoint-1", "trainer_state.json")], 2,
+             ("--metrics", "checkpoint")),
+            (t + ["--metrics", state], 2, ("--metrics", "checkpoint")),  # (--init's, below)
+            (t + ["--save", work, "--metrics", os.path.join(work, "checkpoint-1",
+                                                             "model.safetensors")], 2,
+             ("--metrics", "checkpoint-1")),
+            (t + ["--init", ck, "--save", ck], 2, ("--save", "--init"))):
+        if cmd[-1] == state:
+            cmd = cmd[:-2] + ["--init", ck, "--metrics", state]
+        p = one_line(cmd, code, *words)
+        if "step" in p.stderr or "case 1" in p.stderr or "|" in p.stdout:
+            fail("%s: refused only after some work:\n%s%s" % (" ".join(cmd), p.stdout, p.stderr))
+    with open(data) as f:
+        if f.read() != '{"prompt": "1+1=", "completion": "2"}\n' * 4:
+            fail("--metrics overwrote the training data")
+    with open(state) as f:
+        if f.read() != saved_state:
+            fail("--metrics overwrote the checkpoint's trainer_state.json")
+    run(t + ["--resume", os.path.join(ck, "checkpoint-1")])
+
+
+def shrink_vocab(ck, vocab):
+    """Rewrites checkpoint `ck` as a model of `vocab` tokens (fewer rows of the embedding and
+    lm_head), as a checkpoint made for another tokenizer would be."""
+    path = os.path.join(ck, "model.safetensors")
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    data, out = raw[8 + n:], {}
+    blobs = b""
+    for name, t in header.items():
+        if name == "__metadata__":
+            out[name] = t
+            continue
+        blob = data[t["data_offsets"][0]:t["data_offsets"][1]]
+        if t["shape"][0] > vocab and len(t["shape"]) == 2:
+            blob = blob[:vocab * t["shape"][1] * 4]
+            t = dict(t, shape=[vocab, t["shape"][1]])
+        out[name] = dict(t, data_offsets=[len(blobs), len(blobs) + len(blob)])
+        blobs += blob
+    head = json.dumps(out).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + blobs)
+    with open(os.path.join(ck, "config.json")) as f:
+        config = json.load(f)
+    config["vocab_size"] = vocab
+    config["pad_token_id"] = None  # (as Llama's own configs have it)
+    with open(os.path.join(ck, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def messages_case(train, evaluate, work):
+    one = os.path.join(work, "one.jsonl")
+    with open(one, "w") as f:
+        f.write(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
+    one_line([train, "--train-file", one, "--steps", "2", "--data-parallel", "2"] + TINY, 1,
+             one, "1 example", "--batch-size 2", "--data-parallel 2")
+
+    ck = os.path.join(work, "v258")
+    run([train, "--steps", "1", "--warmup-steps", "0", "--save", ck] + TINY)
+    shrink_vocab(ck, 258)
+    one_line([train, "--init", ck, "--steps", "2", "--batch-size", "2", "--threads", "1"], 1,
+             "--init " + ck, "vocab_size 258", "259")
+    p = one_line([evaluate, "--model", ck, "--limit", "2"], 1, "--model " + ck, "vocab_size 258")
+    if "|" in p.stdout:
+        fail("eval refused a checkpoint only after evaluating it:\n" + p.stdout)
+
+    long_file = os.path.join(work, "long.jsonl")
+    with open(long_file, "w") as f:
+        f.write(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n\n")
+        f.write(json.dumps({"prompt": "1+1=", "completion": "2" * 80}) + "\n")
+    good = os.path.join(work, "good")
+    run([train, "--steps", "1", "--warmup-steps", "0", "--save", good] + TINY)
+    for cmd in ([train, "--train-file", long_file, "--max-length", "0", "--steps", "2"] + TINY,
+                [evaluate, "--model", good, "--sft-file", long_file]):
+        one_line(cmd, 1, long_file + ":3: the example encodes to 85 positions")
+    kto = os.path.join(work, "kto.jsonl")
+    with open(kto, "w") as f:
+        f.write(json.dumps({"prompt": "p" * 40, "completion": "a", "label": True}) + "\n\n")
+        f.write(json.dumps({"prompt": "q", "completion": "b" * 40, "label": False}) + "\n")
+    one_line([train, "--loss", "kto", "--train-file", kto, "--max-length", "0", "--steps", "2"] +
+             TINY, 1, kto + ": the KL pair of line 1's prompt and line 3's completion")
+
+
+def loss_options_case(train, work):
+    t = [train, "--steps", "2", "--warmup-steps", "0"] + TINY
+    for extra, words in (
+            (["--beta", "0.5"], ("--beta", "--loss ce")),
+            (["--gamma", "3"], ("--gamma", "--loss ce", "simpo")),
+            (["--dpo-loss-type", "hinge"], ("--dpo-loss-type", "--loss ce")),
+            (["--loss", "orpo", "--rpo-alpha", "1"], ("--rpo-alpha", "--loss orpo")),
+            (["--loss", "orpo", "--label-smoothing", "0.3"], ("--label-smoothing", "orpo")),
+            (["--loss", "kto", "--label-smoothing", "0.3"], ("--label-smoothing", "kto")),
+            (["--loss", "dpo", "--skip-ignored-rows", "0"], ("--skip-ignored-rows", "dpo")),
+            (["--loss", "cpo", "--simpo-alpha", "1"], ("--simpo-alpha", "cpo")),
+            (["--loss", "simpo", "--label-smoothing", "0.7"], ("--label-smoothing 0.7", "simpo")),
+            (["--loss", "dpo", "--label-smoothing", "1"], ("--label-smoothing 1", "dpo")),
+            (["--loss", "dpo", "--dpo-loss-type", "ipo", "--label-smoothing", "0.2"],
+             ("--label-smoothing 0.2", "ipo")),
+            (["--loss", "dpo", "--dpo-loss-type", "exo_pair"], ("--label-smoothing 0", "exo_pair")),
+            (["--init", "a", "--resume", "b"], ("--init a", "--resume b")),
+            (["--chart", os.path.join(work, "c.svg")], ("--chart", "--metrics", "--save"))):
+        one_line(t + extra, 2, *words)
+    if os.path.exists(os.path.join(work, "c.svg")):
+        fail("a refused --chart was written")
+    # The same options where they belong run (label smoothing shared by ce, dpo, simpo, cpo).
+    for extra in (["--label-smoothing", "0.1"],
+                  ["--loss", "dpo", "--dpo-loss-type", "exo_pair", "--label-smoothing", "0.1"],
+                  ["--loss", "simpo", "--gamma", "1", "--label-smoothing", "0.5"]):
+        run(t + extra)
+
+
+def stdout_case(train, evaluate, bench, work):
+    ck = os.path.join(work, "ck")
+    run([train, "--steps", "1", "--warmup-steps", "0", "--save", ck] + TINY)
+    if not os.path.exists("/dev/full"):
+        print("no /dev/full: skipped")
+        return
+    with open("/dev/full", "w") as full:
+        for cmd in ([evaluate, "--model", ck, "--limit", "2"],
+                    [bench, "--threads", "1", "--repeats", "1", "--hidden", "16", "--vocab", "64",
+                     "--rows", "64"],
+                    [train, "--help"], [evaluate, "--help"], [bench, "--help"]):
+            one_line(cmd, 1, "standard output", stdout=full)
+
+
+def config_case(train, evaluate, work):
+    loop = os.path.join(work, "loop.ini")
+    if os.path.lexists(loop):
+        os.remove(loop)
+    os.symlink(loop, loop)
+    long_name = os.path.join(work, "a" * 300 + ".ini")
+    for app in (train, evaluate):
+        one_line([app, "--config", loop], 2, "--config", loop)
+        one_line([app, "--config", long_name], 2, "--config", "name too long")
+
+
+def main():
+    train, evaluate, bench, work, case = sys.argv[1:6]
+    work = os.path.join(work, case)
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    cases = {"config": lambda: config_case(train, evaluate, work),
+             "resume_state": lambda: resume_state_case(train, work),
+             "stdin": lambda: stdin_case(train, work),
+             "bench_options": lambda: bench_options_case(bench),
+             "metrics": lambda: metrics_case(train, work),
+             "outputs": lambda: outputs_case(train, evaluate, bench, work),
+             "messages": lambda: messages_case(train, evaluate, work),
+             "loss_options": lambda: loss_options_case(train, work),
+             "stdout": lambda: stdout_case(train, evaluate, bench, work)}
+    if case not in cases:
+        fail("unknown case " + case)
+    cases[case]()
+    print("%s: passed" % case)
+
+
+if __name__ == "__main__":
+    main()
