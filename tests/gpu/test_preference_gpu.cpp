@@ -944,9 +944,9 @@ TEST_CASE("gpu: vocab parallel: a rank's too-small or host workspace makes every
     di.in.vocab_shard = {&group.comm(static_cast<int>(r)), runs[r].v0, d.spec.v};
     const Dpo dpo;
     const SequenceLogProbs lp;
-    const std::size_t need = std::max(dpo.workspace_bytes(di.in),
-                                      lp.workspace_bytes(di.in.policy, di.in.targets,
-                                                         di.in.vocab_shard));
+    const std::size_t need =
+        std::max(dpo.workspace_bytes(di.in),
+                 lp.workspace_bytes(di.in.policy, di.in.targets, di.in.vocab_shard));
     gpu::DeviceBuffer ws(need);
     const std::size_t small = r == 0 ? 160 : need;  // rank 0's workspace is too small
     gpu::Context ctx(0);
@@ -964,8 +964,7 @@ TEST_CASE("gpu: vocab parallel: a rank's too-small or host workspace makes every
     }
     const AlignedBuffer hws(need);  // rank 0's workspace is in host memory
     try {
-      dpo.forward(ctx, di.in,
-                  r == 0 ? hws.workspace() : Workspace(ws.data(), need, Device::kCuda));
+      dpo.forward(ctx, di.in, r == 0 ? hws.workspace() : Workspace(ws.data(), need, Device::kCuda));
     } catch (const Error& x) {
       e[2] = x.what();
     }
