@@ -37,9 +37,9 @@ struct CrossEntropyOptions {
   std::optional<float> softcap;  ///< logits z -> c * tanh(z / c), c > 0
   bool compute_entropy = false;  ///< also report the mean softmax entropy over valid rows
   /// Bound on the workspace in bytes (logits chunk, row statistics, scratch). 0 picks the
-  /// device's default: 256 MiB on the CPU, 1 GiB on CUDA. A budget below the smallest chunk
-  /// (one row, or one vocabulary block) gives that chunk's workspace instead, and
-  /// Plan::over_budget says so.
+  /// device's default: 256 MiB on the CPU, 1 GiB on CUDA. A budget below the smallest token
+  /// chunk (one row) gives that chunk's workspace instead, and Plan::over_budget says so; a
+  /// requested loop_order vocab_block whose smallest block (64 columns) does not fit is refused.
   std::size_t memory_budget_bytes = 0;
   LoopOrder loop_order = LoopOrder::kAuto;
   DType logits_dtype = DType::kF32;  ///< fp32 logits chunk; bf16 is an opt-in speed mode
