@@ -22,6 +22,9 @@
 namespace chunkloss::detail {
 namespace {
 
+static_assert(kern::kGemmScalarsOffset * sizeof(double) + kern::kNumGemmScalars * sizeof(float) <=
+              kDeviceScalarBytes);
+
 kern::Elem elem(DType t) { return t == DType::kF32 ? kern::Elem::kF32 : kern::Elem::kBF16; }
 
 class CudaTokenBackend final : public TokenBackend {
@@ -76,8 +79,10 @@ class CudaTokenBackend final : public TokenBackend {
 
   void begin() override {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_token_begin(p_, stream()));
-    if (c_.data_group) {  // the valid rows and the divisor over the group's rows
-      c_.data_group->all_reduce_sum(ctx_, scalars_ + kern::kValidRows, 2);
+    if (c_.data_group) {  // the valid rows, the divisor and bad class weights over the group
+      static_assert(kern::kWeightSum == kern::kValidRows + 1 &&
+                    kern::kBadClassWeights == kern::kValidRows + 2);
+      c_.data_group->all_reduce_sum(ctx_, scalars_ + kern::kValidRows, 3);
       CHUNKLOSS_LAUNCH_CHECK(kern::launch_set_divisor(p_, stream()));
     }
     if (check_finite_) {
@@ -355,8 +360,9 @@ class CudaTokenBackend final : public TokenBackend {
                     "); checked on the device, so the gradient buffers hold unspecified values");
     CHUNKLOSS_CHECK(s[kern::kBadClassWeights] == 0, "LinearCrossEntropy: class_weights ",
                     c_.class_weights.str(), " has ", s[kern::kBadClassWeights],
-                    " values that are negative or not finite; checked on the device, so the "
-                    "gradient buffers hold unspecified values");
+                    " values that are negative or not finite",
+                    c_.data_group ? " (counted over the ranks of data_group)" : "",
+                    "; checked on the device, so the gradient buffers hold unspecified values");
     std::uint64_t nonfinite;
     std::memcpy(&nonfinite, &s[kern::kNonFinite], sizeof nonfinite);
     CHUNKLOSS_CHECK(nonfinite == 0, "LinearCrossEntropy: check_finite found ", nonfinite,

@@ -17,6 +17,10 @@
 
 namespace chunkloss::detail {
 
+/// A CUDA plan's device scalar block: the kernels' Scalar doubles, then the GEMMs' fp32 scalars
+/// (kernels/token_epilogue.h; cuda_backend.cpp checks that they fit).
+inline constexpr std::size_t kDeviceScalarBytes = 16 * sizeof(double);
+
 /// How the per-row coefficient c_t is scaled.
 enum class RowScale : std::uint8_t { kMean, kSum, kUpstream };
 

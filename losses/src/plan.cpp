@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "chunkloss/core/error.h"
+#include "engine.h"
 #include "tile_staging.h"
 #include "vocab_parallel.h"
 
@@ -46,7 +47,6 @@ namespace {
 constexpr std::int64_t kRowGranule = 64;
 constexpr std::size_t kRowStatsFloats = 10;  // see losses/src/row_arrays.h
 constexpr std::int64_t kCpuWeightTile = 256;
-constexpr std::size_t kDeviceScalarBytes = 16 * sizeof(double);  // >= kern::kNumScalars + 3 floats
 
 /// Device constants of the cost model: GEMM rate saturating with the rows of the GEMM
 /// (rate = peak * m / (m + m_half)), the bandwidth that read-modify-writes run at, and the depth
@@ -211,7 +211,7 @@ void lay_out(Plan& p, const PlanRequest& q, std::size_t logits_bytes, std::size_
       cpu_staging_fixed(q) +
       static_cast<std::size_t>(staging_rows) * staging_per_row(q, vocab_order) + extra_staging;
   if (staging) p.staging = p.layout.add(staging);
-  if (q.device == Device::kCuda) p.scalars = p.layout.add(kDeviceScalarBytes);
+  if (q.device == Device::kCuda) p.scalars = p.layout.add(detail::kDeviceScalarBytes);
 }
 
 // Token-chunk rows: the largest multiple of 64 (or all N rows) whose `per_row` bytes fit `room`,

@@ -731,6 +731,7 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
 }
 
 SequenceLogProbs::SequenceLogProbs(const SequenceOptions& options) : options_(options) {
+  detail::check_loop_order("SequenceLogProbs", options_.loop_order);
   CHUNKLOSS_CHECK(options_.logits_dtype == DType::kF32 || options_.logits_dtype == DType::kBF16,
                   "SequenceLogProbs: logits_dtype must be f32 or bf16, got ",
                   dtype_name(options_.logits_dtype));

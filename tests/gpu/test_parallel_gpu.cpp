@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <random>
@@ -468,6 +469,35 @@ TEST_CASE(
   e = errors(true, [](CrossEntropyInputs&, CrossEntropyOptions&) {});
   CHECK(e[0].empty());
   CHECK(e[1].empty());
+
+  // A NaN class weight on one rank of a data group: checked on the device and counted over the
+  // group, so both ranks throw at the end, instead of the other returning a mean of 0.
+  Case wc;
+  wc.options = true;
+  const Data wd = make_data(wc, 11);
+  std::vector<float> bad = wd.cw;
+  bad[5] = std::numeric_limits<float>::quiet_NaN();
+  gpu::DeviceBuffer bad_cw(bad.size() * 4);
+  gpu::copy_to_device(bad_cw.data(), bad.data(), bad.size() * 4);
+  dist::InProcessGroup g(2);
+  std::vector<Part> parts{{0, 131, 0, wc.v, nullptr, &g.comm(0), 0},
+                          {131, wc.n, 0, wc.v, nullptr, &g.comm(1), 0}};
+  parts[0].tweak = [](CrossEntropyInputs&, CrossEntropyOptions&) {};
+  parts[1].tweak = [&](CrossEntropyInputs& in, CrossEntropyOptions&) {
+    in.class_weights = TensorView(bad_cw.data(), DType::kF32, {wc.v}, Device::kCuda);
+  };
+  e = on_threads(2, [&](std::size_t r) {
+    try {
+      call(wc, wd, parts[r]);
+    } catch (const Error& x) {
+      return std::string(x.what());
+    }
+    return std::string();
+  });
+  for (const std::string& m : e)
+    CHECK_MESSAGE(m.find("has 1 values that are negative or not finite (counted over the ranks "
+                         "of data_group)") != std::string::npos,
+                  m);
 }
 
 TEST_CASE(

@@ -1614,6 +1614,7 @@ TEST_CASE("bad input: invalid options name the option") {
   DpoOptions order;
   order.engine.loop_order = static_cast<LoopOrder>(9);
   b.expect(order, "loop_order");
+  CHECK_THROWS_WITH_AS(SequenceLogProbs(order.engine), doctest::Contains("loop_order"), Error);
 }
 
 TEST_CASE("bad input: the KL batch") {

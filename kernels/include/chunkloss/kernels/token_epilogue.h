@@ -19,14 +19,14 @@ enum Scalar : int {
   kZLoss,
   kAccuracy,
   kEntropy,
-  kValidRows,
+  kValidRows,  ///< kValidRows, kWeightSum and kBadClassWeights are summed over a data group
   kWeightSum,
+  kBadClassWeights,  ///< class weights that are negative or not finite
   kInvDenom,
   kBadTargets,
   kNonFinite,  ///< an unsigned 64-bit count stored in the double's bytes
   kClassWeightSum,
   kRowScale,  ///< power of two applied to the gradient tile (the mean's 1/D = alpha * kRowScale)
-  kBadClassWeights,  ///< class weights that are negative or not finite
   kNumScalars
 };
 

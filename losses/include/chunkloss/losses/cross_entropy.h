@@ -101,14 +101,14 @@ struct CrossEntropyInputs {
   /// rank passes the same hidden, targets (ids in [0, size)), class weights ([size], whole),
   /// token weights and options, and its own weight (and bias) shard. Every rank gets the same
   /// loss, lse, predictions and dH; dW and db are the shard's. With groups, the ranks first agree
-  /// whether any rank rejected its call (shapes, shard, plan, workspace; on the CPU also targets
-  /// and check_finite's values) or makes a call whose collectives differ (rows, H, chunks and
-  /// the rows skip_ignored_rows computes, dH asked for, a data_group passed or not; over
+  /// whether any rank rejected its call (shapes, shard, plan, workspace; on the CPU also targets,
+  /// class weights and check_finite's values) or makes a call whose collectives differ (rows, H,
+  /// chunks and the rows skip_ignored_rows computes, dH asked for, a data_group passed or not; over
   /// data_group, H, V, and dW and db summed or not), and then all throw. On CUDA that exchange
   /// passes through the context's own scratch memory (gpu::Context::scratch(), not the
   /// workspace) and waits for the stream once per group (once more in a grid).
-  /// On CUDA, out-of-range targets and check_finite's findings are counted and thrown per rank at
-  /// the end (outputs.scalars[6]). Unset: not split.
+  /// On CUDA, out-of-range targets, bad class weights and check_finite's findings are counted
+  /// and thrown per rank at the end (outputs.scalars[6]). Unset: not split.
   VocabShard vocab_shard;
   /// Data parallelism: the ranks of this group each call with their own rows (same weight);
   /// the mean's divisor (valid rows, or their class weights) is summed over the group, so each
@@ -117,8 +117,8 @@ struct CrossEntropyInputs {
   /// Sum (do not average) dW and db over the group afterwards, as data parallelism does for the
   /// other parameters. Every rank must make the call (as for vocab_shard). With vocab_shard too,
   /// the data group holds the ranks at one vocabulary position, one from each vocabulary group.
-  /// outputs.scalars[6], the invalid inputs found, stays this rank's. null: this call's rows
-  /// alone.
+  /// outputs.scalars[6], the invalid inputs found, stays this rank's, except that bad class
+  /// weights are counted over the group (so every rank throws). null: this call's rows alone.
   dist::Communicator* data_group = nullptr;
 };
 
