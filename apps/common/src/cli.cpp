@@ -12,7 +12,10 @@
 #include <filesystem>
 #include <sstream>
 
+#include "chunkloss/core/error.h"
+#include "chunkloss/losses/cross_entropy.h"
 #include "chunkloss/losses/plan.h"
+#include "chunkloss/losses/preference.h"
 
 namespace chunkloss::apps {
 
@@ -132,31 +135,36 @@ void prepare_output_dir(std::string_view option, const std::string& dir) {
 
 std::string label_smoothing_error(std::string_view loss, std::string_view dpo_loss,
                                   std::string_view dpo_option, double eps) {
-  const char* range = nullptr;  // nullptr: the loss takes none
-  bool ok = eps == 0;
-  if (loss == "ce") {
-    range = "[0, 1]";
-    ok = eps >= 0 && eps <= 1;
-  } else if (loss == "simpo" || loss == "cpo" || (loss == "dpo" && dpo_loss == "sigmoid")) {
-    range = "[0, 0.5]";
-    ok = eps >= 0 && eps <= 0.5;
-  } else if (loss == "dpo" && dpo_loss == "robust") {
-    range = "[0, 0.5)";
-    ok = eps >= 0 && eps < 0.5;
-  } else if (loss == "dpo" && dpo_loss == "exo_pair") {
-    range = "(0, 1) (exo_pair needs one)";
-    ok = eps > 0 && eps < 1;
-  }
-  if (ok) return "";
   std::ostringstream os;
   os << "--label-smoothing " << eps << ": --loss " << loss;
   if (loss == "dpo") os << " " << dpo_option << " " << dpo_loss;
-  if (range)
-    os << " takes a value in " << range;
-  else
-    os << " has no label smoothing"
-       << (loss == "dpo" ? " (only its sigmoid, robust and exo_pair losses have)" : "");
-  return os.str();
+  // The loss object's own check decides (its message gives the range); ORPO and KTO have none.
+  const auto ls = static_cast<float>(eps);
+  try {
+    if (loss == "ce") {
+      CrossEntropyOptions o;
+      o.label_smoothing = ls;
+      (void)LinearCrossEntropy(o);
+    } else if (loss == "dpo") {
+      DpoOptions o;
+      o.loss_type = parse_dpo_loss(dpo_loss);
+      o.label_smoothing = ls;
+      (void)Dpo(o);
+    } else if (loss == "simpo") {
+      SimpoOptions o;
+      o.label_smoothing = ls;
+      (void)Simpo(o);
+    } else if (loss == "cpo") {
+      CpoOptions o;
+      o.label_smoothing = ls;
+      (void)Cpo(o);
+    } else if (eps != 0) {
+      return os.str() + " has no label smoothing";
+    }
+  } catch (const Error& e) {
+    return os.str() + ": " + e.what();
+  }
+  return "";
 }
 
 bool same_file(const std::string& a, const std::string& b) {

@@ -52,10 +52,9 @@ std::string utc_today();
 /// std::runtime_error naming the option, the directory and the reason.
 void prepare_output_dir(std::string_view option, const std::string& dir);
 
-/// What is wrong with --label-smoothing `eps` for `loss` ("" when nothing), by the ranges the
-/// library's loss objects accept: ce [0, 1]; dpo by its loss type `dpo_loss` (the value of option
-/// `dpo_option`): sigmoid [0, 0.5], robust [0, 0.5), exo_pair (0, 1), the others none; simpo and
-/// cpo [0, 0.5]; orpo and kto none. The message names --label-smoothing and the loss.
+/// What is wrong with --label-smoothing `eps` for `loss` ("" when nothing): what the loss object
+/// refuses (for dpo of loss type `dpo_loss`, the value of option `dpo_option`), or any value but
+/// 0 for orpo and kto, which have none. The message names --label-smoothing and the loss.
 std::string label_smoothing_error(std::string_view loss, std::string_view dpo_loss,
                                   std::string_view dpo_option, double eps);
 
