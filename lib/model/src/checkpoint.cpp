@@ -119,25 +119,30 @@ std::vector<Wanted> model_tensors(const LlamaModel& model, const char* suffix) {
   return out;
 }
 
+// The index of the first value of `v` that is NaN or Inf, or with `non_negative` (AdamW's second
+// moments) below 0; v.size() when there is none.
+std::size_t first_unsaveable(std::span<const float> v, bool non_negative) {
+  const auto bad = std::find_if(
+      v.begin(), v.end(), [&](float x) { return !std::isfinite(x) || (non_negative && x < 0.0f); });
+  return static_cast<std::size_t>(bad - v.begin());
+}
+
 // The values of the model's parameters, each from tensor "<name><suffix>" of `f` (whose tensor set
 // was checked), in the model's layout. Throws naming the file and the tensor when a value is NaN
 // or Inf (a diverged run's save, which no training or evaluation can use), or with
-// `non_negative` (AdamW's second moments) below 0.
+// `non_negative` below 0.
 std::vector<float> read_parameters(const SafetensorsFile& f, const LlamaModel& model,
                                    const char* suffix, bool non_negative = false) {
   std::vector<float> values(model.params().size());
   for (const ParameterInfo& p : model.parameters()) {
     const std::span<float> dst = std::span<float>(values).subspan(p.offset, p.numel);
     f.copy_f32(*f.find(p.name + suffix), dst);
-    const auto bad =
-        std::find_if(dst.begin(), dst.end(), [](float x) { return !std::isfinite(x); });
-    CHUNKLOSS_CHECK(bad == dst.end(), f.source(), ": tensor ", p.name, suffix, " holds ", *bad,
-                    " at flat index ", bad - dst.begin(), " (a diverged run's save?)");
-    const auto negative =
-        std::find_if(dst.begin(), dst.end(), [&](float x) { return non_negative && x < 0.0f; });
-    CHUNKLOSS_CHECK(negative == dst.end(), f.source(), ": tensor ", p.name, suffix, " holds ",
-                    *negative, " at flat index ", negative - dst.begin(),
-                    " (a second moment is never negative: a damaged or hand-made file?)");
+    const std::size_t bad = first_unsaveable(dst, non_negative);
+    CHUNKLOSS_CHECK(bad == dst.size(), f.source(), ": tensor ", p.name, suffix, " holds ", dst[bad],
+                    " at flat index ", bad,
+                    std::isfinite(dst[bad])
+                        ? " (a second moment is never negative: a damaged or hand-made file?)"
+                        : " (a diverged run's save?)");
   }
   return values;
 }
@@ -149,11 +154,9 @@ void check_saveable(std::span<const float> values, const LlamaModel& model, cons
                     bool non_negative = false) {
   for (const ParameterInfo& p : model.parameters()) {
     const std::span<const float> v = values.subspan(p.offset, p.numel);
-    const auto bad = std::find_if(v.begin(), v.end(), [&](float x) {
-      return !std::isfinite(x) || (non_negative && x < 0.0f);
-    });
-    CHUNKLOSS_CHECK(bad == v.end(), "save_checkpoint: ", what, " of ", p.name, " holds ", *bad,
-                    " at flat index ", bad - v.begin(),
+    const std::size_t bad = first_unsaveable(v, non_negative);
+    CHUNKLOSS_CHECK(bad == v.size(), "save_checkpoint: ", what, " of ", p.name, " holds ", v[bad],
+                    " at flat index ", bad,
                     ": not saved (the loaders would refuse it; a diverged run?)");
   }
 }
