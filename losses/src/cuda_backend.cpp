@@ -213,22 +213,23 @@ class CudaTokenBackend final : public TokenBackend {
   }
 
   // Several ranges: one dH GEMM over their gradient tiles into fp32 rows, in the tiles' free
-  // halves (tile_staging.h) or, with row scales, in the dH staging; then each range's rows
-  // scaled (by each row's scale, else the mean's device alpha or 1) and rounded once into dH;
-  // else grad_x per range.
+  // halves (tile_staging.h) or in staging (the dH staging with row scales, else the packed
+  // chunk's); then each range's rows scaled (by each row's scale, else the mean's device alpha
+  // or 1) and rounded once into dH; else grad_x per range.
   void grad_x_ranges(const std::vector<RowRange>& ranges) override {
     const bool in_free_halves =
         c_.row_scales ? in_tile_
                       : staging_fits_tile(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype());
+    float* staged = c_.row_scales ? dh_stage_ : dh_pack_;
     if (ranges.size() < 2 || !c_.grad_x.defined() || vp_.dh || dh_acc_ ||
-        !(in_free_halves || (c_.row_scales && dh_stage_))) {
+        !(in_free_halves || staged)) {
       TokenBackend::grad_x_ranges(ranges);
       return;
     }
     fork();
     select_tile(0);
     const std::int64_t h = c_.hidden, v = c_.vocab, ld = in_free_halves ? v : h;
-    float* rows = in_free_halves ? reinterpret_cast<float*>(tile_ + free_offset_) : dh_stage_;
+    float* rows = in_free_halves ? reinterpret_cast<float*>(tile_ + free_offset_) : staged;
     grad_gemm(grad_tile(0, row_count(ranges), 0, v), false, w_rows(0, v), rows, DType::kF32, ld,
               host_dx_ ? 1.0f : uniform_alpha(), 0.0f);
     const std::size_t row_bytes = static_cast<std::size_t>(h) * dtype_size(c_.grad_x.dtype());
@@ -547,7 +548,8 @@ class CudaTokenBackend final : public TokenBackend {
   }
   // The staging slice (see plan.cpp's staging_per_row): with row scales, fp32 dH rows for one
   // chunk (token-chunk order) and scaled X rows (one chunk, or all rows in vocab-block order);
-  // the rest, if any, holds the X rows of a resident group or a packed chunk side by side.
+  // without, a packed chunk's fp32 dH rows where the tile has no free halves for them; the
+  // rest, if any, holds the X rows of a resident group or a packed chunk side by side.
   void carve_staging(unsigned char* s, std::size_t bytes) {
     unsigned char* end = s + bytes;
     if (c_.vocab_group)
@@ -576,6 +578,12 @@ class CudaTokenBackend final : public TokenBackend {
         x_scaled_ = s;
         s += static_cast<std::size_t>(rows) * x_row_bytes();
       }
+    }
+    if (s && !c_.row_scales && plan_.packed_pieces && c_.grad_x.defined() &&
+        packed_dh_in_staging(c_.vocab, c_.hidden, plan_.logits_dtype, c_.x.dtype(),
+                             c_.vocab_group ? c_.vocab_group->size() : 1)) {
+      dh_pack_ = reinterpret_cast<float*>(s);
+      s += static_cast<std::size_t>(plan_.chunk_rows * c_.hidden) * 4;
     }
     CHUNKLOSS_CHECK(!s || s <= end, "CUDA backend: the plan's staging (", bytes,
                     " bytes) is smaller than this call's (internal error)");
@@ -706,7 +714,8 @@ class CudaTokenBackend final : public TokenBackend {
   bool check_finite_;
   unsigned char *tile_ = nullptr, *tile_base_ = nullptr, *x_stage_ = nullptr;
   unsigned char* x_scaled_ = nullptr;
-  float* dh_stage_ = nullptr;
+  float* dh_stage_ = nullptr;  // with row scales: a chunk's fp32 dH rows before their scales
+  float* dh_pack_ = nullptr;   // without: a packed chunk's fp32 dH rows (grad_x_ranges)
   VocabParallelStaging vp_;
   bool x_scaled_ready_ = false;
   bool in_tile_ = false;           // row scales staged in the tile's free halves (tile_staging.h)

@@ -112,10 +112,11 @@ std::size_t vocab_parallel_per_row(const PlanRequest& q) {
 // order, the fp32 dH rows (vocab-block order accumulates dH in the dh_accum slice instead);
 // with packed pieces these also hold a chunk's pieces side by side for its GEMMs, so fp32 X
 // and dH get such rows too. CUDA: with packed pieces, a chunk's pieces' X rows side by side
-// for its logits and dW GEMMs; with per-row scales also the fp32 dH rows before scaling
-// (token-chunk order) and the scaled X rows for the dW GEMM, unless those fit the fp32 tile's
-// free halves (tile_staging.h), where a packed chunk's dH GEMM also goes without row scales.
-// Both: a vocabulary-parallel chunk's exchange buffers, first.
+// for its logits and dW GEMMs, and without row scales the fp32 rows of its one dH GEMM before
+// they are rounded into each piece's dH rows, unless those fit the fp32 tile's free halves
+// (tile_staging.h); with per-row scales the fp32 dH rows before scaling (token-chunk order)
+// and the scaled X rows for the dW GEMM, unless those fit the free halves. Both: a
+// vocabulary-parallel chunk's exchange buffers, first.
 std::size_t staging_per_row(const PlanRequest& q, bool vocab_order) {
   const auto row = static_cast<std::size_t>(q.hidden) * 4;
   const std::size_t vp = vocab_order ? 0 : vocab_parallel_per_row(q);
@@ -124,7 +125,12 @@ std::size_t staging_per_row(const PlanRequest& q, bool vocab_order) {
     // A packed chunk's X rows, gathered side by side for its one logits (and dW) GEMM.
     const std::size_t gathered =
         vp + (pieces ? static_cast<std::size_t>(q.hidden) * dtype_size(q.input_dtype) : 0);
-    if (!q.row_scales) return gathered;
+    if (!q.row_scales)
+      return gathered + (pieces && q.grad_hidden &&
+                                 detail::packed_dh_in_staging(q.vocab, q.hidden, q.logits_dtype,
+                                                              q.input_dtype, q.vocab_ranks)
+                             ? row
+                             : 0);
     // Token-chunk rows stage in the logits tile's free halves when they fit (tile_staging.h).
     if (!vocab_order &&
         detail::stages_in_tile(q.vocab, q.hidden, q.logits_dtype, q.input_dtype, q.vocab_ranks))
@@ -390,6 +396,7 @@ Plan plan_token_objective(const PlanRequest& q) {
   std::size_t logits_bytes = static_cast<std::size_t>(c) * v * lb;
   if (vocab_order) logits_bytes = std::max(logits_bytes, static_cast<std::size_t>(n * vb) * lb);
   lay_out(p, q, logits_bytes, vocab_order ? dh_acc : 0, vocab_order ? n : c);
+  p.packed_pieces = q.packed_pieces && !vocab_order;
   p.reason = why.str();
   return p;
 }

@@ -568,8 +568,9 @@ TEST_CASE("gpu: skip_ignored_rows matches the CPU path, the skipped rows' output
           o.reduction = r;
           o.loop_order = LoopOrder::kTokenChunk;
           o.skip_ignored_rows = true;
-          // 128-row chunks (with the X rows staged for packed chunks), ragged at the ends
-          o.memory_budget_bytes = 128 * (p.v + p.h) * 4 + 100000;
+          // 128-row chunks (with the X rows staged for packed chunks, and with fp32 inputs
+          // their dH GEMM's fp32 rows), ragged at the ends
+          o.memory_budget_bytes = 128 * (p.v + 2 * p.h) * 4 + 100000;
           Outcome g = run(p, d, o, Device::kCuda, true, accumulate);
           Outcome c = run(p, d, o, Device::kCpu, true, accumulate);
           CHECK(g.plan.num_chunks > 2);
@@ -624,6 +625,19 @@ TEST_CASE("gpu: skip_ignored_rows forward only, and with the fp32 dW accumulator
   CHECK(skipped_as_zero(g32.lse) == 700);
   CHECK(skipped_as_zero(c32.lse) == 700);
   check_close(p, o, g32, c32);
+  // A bf16 logits chunk (CUDA only): its tile has no free halves, so the packed dH GEMM's fp32
+  // rows go through staging; close to the fp32 chunk's results, as in the bf16 logits case.
+  p.grad_dtype = DType::kBF16;
+  o.memory_budget_bytes = 128 * (p.v * 2 + p.h * 6) + 100000;
+  Outcome g16 = run(p, d, o, Device::kCuda);
+  CrossEntropyOptions o16 = o;
+  o16.logits_dtype = DType::kBF16;
+  Outcome b16 = run(p, d, o16, Device::kCuda);
+  CHECK(b16.plan.num_chunks > 2);
+  CHECK(skipped_as_zero(b16.lse) == 700);
+  CHECK(std::abs(b16.r.loss - g16.r.loss) <= 1e-2 * std::abs(g16.r.loss));
+  CHECK(rel_err(b16.dx, g16.dx) <= 3e-2);
+  CHECK(rel_err(b16.dw, g16.dw) <= 3e-2);
 }
 
 TEST_CASE("gpu: out-of-range targets and non-finite inputs raise chunkloss::Error") {

@@ -256,8 +256,9 @@ TEST_CASE("plan: skip_ignored_rows takes token-chunk order under auto, and its g
 TEST_CASE("plan: skip_ignored_rows stages a chunk's X rows for its one dW GEMM") {
   // A chunk's pieces of several computed ranges share one logits, dH and dW GEMM each, over
   // their rows gathered side by side. The X rows take C rows of staging (on the CPU as fp32,
-  // which bf16 X has already), and on the CPU fp32 dH does too (bf16 dH has its fp32 staging;
-  // CUDA puts dH rows in the fp32 logits tile's free halves).
+  // which bf16 X has already), and on the CPU fp32 dH does too (bf16 dH has its fp32 staging).
+  // CUDA puts the dH GEMM's fp32 rows in the fp32 logits tile's free halves, or with fp32
+  // inputs or a bf16 logits chunk (no free halves) in C fp32 rows of staging.
   PlanRequest q;
   q.rows = 16384;
   q.hidden = 4096;
@@ -276,13 +277,25 @@ TEST_CASE("plan: skip_ignored_rows stages a chunk's X rows for its one dW GEMM")
   };
   auto [bytes, rows] = extra(q);
   CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 2);
+  q.logits_dtype = DType::kBF16;  // X, and dH's fp32 rows
+  std::tie(bytes, rows) = extra(q);
+  CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * (2 + 4));
+  q.grad_hidden = false;  // X only
+  std::tie(bytes, rows) = extra(q);
+  CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 2);
+  q.grad_hidden = true;
+  q.logits_dtype = DType::kF32;
   q.input_dtype = DType::kF32;
   std::tie(bytes, rows) = extra(q);
-  CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 4);
+  CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * (4 + 4));
   q.grad_hidden = q.grad_weight = false;  // forward only: the logits GEMM's X rows
   std::tie(bytes, rows) = extra(q);
   CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 4);
   q.grad_hidden = q.grad_weight = true;
+  q.vocab_ranks = 2;  // a split vocabulary's dH rows go through its exchange buffers
+  std::tie(bytes, rows) = extra(q);
+  CHECK(bytes == static_cast<std::size_t>(rows * q.hidden) * 4);
+  q.vocab_ranks = 1;
   q.device = Device::kCpu;
   q.rows = 4096;
   q.hidden = 512;

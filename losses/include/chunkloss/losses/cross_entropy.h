@@ -62,9 +62,9 @@ struct CrossEntropyOptions {
   /// rows are written as zero (left as they were with grads.accumulate), outputs.row_loss gets 0
   /// and outputs.lse NaN there. The chunks are cut from the rows computed alone, so pieces of
   /// several completions share a chunk, whose logits, dH and dW GEMMs each run once over their
-  /// rows gathered side by side. The plan counts that staging: C rows of X, and on the CPU of
-  /// fp32 dH (on CUDA the dH rows go through the fp32 logits tile when they fit there, else
-  /// each piece gets its own dH GEMM). A skipped run can split a GEMM around it, so shorter
+  /// rows gathered side by side. The plan counts that staging: C rows of X, and C fp32 rows
+  /// for the dH GEMM (none on CUDA with bf16 inputs and an fp32 logits chunk, whose tile holds
+  /// them in its free halves). A skipped run can split a GEMM around it, so shorter
   /// runs (64 rows from the cost model) are computed with the rows around them. With no valid
   /// row every row is skipped and the gradients are zero (kept with grads.accumulate).
   /// Everything else is unchanged: the results agree with a call that does not skip, to

@@ -104,6 +104,9 @@ struct Plan {
   /// rows of its efficiency); a multiple of 64, at least 64 (splitting a GEMM around fewer rows
   /// wastes about as many in its last tile). 64 with both devices' models.
   std::int64_t skip_gap_rows = 0;
+  /// Token-chunk order with PlanRequest::packed_pieces: the staging holds C rows for a chunk's
+  /// pieces side by side (X, and fp32 dH where the device needs it).
+  bool packed_pieces = false;
 
   WorkspaceLayout layout;    ///< total() == workspace bytes
   WorkspaceSlice logits;     ///< [C, V] (token) or max([C, V], [N, Vb]) (vocab) logits buffer
