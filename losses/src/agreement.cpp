@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <sstream>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -36,6 +38,18 @@ std::pair<double, bool> exchange(const GroupSum& sum, bool failed, std::span<con
   }
   std::copy(v.end() - static_cast<std::ptrdiff_t>(sums.size()), v.end(), sums.begin());
   return {v[0], same};
+}
+
+// What went wrong with `count` failed ranks of `group` (count > 0), or with NaN: a rank took
+// part with NaN values (an NcclCommunicator whose context is on another device).
+std::string failed_ranks(double count, const char* group) {
+  std::ostringstream os;
+  if (std::isnan(count))
+    os << "a rank of " << group
+       << " could not take part (its context is not on its communicator's device)";
+  else
+    os << count << " rank(s) of " << group << " rejected their calls";
+  return os.str();
 }
 
 }  // namespace
@@ -77,17 +91,15 @@ void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_grou
   double grid_failed = data_failed > 0 || !data_same ? 1 : 0;
   if (vocab_group && data_group && vocab_same) GroupSum{ctx, vocab_group}(&grid_failed, 1);
   if (rejected) std::rethrow_exception(rejected);
-  CHUNKLOSS_CHECK(vocab_failed == 0, who, ": ", vocab_failed,
-                  " rank(s) of vocab_shard.group rejected their calls; this rank's was valid, and "
-                  "nothing was written");
+  CHUNKLOSS_CHECK(vocab_failed == 0, who, ": ", failed_ranks(vocab_failed, "vocab_shard.group"),
+                  "; this rank's call was valid, and nothing was written");
   // (a call without data_kind, SequenceLogProbs, never takes a data group)
   CHUNKLOSS_CHECK(vocab_same, who,
                   ": the ranks of vocab_shard.group make different kinds of calls (",
                   x.vocab_differs, x.data_kind.empty() ? "" : ", or whether they pass a data_group",
                   ", differ); nothing was written");
-  CHUNKLOSS_CHECK(data_failed == 0, who, ": ", data_failed,
-                  " rank(s) of data_group rejected their calls; this rank's was valid, and "
-                  "nothing was written");
+  CHUNKLOSS_CHECK(data_failed == 0, who, ": ", failed_ranks(data_failed, "data_group"),
+                  "; this rank's call was valid, and nothing was written");
   CHUNKLOSS_CHECK(data_same, who, ": the ranks of data_group make different kinds of calls (",
                   x.data_differs, " differ); nothing was written");
   CHUNKLOSS_CHECK(grid_failed == 0, who,

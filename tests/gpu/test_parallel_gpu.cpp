@@ -583,11 +583,73 @@ TEST_CASE("NcclCommunicator: bad device lists and a context on another device") 
   CHECK(by_id.rank() == 0);
   CHECK(by_id.size() == 1);
   CHECK(by_id.device() == 0);
+  // A CPU context: the rank takes part with NaN values from the communicator's own buffer, so
+  // that the others would not wait for it, then throws; the communicator stays usable.
   auto one = dist::NcclCommunicator::create_all({0});
   CpuContext cpu;
   float x = 1.0f;
+  double y = 2.0;
+  char bytes[3] = {1, 2, 3};
   CHECK_THROWS_WITH_AS(one[0]->all_reduce_sum(cpu, &x, 1),
-                       doctest::Contains("the communicator is on cuda device 0"), Error);
+                       doctest::Contains("the communicator is on cuda device 0, the context on cpu "
+                                         "device 0; this rank took part with NaN values"),
+                       Error);
+  CHECK_THROWS_WITH_AS(one[0]->all_reduce_sum(cpu, &y, 1),
+                       doctest::Contains("this rank took part with NaN values"), Error);
+  CHECK_THROWS_WITH_AS(one[0]->all_gather(cpu, bytes, bytes, 3),
+                       doctest::Contains("this rank took part with NaN values"), Error);
+  CHECK(x == 1.0f);  // (the caller's buffers are not touched)
+  CHECK(y == 2.0);
+  // Beyond the own buffer it cannot take part, and says so.
+  std::vector<double> big(dist::NcclCommunicator::kOwnBufferBytes / sizeof(double) + 1);
+  CHECK_THROWS_WITH_AS(
+      one[0]->all_reduce_sum(cpu, big.data(), static_cast<std::int64_t>(big.size())),
+      doctest::Contains("this rank did not take part"), Error);
+  gpu::Context ctx(0);
+  gpu::DeviceBuffer buf(sizeof(float));
+  gpu::copy_to_device(buf.data(), &x, sizeof x);
+  one[0]->all_reduce_sum(ctx, buf.as<float>(), 1);
+  ctx.synchronize();
+  float back = 0.0f;
+  gpu::copy_to_host(&back, buf.data(), sizeof back);
+  CHECK(back == 1.0f);
+  CHECK(one[0]->async_error().empty());
+  // A loss call on the CPU with the communicator as its data group: its first exchange throws.
+  Case c;
+  const Data d = make_data(c, 10);
+  Part p = whole(c, 0);
+  p.device = -1;
+  p.data = one[0].get();
+  CHECK_THROWS_WITH_AS(call(c, d, p), doctest::Contains("took part with NaN values"), Error);
+}
+
+TEST_CASE(
+    "NcclCommunicator::abort: later collectives throw, the communicator is not destroyed "
+    "twice") {
+  if (!have_gpu()) return;
+  gpu::Context ctx(0);
+  gpu::DeviceBuffer buf(sizeof(float));
+  for (const bool by_id : {false, true}) {
+    std::unique_ptr<dist::NcclCommunicator> comm;
+    if (by_id)
+      comm = std::make_unique<dist::NcclCommunicator>(dist::NcclCommunicator::unique_id(), 0, 1, 0);
+    else
+      comm = std::move(dist::NcclCommunicator::create_all({0})[0]);
+    comm->all_reduce_sum(ctx, buf.as<float>(), 1);
+    ctx.synchronize();
+    CHECK_FALSE(comm->aborted());
+    comm->abort();
+    CHECK(comm->aborted());
+    CHECK(comm->async_error().empty());
+    CHECK_THROWS_WITH_AS(comm->all_reduce_sum(ctx, buf.as<float>(), 1),
+                         doctest::Contains("NcclCommunicator::all_reduce_sum: the communicator "
+                                           "(rank 0 of 1) was aborted"),
+                         Error);
+    CHECK_THROWS_WITH_AS(comm->all_gather(ctx, buf.data(), buf.data(), 4),
+                         doctest::Contains("was aborted"), Error);
+    comm->abort();  // again: nothing
+    CHECK(comm->rank() == 0);
+  }  // (the destructor frees its own buffer and stream, not the aborted communicator)
 }
 
 }  // namespace chunkloss::test

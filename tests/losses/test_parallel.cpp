@@ -12,7 +12,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -612,6 +614,46 @@ TEST_CASE("a call one rank rejects, or calls whose collectives differ, fail on e
         vocab, [](std::size_t, CrossEntropyInputs&, CrossEntropyGrads&, CrossEntropyOptions&) {});
     CHECK(e[0].empty());
     CHECK(e[1].empty());
+  }
+}
+
+// Rank 0 of 2 whose peer took part with NaN values, as an NcclCommunicator whose context is on
+// another device does: every sum is NaN, every gathered byte 0xFF.
+class NanPeer final : public dist::Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  void all_reduce_sum(const Context&, float* data, std::int64_t n) override {
+    std::fill_n(data, n, std::numeric_limits<float>::quiet_NaN());
+  }
+  void all_reduce_sum(const Context&, double* data, std::int64_t n) override {
+    std::fill_n(data, n, std::numeric_limits<double>::quiet_NaN());
+  }
+  void all_gather(const Context&, const void*, void* recv, std::size_t bytes) override {
+    std::memset(recv, 0xFF, 2 * bytes);
+  }
+};
+
+TEST_CASE("a rank that took part with NaN values (its context elsewhere) fails the others") {
+  const CeData d(spec_of(DType::kF32, 5));
+  Split s;
+  s.vocab = {0, 253};
+  s.rows = {0, 75};
+  s.grads = {true, true, false, DType::kF32};
+  s.fill = 7.0f;
+  for (const bool vocab : {true, false}) {
+    NanPeer peer;
+    std::string message;
+    try {
+      (void)call_rank(d, {}, s, 0, 0, vocab ? &peer : nullptr, vocab ? nullptr : &peer);
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    INFO(message);
+    CHECK(message.find(vocab ? "a rank of vocab_shard.group could not take part (its context is "
+                               "not on its communicator's device); this rank's call was valid, "
+                               "and nothing was written"
+                             : "a rank of data_group could not take part") != std::string::npos);
   }
 }
 

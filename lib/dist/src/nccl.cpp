@@ -1,10 +1,11 @@
-// The NCCL communicator: ncclAllReduce (fp32 sum) and ncclAllGather (bytes) on the context's
-// stream.
+// The NCCL communicator: ncclAllReduce (fp32 and fp64 sums) and ncclAllGather (bytes) on the
+// context's stream; its own buffer and stream for a rank whose context is elsewhere; abort.
 #include "chunkloss/dist/nccl.h"
 
 #include <nccl.h>
 
 #include <cstring>
+#include <string>
 
 #include "chunkloss/gpu/check.h"
 #include "chunkloss/gpu/context.h"
@@ -22,6 +23,22 @@ ncclComm_t as_comm(void* c) { return static_cast<ncclComm_t>(c); }
 
 static_assert(sizeof(ncclUniqueId) == sizeof(NcclCommunicator::UniqueId));
 
+// Makes `device` current for its scope, then restores the caller's device (also after an
+// error, whose message names `device`).
+class OnDevice {
+ public:
+  explicit OnDevice(int device) {
+    CHUNKLOSS_GPU_CHECK(cudaGetDevice(&previous_));
+    CHUNKLOSS_GPU_CHECK(cudaSetDevice(device));
+  }
+  ~OnDevice() { (void)cudaSetDevice(previous_); }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
 // ncclCommInitRank on `device`, after checking the arguments.
 void* init_rank(const NcclCommunicator::UniqueId& id, int rank, int size, int device) {
   CHUNKLOSS_CHECK(size >= 1 && rank >= 0 && rank < size, "NcclCommunicator: rank ", rank,
@@ -29,14 +46,7 @@ void* init_rank(const NcclCommunicator::UniqueId& id, int rank, int size, int de
   const int n = gpu::device_count();
   CHUNKLOSS_CHECK(device >= 0 && device < n, "NcclCommunicator: device ", device,
                   " does not exist (", n, " CUDA devices visible)");
-  struct Restore {  // the caller's device stays current, after an error's message names `device`
-    int previous = -1;
-    ~Restore() {
-      if (previous >= 0) (void)cudaSetDevice(previous);
-    }
-  } restore;
-  CHUNKLOSS_GPU_CHECK(cudaGetDevice(&restore.previous));
-  CHUNKLOSS_GPU_CHECK(cudaSetDevice(device));
+  const OnDevice on(device);
   ncclUniqueId uid;
   std::memcpy(&uid, id.data(), sizeof uid);
   ncclComm_t comm = nullptr;
@@ -44,11 +54,13 @@ void* init_rank(const NcclCommunicator::UniqueId& id, int rank, int size, int de
   return comm;
 }
 
-// The context's stream, after checking that the context is on the communicator's device.
-cudaStream_t stream_of(const Context& ctx, int device, const char* what) {
-  CHUNKLOSS_CHECK(ctx.device() == Device::kCuda && ctx.device_index() == device,
-                  "NcclCommunicator::", what, ": the communicator is on cuda device ", device,
-                  ", the context on ", device_name(ctx.device()), " device ", ctx.device_index());
+// Whether the context is on the communicator's device.
+bool on_device(const Context& ctx, int device) {
+  return ctx.device() == Device::kCuda && ctx.device_index() == device;
+}
+
+// The context's stream (the context made current).
+cudaStream_t stream_of(const Context& ctx) {
   const auto& g = static_cast<const gpu::Context&>(ctx);
   g.activate();
   return static_cast<cudaStream_t>(g.stream());
@@ -104,32 +116,103 @@ NcclCommunicator::NcclCommunicator(void* nccl_comm, bool owned) : comm_(nccl_com
     CHUNKLOSS_GPU_CHECK(ncclCommUserRank(as_comm(comm_), &rank_));
     CHUNKLOSS_GPU_CHECK(ncclCommCount(as_comm(comm_), &size_));
     CHUNKLOSS_GPU_CHECK(ncclCommCuDevice(as_comm(comm_), &device_));
-  } catch (...) {  // the destructor will not run: an owned communicator is destroyed here
+    const OnDevice on(device_);
+    CHUNKLOSS_GPU_CHECK(cudaMalloc(&own_buffer_, kOwnBufferBytes));
+    cudaStream_t s = nullptr;
+    CHUNKLOSS_GPU_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    own_stream_ = s;
+  } catch (...) {  // the destructor will not run: what was made is freed here
+    if (own_buffer_) (void)cudaFree(own_buffer_);
     if (owned_) (void)ncclCommDestroy(as_comm(comm_));
     throw;
   }
 }
 
 NcclCommunicator::~NcclCommunicator() {
-  if (owned_) (void)ncclCommDestroy(as_comm(comm_));
+  (void)cudaStreamDestroy(static_cast<cudaStream_t>(own_stream_));
+  (void)cudaFree(own_buffer_);
+  if (owned_ && !aborted_.load()) (void)ncclCommDestroy(as_comm(comm_));
+}
+
+std::string NcclCommunicator::async_error() const {
+  if (aborted_.load()) return {};
+  ncclResult_t r = ncclSuccess;
+  const ncclResult_t q = ncclCommGetAsyncError(as_comm(comm_), &r);
+  if (q != ncclSuccess) r = q;
+  if (r == ncclSuccess || r == ncclInProgress) return {};
+  return "NcclCommunicator (rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
+         ", cuda device " + std::to_string(device_) + "): " + ncclGetErrorString(r);
+}
+
+void NcclCommunicator::abort() {
+  if (aborted_.exchange(true)) return;
+  (void)ncclCommAbort(as_comm(comm_));
+}
+
+void NcclCommunicator::check_live(const char* what) const {
+  CHUNKLOSS_CHECK(!aborted_.load(), "NcclCommunicator::", what, ": the communicator (rank ", rank_,
+                  " of ", size_, ") was aborted");
+}
+
+template <typename Enqueue>
+void NcclCommunicator::take_part_and_throw(const Context& ctx, const char* what, std::size_t bytes,
+                                           Enqueue enqueue) {
+  bool took_part = false;
+  if (bytes <= kOwnBufferBytes) {
+    try {
+      const OnDevice on(device_);
+      const auto s = static_cast<cudaStream_t>(own_stream_);
+      CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(own_buffer_, 0xFF, bytes, s));
+      CHUNKLOSS_GPU_CHECK(enqueue(static_cast<unsigned char*>(own_buffer_), s));
+      CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(s));
+      took_part = true;
+    } catch (const Error&) {  // the mismatch below is the error to report
+    }
+  }
+  CHUNKLOSS_FAIL("NcclCommunicator::", what, ": the communicator is on cuda device ", device_,
+                 ", the context on ", device_name(ctx.device()), " device ", ctx.device_index(),
+                 took_part ? "; this rank took part with NaN values, which the other ranks received"
+                           : "; this rank did not take part, and the other ranks wait for it");
 }
 
 void NcclCommunicator::all_reduce_sum(const Context& ctx, float* data, std::int64_t n) {
-  const cudaStream_t s = stream_of(ctx, device_, "all_reduce_sum");
-  CHUNKLOSS_GPU_CHECK(ncclAllReduce(data, data, static_cast<std::size_t>(n), ncclFloat, ncclSum,
-                                    as_comm(comm_), s));
+  check_live("all_reduce_sum");
+  const auto count = static_cast<std::size_t>(n);
+  const auto enqueue = [&](float* buf, cudaStream_t s) {
+    return ncclAllReduce(buf, buf, count, ncclFloat, ncclSum, as_comm(comm_), s);
+  };
+  if (!on_device(ctx, device_))
+    take_part_and_throw(
+        ctx, "all_reduce_sum", count * sizeof(float),
+        [&](unsigned char* b, cudaStream_t s) { return enqueue(reinterpret_cast<float*>(b), s); });
+  CHUNKLOSS_GPU_CHECK(enqueue(data, stream_of(ctx)));
 }
 
 void NcclCommunicator::all_reduce_sum(const Context& ctx, double* data, std::int64_t n) {
-  const cudaStream_t s = stream_of(ctx, device_, "all_reduce_sum");
-  CHUNKLOSS_GPU_CHECK(ncclAllReduce(data, data, static_cast<std::size_t>(n), ncclDouble, ncclSum,
-                                    as_comm(comm_), s));
+  check_live("all_reduce_sum");
+  const auto count = static_cast<std::size_t>(n);
+  const auto enqueue = [&](double* buf, cudaStream_t s) {
+    return ncclAllReduce(buf, buf, count, ncclDouble, ncclSum, as_comm(comm_), s);
+  };
+  if (!on_device(ctx, device_))
+    take_part_and_throw(
+        ctx, "all_reduce_sum", count * sizeof(double),
+        [&](unsigned char* b, cudaStream_t s) { return enqueue(reinterpret_cast<double*>(b), s); });
+  CHUNKLOSS_GPU_CHECK(enqueue(data, stream_of(ctx)));
 }
 
 void NcclCommunicator::all_gather(const Context& ctx, const void* send, void* recv,
                                   std::size_t bytes) {
-  const cudaStream_t s = stream_of(ctx, device_, "all_gather");
-  CHUNKLOSS_GPU_CHECK(ncclAllGather(send, recv, bytes, ncclUint8, as_comm(comm_), s));
+  check_live("all_gather");
+  const auto enqueue = [&](const void* from, void* to, cudaStream_t s) {
+    return ncclAllGather(from, to, bytes, ncclUint8, as_comm(comm_), s);
+  };
+  if (!on_device(ctx, device_))  // (in place: this rank's part of the result is its send)
+    take_part_and_throw(ctx, "all_gather", bytes * static_cast<std::size_t>(size_),
+                        [&](unsigned char* b, cudaStream_t s) {
+                          return enqueue(b + bytes * static_cast<std::size_t>(rank_), b, s);
+                        });
+  CHUNKLOSS_GPU_CHECK(enqueue(send, recv, stream_of(ctx)));
 }
 
 }  // namespace chunkloss::dist

@@ -3,7 +3,10 @@
 #pragma once
 
 #include <array>
+#include <atomic>
+#include <cstddef>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "chunkloss/dist/communicator.h"
@@ -35,15 +38,48 @@ class NcclCommunicator final : public Communicator {
   /// The ncclComm_t.
   void* handle() const { return comm_; }
 
+  /// The collectives, enqueued on the context's stream. A context that is not on the
+  /// communicator's device (or a CPU context) is an error; the rank still takes part in the
+  /// collective first, with every byte 0xFF (NaN) from a buffer of the communicator's own, so
+  /// the other ranks get NaN sums instead of waiting for it (the loss objects' first exchange
+  /// then throws on every rank). That needs the collective's result to fit kOwnBufferBytes.
   void all_reduce_sum(const Context& ctx, float* data, std::int64_t n) override;
   void all_reduce_sum(const Context& ctx, double* data, std::int64_t n) override;
   void all_gather(const Context& ctx, const void* send, void* recv, std::size_t bytes) override;
 
+  /// Bytes of the buffer on the communicator's device through which a rank with a context on
+  /// another device takes part in a collective (above).
+  static constexpr std::size_t kOwnBufferBytes = std::size_t{64} << 10;
+
+  /// NCCL's asynchronous error on the communicator (ncclCommGetAsyncError), as a message naming
+  /// the rank; empty while there is none, and after abort(). For a watchdog thread, which may
+  /// call it while the rank's own thread waits in a collective.
+  std::string async_error() const;
+  /// Aborts the communicator (ncclCommAbort): the rank's NCCL work in flight ends without
+  /// completing, so its streams stop waiting for a peer that failed or left, and every later
+  /// collective on this object throws chunkloss::Error. For a watchdog thread, while the rank's
+  /// own thread waits (say in a stream synchronisation). The data its collectives were writing
+  /// is unspecified. An owned communicator is freed by the abort; a wrapped ncclComm_t is
+  /// aborted too, and its owner must neither use nor destroy it afterwards. Calling it again
+  /// does nothing.
+  void abort();
+  bool aborted() const { return aborted_.load(); }
+
  private:
   NcclCommunicator(void* nccl_comm, bool owned);
+  // Throws when aborted.
+  void check_live(const char* what) const;
+  // Takes part in a collective whose result has `bytes` with the own buffer filled with 0xFF
+  // (the caller's context is on another device), then throws naming it.
+  template <typename Enqueue>
+  [[noreturn]] void take_part_and_throw(const Context& ctx, const char* what, std::size_t bytes,
+                                        Enqueue enqueue);
   void* comm_;
   bool owned_;
   int rank_ = 0, size_ = 1, device_ = 0;
+  void* own_buffer_ = nullptr;  // kOwnBufferBytes on device_
+  void* own_stream_ = nullptr;  // a cudaStream_t on device_
+  std::atomic<bool> aborted_{false};
 };
 
 }  // namespace chunkloss::dist
