@@ -225,6 +225,8 @@ std::optional<Settings> parse(int argc, char** argv) {
     throw apps::UsageError("--init " + s.init + " with --resume " + s.resume +
                            ": a resumed run starts from its own checkpoint and the --init it "
                            "was saved with; give only --resume");
+  if (!s.init.empty()) apps::check_checkpoint_dir("init", s.init);
+  if (!s.resume.empty()) apps::check_checkpoint_dir("resume", s.resume);
   if (!s.init.empty() || !s.resume.empty()) {
     for (const auto& [name, field] : kArchitecture)
       if (!vm[name].defaulted()) s.architecture_given.push_back(name);

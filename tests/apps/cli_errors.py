@@ -7,6 +7,9 @@ input makes an app print one line naming the problem and exit non-zero (2 for a 
 
 CASE is one of:
   config: --config naming a symlink loop or a name too long is a usage error (train and eval).
+  checkpoint_paths: a checkpoint directory option (train's --resume and --init, eval's --model
+    and --reference) naming a symlink loop or a file is a usage error naming the option and the
+    path.
   resume_state: --resume from an optimizer state with a negative second moment is refused,
     naming the file and the tensor; one whose finite moments blow a parameter up to Inf stops
     at that step naming it; neither writes a checkpoint.
@@ -351,12 +354,30 @@ def config_case(train, evaluate, work):
         one_line([app, "--config", long_name], 2, "--config", "name too long")
 
 
+def checkpoint_paths_case(train, evaluate, work):
+    loop = os.path.join(work, "loop")
+    os.symlink(loop, loop)
+    afile = os.path.join(work, "afile")
+    with open(afile, "w") as f:
+        f.write("x")
+    ck = os.path.join(work, "ck")
+    run([train, "--steps", "1", "--warmup-steps", "0", "--save", ck] + TINY)
+    t = [train, "--steps", "2", "--warmup-steps", "0"] + TINY
+    for path, problem in ((loop, "cannot open " + loop), (afile, afile + " is not a directory")):
+        for cmd, option in ((t + ["--resume", path], "--resume"), (t + ["--init", path], "--init"),
+                            ([evaluate, "--model", path], "--model"),
+                            ([evaluate, "--model", ck, "--model", path], "--model"),
+                            ([evaluate, "--model", ck, "--reference", path], "--reference")):
+            one_line(cmd, 2, option + ": " + problem)
+
+
 def main():
     train, evaluate, bench, work, case = sys.argv[1:6]
     work = os.path.join(work, case)
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     cases = {"config": lambda: config_case(train, evaluate, work),
+             "checkpoint_paths": lambda: checkpoint_paths_case(train, evaluate, work),
              "resume_state": lambda: resume_state_case(train, work),
              "stdin": lambda: stdin_case(train, work),
              "bench_options": lambda: bench_options_case(bench),
