@@ -75,6 +75,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.config_file = config_file;
   s.models = vm["model"].as<std::vector<std::string>>();
   if (s.models.empty()) throw apps::UsageError("--model DIR is required");
+  for (const std::string& dir : s.models) apps::check_checkpoint_dir("model", dir);
   s.names = vm["name"].as<std::vector<std::string>>();
   if (!s.names.empty() && s.names.size() != s.models.size())
     throw apps::UsageError("--name: " + std::to_string(s.names.size()) + " names for " +
@@ -85,6 +86,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     s.names.push_back(dir.filename().string());
   }
   s.reference = vm["reference"].as<std::string>();
+  if (!s.reference.empty()) apps::check_checkpoint_dir("reference", s.reference);
   s.beta = vm["beta"].as<double>();
   if (!(s.beta > 0 && s.beta < 1e6)) throw apps::UsageError("--beta: must be in (0, 1e6)");
   s.sft_file = vm["sft-file"].as<std::string>();

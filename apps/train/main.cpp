@@ -225,6 +225,8 @@ std::optional<Settings> parse(int argc, char** argv) {
     throw apps::UsageError("--init " + s.init + " with --resume " + s.resume +
                            ": a resumed run starts from its own checkpoint and the --init it "
                            "was saved with; give only --resume");
+  if (!s.init.empty()) apps::check_checkpoint_dir("init", s.init);
+  if (!s.resume.empty()) apps::check_checkpoint_dir("resume", s.resume);
   if (!s.init.empty() || !s.resume.empty()) {
     for (const auto& [name, field] : kArchitecture)
       if (!vm[name].defaulted()) s.architecture_given.push_back(name);
@@ -670,7 +672,6 @@ int run(const Settings& s, const std::string& invocation) {
   const std::map<std::string, std::string> options = run_options(s, data.text, reference);
   if (resumed) check_resume(s, s.resume, *resumed, options, opt->step_count());
 
-  std::fprintf(stderr, "%s: %s\n", kProg, policy->summary().c_str());
   // Per rank of the grid (one rank: no groups): a loss device, a trainer and a model replica
   // (rank 0's is the policy; the others copy its parameters after each optimizer step).
   Ranks grid(s.data_parallel, s.vocab_parallel);
@@ -712,6 +713,13 @@ int run(const Settings& s, const std::string& invocation) {
   const data::BatchSampler sampler(trainer->size(), static_cast<std::size_t>(s.batch_size), s.seed,
                                    true, drop_last);
   const std::int64_t per_epoch = static_cast<std::int64_t>(sampler.batches_per_epoch());
+  MetricsLog metrics;
+  if (!s.metrics.empty())
+    metrics = MetricsLog(s.metrics, resumed ? std::optional(start) : std::nullopt);
+
+  // Everything a run can be refused for before its first step has been checked: a refused run
+  // prints its error line alone.
+  std::fprintf(stderr, "%s: %s\n", kProg, policy->summary().c_str());
   std::fprintf(
       stderr,
       "%s: --loss %s (on %s) on %s: %zu examples, %lld micro-batches per epoch, steps %lld..%lld\n",
@@ -719,9 +727,6 @@ int run(const Settings& s, const std::string& invocation) {
       static_cast<long long>(per_epoch), static_cast<long long>(start),
       static_cast<long long>(s.steps));
 
-  MetricsLog metrics;
-  if (!s.metrics.empty())
-    metrics = MetricsLog(s.metrics, resumed ? std::optional(start) : std::nullopt);
   model::TrainerState state;
   state.strings = options;
   state.strings["command"] = invocation;  // for the record, with the paths below

@@ -7,6 +7,9 @@ input makes an app print one line naming the problem and exit non-zero (2 for a 
 
 CASE is one of:
   config: --config naming a symlink loop or a name too long is a usage error (train and eval).
+  checkpoint_paths: a checkpoint directory option (train's --resume and --init, eval's --model
+    and --reference) naming a symlink loop or a file is a usage error naming the option and the
+    path.
   resume_state: --resume from an optimizer state with a negative second moment is refused,
     naming the file and the tensor; one whose finite moments blow a parameter up to Inf stops
     at that step naming it; neither writes a checkpoint.
@@ -24,7 +27,11 @@ CASE is one of:
   messages: runtime errors name what to fix: too few examples for a micro-batch with
     --data-parallel names the file and both options; a checkpoint whose vocab_size is below the
     tokenizer's is refused when loaded (--init, --model), naming it; a too long example is named
-    by its line, as JSON errors are (blank lines count), in train and eval.
+    by its line, as JSON errors are (blank lines count), in train and eval. Each is refused
+    before any work: its error line is all the app prints.
+  before_work: chunkloss-train refuses a training file with bad JSON, one missing the loss's
+    field, an empty one, a KTO file of one example, and a metrics file whose FILE.partial cannot
+    be written before any work: its error line alone, not after the model summary.
   loss_options: chunkloss-train refuses at option parsing (exit 2, one line naming the option
     and the loss) an option the --loss does not take, a --label-smoothing outside the loss's
     range, --init with --resume, and --chart with nothing to draw it from.
@@ -62,8 +69,10 @@ def run(cmd, expect=0, **kw):
     return p
 
 
-def one_line(cmd, expect, *words, **kw):
-    """Runs cmd, which must exit with `expect` and print one stderr line holding every word."""
+def one_line(cmd, expect, *words, alone=False, **kw):
+    """Runs cmd, which must exit with `expect` and print one stderr line holding every word. A
+    usage error (expect 2) must be the only line on stderr; with `alone` (a run refused before
+    its work) the only output at all: no model summary or progress line before it."""
     p = run(cmd, expect, **kw)
     lines = p.stderr.strip().splitlines()
     errors = [l for l in lines if "error" in l or "see --help" in l]
@@ -71,6 +80,9 @@ def one_line(cmd, expect, *words, **kw):
         fail("%s: expected one line naming %s, got:\n%s" % (" ".join(cmd), words, p.stderr))
     if expect == 2 and len(lines) != 1:
         fail("%s: a usage error must be the only line, got:\n%s" % (" ".join(cmd), p.stderr))
+    if alone and (len(lines) != 1 or p.stdout):
+        fail("%s: a run refused before its work must print its error alone, got:\n%s%s" %
+             (" ".join(cmd), p.stdout, p.stderr))
     return p
 
 
@@ -270,16 +282,15 @@ def messages_case(train, evaluate, work):
     with open(one, "w") as f:
         f.write(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
     one_line([train, "--train-file", one, "--steps", "2", "--data-parallel", "2"] + TINY, 1,
-             one, "1 example", "--batch-size 2", "--data-parallel 2")
+             one, "1 example", "--batch-size 2", "--data-parallel 2", alone=True)
 
     ck = os.path.join(work, "v258")
     run([train, "--steps", "1", "--warmup-steps", "0", "--save", ck] + TINY)
     shrink_vocab(ck, 258)
     one_line([train, "--init", ck, "--steps", "2", "--batch-size", "2", "--threads", "1"], 1,
-             "--init " + ck, "vocab_size 258", "259")
-    p = one_line([evaluate, "--model", ck, "--limit", "2"], 1, "--model " + ck, "vocab_size 258")
-    if "|" in p.stdout:
-        fail("eval refused a checkpoint only after evaluating it:\n" + p.stdout)
+             "--init " + ck, "vocab_size 258", "259", alone=True)
+    one_line([evaluate, "--model", ck, "--limit", "2"], 1, "--model " + ck, "vocab_size 258",
+             alone=True)
 
     long_file = os.path.join(work, "long.jsonl")
     with open(long_file, "w") as f:
@@ -289,13 +300,13 @@ def messages_case(train, evaluate, work):
     run([train, "--steps", "1", "--warmup-steps", "0", "--save", good] + TINY)
     for cmd in ([train, "--train-file", long_file, "--max-length", "0", "--steps", "2"] + TINY,
                 [evaluate, "--model", good, "--sft-file", long_file]):
-        one_line(cmd, 1, long_file + ":3: the example encodes to 85 positions")
+        one_line(cmd, 1, long_file + ":3: the example encodes to 85 positions", alone=True)
     kto = os.path.join(work, "kto.jsonl")
     with open(kto, "w") as f:
         f.write(json.dumps({"prompt": "p" * 40, "completion": "a", "label": True}) + "\n\n")
         f.write(json.dumps({"prompt": "q", "completion": "b" * 40, "label": False}) + "\n")
     one_line([train, "--loss", "kto", "--train-file", kto, "--max-length", "0", "--steps", "2"] +
-             TINY, 1, kto + ": the KL pair of line 1's prompt and line 3's completion")
+             TINY, 1, kto + ": the KL pair of line 1's prompt and line 3's completion", alone=True)
 
 
 def loss_options_case(train, work):
@@ -351,18 +362,62 @@ def config_case(train, evaluate, work):
         one_line([app, "--config", long_name], 2, "--config", "name too long")
 
 
+def checkpoint_paths_case(train, evaluate, work):
+    loop = os.path.join(work, "loop")
+    os.symlink(loop, loop)
+    afile = os.path.join(work, "afile")
+    with open(afile, "w") as f:
+        f.write("x")
+    ck = os.path.join(work, "ck")
+    run([train, "--steps", "1", "--warmup-steps", "0", "--save", ck] + TINY)
+    t = [train, "--steps", "2", "--warmup-steps", "0"] + TINY
+    for path, problem in ((loop, "cannot open " + loop), (afile, afile + " is not a directory")):
+        for cmd, option in ((t + ["--resume", path], "--resume"), (t + ["--init", path], "--init"),
+                            ([evaluate, "--model", path], "--model"),
+                            ([evaluate, "--model", ck, "--model", path], "--model"),
+                            ([evaluate, "--model", ck, "--reference", path], "--reference")):
+            one_line(cmd, 2, option + ": " + problem)
+
+
+def before_work_case(train, work):
+    def write(name, text):
+        path = os.path.join(work, name)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    sft = json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n"
+    bad_json = write("bad.jsonl", sft + "not json\n")
+    no_rejected = write("pref.jsonl", json.dumps({"prompt": "1+1=", "chosen": "2"}) + "\n")
+    empty = write("empty.jsonl", "")
+    one_kto = write("kto.jsonl", json.dumps({"prompt": "1+1=", "completion": "2",
+                                             "label": True}) + "\n")
+    metrics = os.path.join(work, "m.jsonl")
+    os.makedirs(metrics + ".partial")
+    t = [train, "--steps", "2", "--warmup-steps", "0"] + TINY
+    for extra, words in (
+            (["--train-file", bad_json], (bad_json + ":2: bad JSON",)),
+            (["--loss", "dpo", "--train-file", no_rejected], (no_rejected + ":1", '"rejected"')),
+            (["--train-file", empty], (empty + ": no examples",)),
+            (["--loss", "kto", "--train-file", one_kto], (one_kto, "1 example", "--batch-size 2")),
+            (["--metrics", metrics], ("--metrics", metrics + ".partial"))):
+        one_line(t + extra, 1, *words, alone=True)
+
+
 def main():
     train, evaluate, bench, work, case = sys.argv[1:6]
     work = os.path.join(work, case)
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     cases = {"config": lambda: config_case(train, evaluate, work),
+             "checkpoint_paths": lambda: checkpoint_paths_case(train, evaluate, work),
              "resume_state": lambda: resume_state_case(train, work),
              "stdin": lambda: stdin_case(train, work),
              "bench_options": lambda: bench_options_case(bench),
              "metrics": lambda: metrics_case(train, work),
              "outputs": lambda: outputs_case(train, evaluate, bench, work),
              "messages": lambda: messages_case(train, evaluate, work),
+             "before_work": lambda: before_work_case(train, work),
              "loss_options": lambda: loss_options_case(train, work),
              "stdout": lambda: stdout_case(train, evaluate, bench, work)}
     if case not in cases:

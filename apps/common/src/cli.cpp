@@ -115,6 +115,14 @@ std::string utc_format(const char* fmt) {
 std::string utc_now_iso() { return utc_format("%Y-%m-%dT%H:%M:%SZ"); }
 std::string utc_today() { return utc_format("%Y-%m-%d"); }
 
+std::filesystem::file_status input_status(std::string_view option, const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::status(path, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    throw UsageError("--" + std::string(option) + ": cannot open " + path + ": " + ec.message());
+  return st;
+}
+
 void prepare_output_dir(std::string_view option, const std::string& dir) {
   const std::string d = dir.empty() ? "." : dir;
   std::error_code ec;

@@ -15,6 +15,12 @@ std::string bundled_data(const std::string& name) {
   return std::string(CHUNKLOSS_BUNDLED_DATA_DIR) + "/" + name;
 }
 
+void check_checkpoint_dir(std::string_view option, const std::string& path) {
+  const std::filesystem::file_status st = input_status(option, path);
+  if (std::filesystem::exists(st) && !std::filesystem::is_directory(st))
+    throw UsageError("--" + std::string(option) + ": " + path + " is not a directory");
+}
+
 void check_not_checkpoint_file(std::string_view option, const std::string& path,
                                const std::vector<std::string>& dirs, const std::string& save) {
   const std::filesystem::path p(path);

@@ -12,7 +12,6 @@
 #include <iostream>
 #include <new>
 #include <string>
-#include <system_error>
 
 #include "chunkloss/apps/cli.h"
 
@@ -25,11 +24,7 @@ namespace chunkloss::apps {
 inline void store_config_file(const std::string& path,
                               const boost::program_options::options_description& options,
                               boost::program_options::variables_map& vm) {
-  std::error_code ec;
-  const std::filesystem::file_status st = std::filesystem::status(path, ec);
-  if (ec && ec != std::errc::no_such_file_or_directory)
-    throw UsageError("--config: cannot open " + path + ": " + ec.message());
-  if (std::filesystem::is_directory(st))
+  if (std::filesystem::is_directory(input_status("config", path)))
     throw UsageError("--config: " + path + " is a directory, not a file");
   std::ifstream in(path);
   if (!in.is_open() || !in) throw UsageError("--config: cannot open " + path + " as a file");

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -46,6 +47,12 @@ std::string shell_join(const std::vector<std::string>& words);
 /// Now in UTC: "2026-12-02T14:25:14Z" (iso) or "2026-12-02" (date only).
 std::string utc_now_iso();
 std::string utc_today();
+
+/// The status of input `path` of option `option` (e.g. "config"; file_type::not_found when it
+/// does not exist, left to the reader to report). Throws UsageError "--OPTION: cannot open PATH:
+/// REASON" when the file system refuses the path (a symlink loop, a name too long, a parent that
+/// is a file, no permission, ...), rather than letting a std::filesystem error escape later.
+std::filesystem::file_status input_status(std::string_view option, const std::string& path);
 
 /// Creates directory `dir` of option `option` (e.g. "save") when missing and checks that files
 /// can be created in it, so that a run fails before its work rather than at its end. Throws

@@ -35,6 +35,12 @@ struct Longest {
   }
 };
 
+/// Checks checkpoint directory `path` of option `option` (e.g. "resume") at option parsing:
+/// throws UsageError naming both when the file system refuses the path (input_status: a symlink
+/// loop, a name too long, ...) or it is not a directory. A missing one is left to the loader,
+/// whose message names the file it lacks.
+void check_checkpoint_dir(std::string_view option, const std::string& path);
+
 /// Throws UsageError naming `option` when output file `path` would be a file of one of the
 /// checkpoint directories `dirs` (a name model::is_checkpoint_file_name gives, in the directory
 /// itself), which a save would overwrite or a load read. With `save` (chunkloss-train's --save),
