@@ -224,6 +224,34 @@ TEST_CASE("checkpoint errors: truncated files") {
   CHECK(contains(s.load_error(), "cannot open " + s.model_path()));
 }
 
+TEST_CASE("checkpoint errors: symbolic-link loops are chunkloss::Error naming the path") {
+  // A loop where the loader looks for a file: the commit record, the config, a save's
+  // temporaries; std::filesystem would throw its own error there.
+  Saved s;
+  const auto loop_at = [](const std::string& path) {
+    fs::remove(path);
+    fs::create_symlink(fs::path(path).filename(), path);
+  };
+  const std::string commit = s.dir.file(".chunkloss-commit");
+  loop_at(commit);
+  std::string m = s.load_error();
+  CHECK(contains(m, "cannot read " + commit + ": Too many levels of symbolic links"));
+  fs::remove(commit);
+  CHECK(s.load_error().empty());
+  const std::string config = s.dir.file("config.json");
+  const std::string good = slurp(config);
+  loop_at(config);
+  CHECK(contains(s.load_error(), "cannot open " + config + ": Too many levels of symbolic links"));
+  fs::remove(config);
+  spit(config, good);
+  CHECK(s.load_error().empty());
+  // A commit record that names the model's temporary, which is a loop.
+  spit(commit, R"({"renamed": ["model.safetensors"], "removed": []})");
+  const std::string tmp = s.model_path() + ".tmp";
+  loop_at(tmp);
+  CHECK(contains(s.load_error(), "cannot read " + tmp));
+}
+
 TEST_CASE("checkpoint errors: bad header JSON and header length") {
   Saved s;
   std::string raw = slurp(s.model_path());

@@ -1,4 +1,5 @@
-// POSIX atomic file replacement: open/write/fsync/close a temporary, rename, fsync the directory.
+// POSIX atomic file replacement: open/write/fsync/close a temporary, rename, fsync the directory;
+// and a file's type without std::filesystem's exceptions.
 #include "atomic_file.h"
 
 #include <fcntl.h>
@@ -18,6 +19,14 @@ std::string temp_path(const std::string& path) { return path + ".tmp"; }
 void remove_file_quietly(const std::string& path) {
   struct stat st;
   if (::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) ::unlink(path.c_str());
+}
+
+std::filesystem::file_type file_type_of(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::status(path, ec);
+  CHUNKLOSS_CHECK(!ec || st.type() == std::filesystem::file_type::not_found, "cannot read ", path,
+                  ": ", ec.message());
+  return st.type();
 }
 
 void write_temp_file(const std::string& tmp, std::string_view bytes) {

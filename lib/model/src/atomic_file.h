@@ -2,6 +2,7 @@
 // directory), separate so a checkpoint can stage all its files before renaming any.
 #pragma once
 
+#include <filesystem>
 #include <string>
 #include <string_view>
 
@@ -18,5 +19,8 @@ void rename_file(const std::string& tmp, const std::string& path);
 void sync_parent_dir(const std::string& path);
 /// Removes `path` if it is a regular file; ignores errors.
 void remove_file_quietly(const std::string& path);
+/// The type of what `path` names, links followed: file_type::not_found when nothing; throws
+/// chunkloss::Error naming it when it cannot be told (a symbolic-link loop, a permission).
+std::filesystem::file_type file_type_of(const std::string& path);
 
 }  // namespace chunkloss::model::detail

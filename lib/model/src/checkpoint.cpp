@@ -227,7 +227,7 @@ struct Commit {
 
 std::optional<Commit> read_commit(const std::string& dir) {
   const std::string path = in_dir(dir, kCommitFile);
-  if (!fs::exists(path)) return std::nullopt;
+  if (detail::file_type_of(path) == fs::file_type::not_found) return std::nullopt;
   const json j = parse_json_file(path);
   Commit c;
   for (auto [field, out] : {std::pair{"renamed", &c.renamed}, std::pair{"removed", &c.removed}}) {
@@ -251,12 +251,13 @@ class CheckpointFiles {
     const std::string final_path = in_dir(dir_, file);
     if (commit_ && commit_->renamed.count(file)) {
       const std::string tmp = detail::temp_path(final_path);
-      if (fs::exists(tmp)) return tmp;
+      if (detail::file_type_of(tmp) != fs::file_type::not_found) return tmp;
     }
     return final_path;
   }
   bool present(const char* file) const {
-    return !(commit_ && commit_->removed.count(file)) && fs::is_regular_file(path(file));
+    return !(commit_ && commit_->removed.count(file)) &&
+           detail::file_type_of(path(file)) == fs::file_type::regular;
   }
 
  private:
@@ -271,7 +272,8 @@ void finish_commit(const std::string& dir) {
   if (!c) return;
   for (const std::string& f : c->renamed) {
     const std::string tmp = detail::temp_path(in_dir(dir, f.c_str()));
-    if (fs::exists(tmp)) detail::rename_file(tmp, in_dir(dir, f.c_str()));
+    if (detail::file_type_of(tmp) != fs::file_type::not_found)
+      detail::rename_file(tmp, in_dir(dir, f.c_str()));
   }
   for (const std::string& f : c->removed) detail::remove_file_quietly(in_dir(dir, f.c_str()));
   detail::sync_parent_dir(in_dir(dir, kCommitFile));
@@ -363,7 +365,8 @@ void save_checkpoint(const std::string& dir, const LlamaModel& model, const Adam
   try {
     write_file_atomically(record_path, record.dump() + "\n");
   } catch (...) {
-    if (fs::exists(record_path)) staging.keep();  // it failed after the rename: it is in force
+    std::error_code ec;  // (no second error here: the first one is thrown)
+    if (fs::exists(record_path, ec)) staging.keep();  // it failed after the rename: it is in force
     throw;
   }
   staging.keep();
@@ -432,7 +435,7 @@ TrainerState load_training_state(const std::string& dir, const LlamaModel& model
                   " (save id ", json_save_id(j),
                   ") is not from the save the model was loaded from ", "(save id ", model_save_id,
                   "): ", dir, " was saved again in between; load the model again");
-  if (fs::is_regular_file(config_path)) {
+  if (detail::file_type_of(config_path) == fs::file_type::regular) {
     check_same_save(config_path, json_save_id(parse_json_file(config_path)), state_path,
                     json_save_id(j));
   }
