@@ -175,30 +175,25 @@ void NcclCommunicator::take_part_and_throw(const Context& ctx, const char* what,
                            : "; this rank did not take part, and the other ranks wait for it");
 }
 
-void NcclCommunicator::all_reduce_sum(const Context& ctx, float* data, std::int64_t n) {
+void NcclCommunicator::sum(const Context& ctx, void* data, std::int64_t n, std::size_t elem_bytes,
+                           int nccl_type) {
   check_live("all_reduce_sum");
   const auto count = static_cast<std::size_t>(n);
-  const auto enqueue = [&](float* buf, cudaStream_t s) {
-    return ncclAllReduce(buf, buf, count, ncclFloat, ncclSum, as_comm(comm_), s);
+  const auto enqueue = [&](void* buf, cudaStream_t s) {
+    return ncclAllReduce(buf, buf, count, static_cast<ncclDataType_t>(nccl_type), ncclSum,
+                         as_comm(comm_), s);
   };
   if (!on_device(ctx, device_))
-    take_part_and_throw(
-        ctx, "all_reduce_sum", count * sizeof(float),
-        [&](unsigned char* b, cudaStream_t s) { return enqueue(reinterpret_cast<float*>(b), s); });
+    take_part_and_throw(ctx, "all_reduce_sum", count * elem_bytes, enqueue);
   CHUNKLOSS_GPU_CHECK(enqueue(data, stream_of(ctx)));
 }
 
+void NcclCommunicator::all_reduce_sum(const Context& ctx, float* data, std::int64_t n) {
+  sum(ctx, data, n, sizeof(float), ncclFloat);
+}
+
 void NcclCommunicator::all_reduce_sum(const Context& ctx, double* data, std::int64_t n) {
-  check_live("all_reduce_sum");
-  const auto count = static_cast<std::size_t>(n);
-  const auto enqueue = [&](double* buf, cudaStream_t s) {
-    return ncclAllReduce(buf, buf, count, ncclDouble, ncclSum, as_comm(comm_), s);
-  };
-  if (!on_device(ctx, device_))
-    take_part_and_throw(
-        ctx, "all_reduce_sum", count * sizeof(double),
-        [&](unsigned char* b, cudaStream_t s) { return enqueue(reinterpret_cast<double*>(b), s); });
-  CHUNKLOSS_GPU_CHECK(enqueue(data, stream_of(ctx)));
+  sum(ctx, data, n, sizeof(double), ncclDouble);
 }
 
 void NcclCommunicator::all_gather(const Context& ctx, const void* send, void* recv,

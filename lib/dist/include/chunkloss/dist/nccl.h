@@ -69,6 +69,8 @@ class NcclCommunicator final : public Communicator {
   NcclCommunicator(void* nccl_comm, bool owned);
   // Throws when aborted.
   void check_live(const char* what) const;
+  // all_reduce_sum of n values of elem_bytes, of ncclDataType_t nccl_type.
+  void sum(const Context& ctx, void* data, std::int64_t n, std::size_t elem_bytes, int nccl_type);
   // Takes part in a collective whose result has `bytes` with the own buffer filled with 0xFF
   // (the caller's context is on another device), then throws naming it.
   template <typename Enqueue>
