@@ -94,15 +94,15 @@ std::vector<RowRange> computed_rows(const TokenCall& call) {
   return call.row_ranges ? *call.row_ranges : std::vector<RowRange>{{0, call.rows}};
 }
 
-std::vector<std::vector<RowRange>> token_chunks(const TokenCall& call, const Plan& plan) {
-  const std::int64_t c = plan.chunk_rows;
+std::vector<std::vector<RowRange>> pack_chunks(const std::vector<RowRange>& ranges,
+                                               std::int64_t chunk) {
   std::vector<std::vector<RowRange>> chunks;
   std::int64_t room = 0;  // rows the last chunk can still take
-  for (const RowRange& range : computed_rows(call)) {
+  for (const RowRange& range : ranges) {
     for (std::int64_t r0 = range.r0; r0 < range.r1;) {
       if (room == 0) {
         chunks.emplace_back();
-        room = c;
+        room = chunk;
       }
       const std::int64_t r1 = std::min(range.r1, r0 + room);
       chunks.back().push_back({r0, r1});
@@ -111,6 +111,10 @@ std::vector<std::vector<RowRange>> token_chunks(const TokenCall& call, const Pla
     }
   }
   return chunks;
+}
+
+std::vector<std::vector<RowRange>> token_chunks(const TokenCall& call, const Plan& plan) {
+  return pack_chunks(computed_rows(call), plan.chunk_rows);
 }
 
 TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan& plan,

@@ -211,9 +211,12 @@ void vocab_block_pass(TokenBackend& b, std::int64_t n, std::int64_t v, std::int6
 std::vector<RowRange> rows_to_compute(const std::vector<std::uint8_t>& valid, std::int64_t min_gap);
 /// The rows run_token_objective computes: call.row_ranges, or all rows when it is unset.
 std::vector<RowRange> computed_rows(const TokenCall& call);
-/// The chunks run_token_objective runs: the computed rows in order, cut every plan.chunk_rows
-/// rows; each chunk's pieces (the parts of computed ranges in it) lie one after another in the
-/// logits tile and share one dW GEMM (grad_w_ranges).
+/// `ranges` packed into chunks of `chunk` rows: their rows in order, cut every `chunk` rows;
+/// each chunk's pieces (the parts of ranges in it) lie one after another in the logits tile and
+/// share one logits, dH and dW GEMM (the *_ranges steps). The token and sequence engines' chunks.
+std::vector<std::vector<RowRange>> pack_chunks(const std::vector<RowRange>& ranges,
+                                               std::int64_t chunk);
+/// The chunks run_token_objective runs: pack_chunks of the computed rows.
 std::vector<std::vector<RowRange>> token_chunks(const TokenCall& call, const Plan& plan);
 
 /// Runs the plan's loop order over the call.

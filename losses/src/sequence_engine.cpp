@@ -78,23 +78,6 @@ void for_chunks(const std::vector<RowRange>& ranges, std::int64_t chunk, bool re
     }
 }
 
-// `ranges` cut into pieces of at most `chunk` rows, packed in order into chunks of at most
-// `chunk` rows (so short sequences share a chunk and its dW GEMM).
-std::vector<std::vector<RowRange>> packed_chunks(const std::vector<RowRange>& ranges,
-                                                 std::int64_t chunk) {
-  std::vector<std::vector<RowRange>> out;
-  std::int64_t rows = chunk;
-  for_chunks(ranges, chunk, false, [&](std::int64_t r0, std::int64_t r1, std::int64_t) {
-    if (rows + (r1 - r0) > chunk) {
-      out.emplace_back();
-      rows = 0;
-    }
-    out.back().push_back({r0, r1});
-    rows += r1 - r0;
-  });
-  return out;
-}
-
 // Logits and row statistics of rows [r0, r1) into the current tile.
 void chunk_stats(TokenBackend& b, const SequenceCall& c, std::int64_t r0, std::int64_t r1) {
   b.logits(r0, r1, 0, c.policy.vocab);
@@ -132,7 +115,7 @@ void pass_one(TokenBackend& b, const SequenceCall& c, const std::vector<RowRange
       chunks.back().push_back({r0, r1});
     });
   } else {
-    chunks = packed_chunks(ranges, plan.chunk_rows);
+    chunks = pack_chunks(ranges, plan.chunk_rows);
   }
   for (const std::vector<RowRange>& pieces : chunks) {
     b.logits_ranges(pieces);
@@ -203,7 +186,7 @@ void recompute_token_chunks(TokenBackend& b, const SequenceCall& c, const Plan& 
                             std::int64_t u0, const std::vector<double>& coef, bool first) {
   const std::int64_t v = c.policy.vocab, units = c.sequences / c.unit_sequences;
   const std::vector<RowRange> ranges = unit_ranges(c, u0, units, plan.chunk_rows, true, true);
-  for (const std::vector<RowRange>& pieces : packed_chunks(ranges, plan.chunk_rows)) {
+  for (const std::vector<RowRange>& pieces : pack_chunks(ranges, plan.chunk_rows)) {
     upload_coefficients(b, c, pieces, coef);
     b.logits_ranges(pieces);
     b.for_ranges(pieces, [&](const RowRange& r) { b.grad_epilogue(r.r0, r.r1, 0, v); });
