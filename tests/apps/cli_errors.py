@@ -9,7 +9,8 @@ CASE is one of:
   config: --config naming a symlink loop or a name too long is a usage error (train and eval).
   checkpoint_paths: a checkpoint directory option (train's --resume and --init, eval's --model
     and --reference) naming a symlink loop or a file is a usage error naming the option and the
-    path.
+    path; a data file option (train's --train-file, eval's --sft-file and --pref-file) naming a
+    symlink loop too.
   resume_state: --resume from an optimizer state with a negative second moment is refused,
     naming the file and the tensor; one whose finite moments blow a parameter up to Inf stops
     at that step naming it; neither writes a checkpoint.
@@ -377,6 +378,10 @@ def checkpoint_paths_case(train, evaluate, work):
                             ([evaluate, "--model", ck, "--model", path], "--model"),
                             ([evaluate, "--model", ck, "--reference", path], "--reference")):
             one_line(cmd, 2, option + ": " + problem)
+    for cmd, option in ((t + ["--train-file", loop], "--train-file"),
+                        ([evaluate, "--model", ck, "--sft-file", loop], "--sft-file"),
+                        ([evaluate, "--model", ck, "--pref-file", loop], "--pref-file")):
+        one_line(cmd, 2, option + ": cannot open " + loop)
 
 
 def before_work_case(train, work):
