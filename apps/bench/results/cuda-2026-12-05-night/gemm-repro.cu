@@ -27,8 +27,8 @@ int main(int argc, char** argv) {
                                     k, b + off * k, CUDA_R_16BF, k, &beta, c, CUDA_R_32F, m,
                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     cudaError_t e = cudaDeviceSynchronize();
-    printf("offset %ld rep %d: cublas %d (%s), sync %s\n", off, r, (int)s,
-           cublasGetStatusString(s), cudaGetErrorString(e));
+    printf("offset %ld rep %d: cublas %d (%s), sync %s\n", off, r, (int)s, cublasGetStatusString(s),
+           cudaGetErrorString(e));
     if (s != CUBLAS_STATUS_SUCCESS || e != cudaSuccess) return 1;
   }
   printf("ok\n");

@@ -53,7 +53,7 @@ class NcclCommunicator final : public Communicator {
 
   /// NCCL's asynchronous error on the communicator (ncclCommGetAsyncError), as a message naming
   /// the rank; empty while there is none, and after abort(). For a watchdog thread, which may
-  /// call it while the rank's own thread waits in a collective.
+  /// call it while the rank's own thread waits in a collective (and calls abort() itself).
   std::string async_error() const;
   /// Aborts the communicator (ncclCommAbort): the rank's NCCL work in flight ends without
   /// completing, so its streams stop waiting for a peer that failed or left, and every later
