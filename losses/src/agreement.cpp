@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -76,21 +77,40 @@ void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_grou
   // verdict goes back over the vocabulary group, a collective that every rank of it must make.
   std::vector<double> vocab_kind(x.vocab_kind.begin(), x.vocab_kind.end());
   vocab_kind.push_back(data_group ? 1.0 : 0.0);
+  // A collective of this rank's that throws after taking part with NaN values (an
+  // NcclCommunicator whose context is on another device) counts as a failed exchange whose
+  // kinds differ, as its peers see it, and the rank goes on to the exchanges they make too.
+  std::exception_ptr own;
+  const auto guarded = [&](auto&& exchange_fn) -> std::pair<double, bool> {
+    try {
+      return exchange_fn();
+    } catch (const Error&) {
+      if (!own) own = std::current_exception();
+      return {std::numeric_limits<double>::quiet_NaN(), false};
+    }
+  };
   double vocab_failed = 0;
   bool vocab_same = true;
   if (vocab_group)
-    std::tie(vocab_failed, vocab_same) =
-        exchange(GroupSum{ctx, vocab_group}, rejected != nullptr, vocab_kind, {});
+    std::tie(vocab_failed, vocab_same) = guarded([&] {
+      return exchange(GroupSum{ctx, vocab_group}, rejected != nullptr, vocab_kind, {});
+    });
   double data_failed = 0;
   bool data_same = true;
   if (data_group)
-    std::tie(data_failed, data_same) =
-        exchange(GroupSum{ctx, data_group}, rejected || vocab_failed > 0 || !vocab_same,
-                 x.data_kind, x.data_sums);
+    std::tie(data_failed, data_same) = guarded([&] {
+      return exchange(GroupSum{ctx, data_group}, rejected || own || vocab_failed > 0 || !vocab_same,
+                      x.data_kind, x.data_sums);
+    });
   // (vocab_same, the same on every rank of the vocabulary group, says they all have one)
   double grid_failed = data_failed > 0 || !data_same ? 1 : 0;
-  if (vocab_group && data_group && vocab_same) GroupSum{ctx, vocab_group}(&grid_failed, 1);
+  if (vocab_group && data_group && vocab_same)
+    (void)guarded([&] {
+      GroupSum{ctx, vocab_group}(&grid_failed, 1);
+      return std::pair{0.0, true};
+    });
   if (rejected) std::rethrow_exception(rejected);
+  if (own) std::rethrow_exception(own);
   CHUNKLOSS_CHECK(vocab_failed == 0, who, ": ", failed_ranks(vocab_failed, "vocab_shard.group"),
                   "; this rank's call was valid, and nothing was written");
   // (a call without data_kind, SequenceLogProbs, never takes a data group)

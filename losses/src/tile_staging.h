@@ -32,8 +32,9 @@ inline bool stages_in_tile(std::int64_t vocab, std::int64_t hidden, DType logits
 }
 
 /// Without row scales: whether a packed chunk's one dH GEMM writes its fp32 rows in staging
-/// rather than in the tile's free halves, which fp32 inputs and a bf16 logits chunk do not have
-/// (a split vocabulary's chunks take their dH rows through the exchange buffers instead).
+/// because the tile has no free halves for them (staging_fits_tile: fp32 inputs, a bf16 logits
+/// chunk, or a vocabulary below about 3 H); a split vocabulary's chunks take their dH rows
+/// through the exchange buffers instead.
 inline bool packed_dh_in_staging(std::int64_t vocab, std::int64_t hidden, DType logits, DType input,
                                  int vocab_ranks) {
   return vocab_ranks == 1 && !staging_fits_tile(vocab, hidden, logits, input);

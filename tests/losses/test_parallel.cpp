@@ -657,6 +657,67 @@ TEST_CASE("a rank that took part with NaN values (its context elsewhere) fails t
   }
 }
 
+// A rank's group whose collectives take part with NaN values through the real group `inner`
+// and then throw, as an NcclCommunicator's do when the rank's context is on another device.
+class TakesPartWithNan final : public dist::Communicator {
+ public:
+  dist::Communicator* inner = nullptr;
+  int rank() const override { return inner->rank(); }
+  int size() const override { return inner->size(); }
+  void all_reduce_sum(const Context& ctx, float* data, std::int64_t n) override {
+    std::vector<float> nan(static_cast<std::size_t>(n), std::numeric_limits<float>::quiet_NaN());
+    inner->all_reduce_sum(ctx, nan.data(), n);
+    fail();
+  }
+  void all_reduce_sum(const Context& ctx, double* data, std::int64_t n) override {
+    std::vector<double> nan(static_cast<std::size_t>(n), std::numeric_limits<double>::quiet_NaN());
+    inner->all_reduce_sum(ctx, nan.data(), n);
+    fail();
+  }
+  void all_gather(const Context& ctx, const void*, void*, std::size_t bytes) override {
+    std::vector<unsigned char> send(bytes, 0xFF), recv(bytes * static_cast<std::size_t>(size()));
+    inner->all_gather(ctx, send.data(), recv.data(), bytes);
+    fail();
+  }
+
+ private:
+  [[noreturn]] static void fail() {
+    CHUNKLOSS_FAIL("test group: the context is elsewhere; this rank took part with NaN values");
+  }
+};
+
+TEST_CASE("a rank whose collectives take part with NaN values and throw: every rank throws") {
+  // Rank 0's groups take part with NaN values, then throw. In a 2 x 2 grid its vocabulary peer
+  // (rank 1) sees NaN and flags its data exchange, its data peer (rank 2) sees NaN, and the
+  // grid's exchange goes over rank 2's and 3's vocabulary group only: no rank waits for
+  // another (before the fix rank 2 waited in the data exchange), and each names what it saw.
+  for (const auto& [nr, nv] : {std::pair<std::size_t, std::size_t>{2, 2}, {1, 2}, {2, 1}}) {
+    INFO(nr, " x ", nv);
+    TakesPartWithNan vocab, data;
+    const std::vector<std::string> e = grid_errors(
+        nr, nv,
+        [&](std::size_t k, CrossEntropyInputs& in, CrossEntropyGrads&, CrossEntropyOptions&) {
+          if (k != 0) return;
+          if (in.vocab_shard.group) {
+            vocab.inner = in.vocab_shard.group;
+            in.vocab_shard.group = &vocab;
+          }
+          if (in.data_group) {
+            data.inner = in.data_group;
+            in.data_group = &data;
+          }
+        });
+    CHECK(e[0].find("this rank took part with NaN values") != std::string::npos);
+    if (nv > 1)  // rank 1: rank 0's vocabulary peer
+      CHECK(e[1].find("a rank of vocab_shard.group could not take part") != std::string::npos);
+    if (nr > 1)  // rank nv: rank 0's data peer
+      CHECK(e[nv].find("a rank of data_group could not take part") != std::string::npos);
+    if (nr > 1 && nv > 1)  // rank 3: its data peer, rank 1, flagged its call as failed
+      CHECK(e[3].find("1 rank(s) of data_group rejected their calls") != std::string::npos);
+    for (const std::string& m : e) CHECK_FALSE(m.empty());
+  }
+}
+
 TEST_CASE("a grid whose data groups are passed by some ranks only fails on every rank") {
   // Only vocabulary part 0 passes its data group. Its ranks would go back over their vocabulary
   // groups with the data group's verdict while the others went on to the passes (over NCCL a

@@ -116,22 +116,33 @@ NcclCommunicator::NcclCommunicator(void* nccl_comm, bool owned) : comm_(nccl_com
     CHUNKLOSS_GPU_CHECK(ncclCommUserRank(as_comm(comm_), &rank_));
     CHUNKLOSS_GPU_CHECK(ncclCommCount(as_comm(comm_), &size_));
     CHUNKLOSS_GPU_CHECK(ncclCommCuDevice(as_comm(comm_), &device_));
+    // (stream-ordered, so that neither this nor the destructor's free waits for the device,
+    // where NCCL work of other communicators may be running)
     const OnDevice on(device_);
-    CHUNKLOSS_GPU_CHECK(cudaMalloc(&own_buffer_, kOwnBufferBytes));
     cudaStream_t s = nullptr;
     CHUNKLOSS_GPU_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     own_stream_ = s;
+    CHUNKLOSS_GPU_CHECK(cudaMallocAsync(&own_buffer_, kOwnBufferBytes, s));
   } catch (...) {  // the destructor will not run: what was made is freed here
-    if (own_buffer_) (void)cudaFree(own_buffer_);
+    free_own();
     if (owned_) (void)ncclCommDestroy(as_comm(comm_));
     throw;
   }
 }
 
 NcclCommunicator::~NcclCommunicator() {
-  (void)cudaStreamDestroy(static_cast<cudaStream_t>(own_stream_));
-  (void)cudaFree(own_buffer_);
+  free_own();
   if (owned_ && !aborted_.load()) (void)ncclCommDestroy(as_comm(comm_));
+}
+
+void NcclCommunicator::free_own() noexcept {
+  if (!own_stream_) return;
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device_) != cudaSuccess) return;
+  const auto s = static_cast<cudaStream_t>(own_stream_);
+  if (own_buffer_) (void)cudaFreeAsync(own_buffer_, s);
+  (void)cudaStreamDestroy(s);
+  (void)cudaSetDevice(previous);
 }
 
 std::string NcclCommunicator::async_error() const {
@@ -158,21 +169,24 @@ template <typename Enqueue>
 void NcclCommunicator::take_part_and_throw(const Context& ctx, const char* what, std::size_t bytes,
                                            Enqueue enqueue) {
   bool took_part = false;
+  std::string trouble;  // what failed on the way, if anything
   if (bytes <= kOwnBufferBytes) {
     try {
       const OnDevice on(device_);
       const auto s = static_cast<cudaStream_t>(own_stream_);
       CHUNKLOSS_GPU_CHECK(cudaMemsetAsync(own_buffer_, 0xFF, bytes, s));
       CHUNKLOSS_GPU_CHECK(enqueue(static_cast<unsigned char*>(own_buffer_), s));
-      CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(s));
       took_part = true;
-    } catch (const Error&) {  // the mismatch below is the error to report
+      CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(s));
+    } catch (const Error& e) {
+      trouble = std::string(" (") + e.what() + ")";
     }
   }
   CHUNKLOSS_FAIL("NcclCommunicator::", what, ": the communicator is on cuda device ", device_,
                  ", the context on ", device_name(ctx.device()), " device ", ctx.device_index(),
-                 took_part ? "; this rank took part with NaN values, which the other ranks received"
-                           : "; this rank did not take part, and the other ranks wait for it");
+                 took_part ? "; this rank took part with NaN values, which the other ranks receive"
+                           : "; this rank did not take part, and the other ranks wait for it",
+                 trouble);
 }
 
 void NcclCommunicator::sum(const Context& ctx, void* data, std::int64_t n, std::size_t elem_bytes,

@@ -63,7 +63,7 @@ struct CrossEntropyOptions {
   /// and outputs.lse NaN there. The chunks are cut from the rows computed alone, so pieces of
   /// several completions share a chunk, whose logits, dH and dW GEMMs each run once over their
   /// rows gathered side by side. The plan counts that staging: C rows of X, and C fp32 rows
-  /// for the dH GEMM (none on CUDA with bf16 inputs and an fp32 logits chunk, whose tile holds
+  /// for the dH GEMM (none on CUDA where an fp32 logits tile with a bf16 gradient has room for
   /// them in its free halves). A skipped run can split a GEMM around it, so shorter
   /// runs (64 rows from the cost model) are computed with the rows around them. With no valid
   /// row every row is skipped and the gradients are zero (kept with grads.accumulate).

@@ -67,7 +67,8 @@ struct PlanRequest {
   bool skip_ignored_rows = false;
   /// A token chunk may hold pieces of several row ranges (skip_ignored_rows; the sequence
   /// objectives' trimmed sequences), which the backend gathers side by side for one GEMM each:
-  /// the staging holds C rows of X (and on the CPU of fp32 dH) for them.
+  /// the staging holds C rows of X, and C fp32 rows for the dH GEMM where the device has no
+  /// other room for them (on CUDA: an fp32 logits tile's free halves, see tile_staging.h).
   bool packed_pieces = false;
 };
 

@@ -58,10 +58,12 @@ class NcclCommunicator final : public Communicator {
   /// Aborts the communicator (ncclCommAbort): the rank's NCCL work in flight ends without
   /// completing, so its streams stop waiting for a peer that failed or left, and every later
   /// collective on this object throws chunkloss::Error. For a watchdog thread, while the rank's
-  /// own thread waits (say in a stream synchronisation). The data its collectives were writing
-  /// is unspecified. An owned communicator is freed by the abort; a wrapped ncclComm_t is
-  /// aborted too, and its owner must neither use nor destroy it afterwards. Calling it again
-  /// does nothing.
+  /// own thread waits on its stream (a synchronisation or an event query: where a rank waiting
+  /// for a peer waits, the collectives themselves only enqueue). Not while that thread is inside
+  /// one of this object's calls: NCCL's calls on one communicator must not overlap. The data its
+  /// collectives were writing is unspecified. An owned communicator is freed by the abort; a
+  /// wrapped ncclComm_t is aborted too, and its owner must neither use nor destroy it
+  /// afterwards. Calling it again does nothing.
   void abort();
   bool aborted() const { return aborted_.load(); }
 
@@ -69,6 +71,8 @@ class NcclCommunicator final : public Communicator {
   NcclCommunicator(void* nccl_comm, bool owned);
   // Throws when aborted.
   void check_live(const char* what) const;
+  // Frees the own buffer and stream, on device_ (made current for it).
+  void free_own() noexcept;
   // all_reduce_sum of n values of elem_bytes, of ncclDataType_t nccl_type.
   void sum(const Context& ctx, void* data, std::int64_t n, std::size_t elem_bytes, int nccl_type);
   // Takes part in a collective whose result has `bytes` with the own buffer filled with 0xFF
@@ -79,8 +83,8 @@ class NcclCommunicator final : public Communicator {
   void* comm_;
   bool owned_;
   int rank_ = 0, size_ = 1, device_ = 0;
-  void* own_buffer_ = nullptr;  // kOwnBufferBytes on device_
   void* own_stream_ = nullptr;  // a cudaStream_t on device_
+  void* own_buffer_ = nullptr;  // kOwnBufferBytes on device_, stream-ordered on own_stream_
   std::atomic<bool> aborted_{false};
 };
 
