@@ -187,5 +187,8 @@ CaseResult run_preference_cpu(const CaseConfig& config, BenchDevice& dev);
 /// The preference losses on CUDA device 0 (cuda_preference.cu; builds with CUDA only): cuBLAS
 /// floor GEMMs, a materialised fp32-logits computation, and float64 with config.exact.
 CaseResult run_preference_cuda(const CaseConfig& config, BenchDevice& dev);
+/// Throws chunkloss::Error unless `devices` CUDA devices are visible (cuda_util.cu; builds with
+/// CUDA only): the runners' first check, and the bench's before its header line.
+void require_cuda_devices(int devices);
 
 }  // namespace chunkloss::bench

@@ -23,7 +23,7 @@ constexpr int kMaxSettleRounds = 64;  // warm-up rounds at most under measured G
 
 CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
   if (c.vocab_ranks > 1) return run_ce_cuda_vocab_parallel(c, dev);
-  CHUNKLOSS_CHECK(gpu::device_count() > 0, "bench: --device cuda but no CUDA device is visible");
+  require_cuda_devices(1);
   CaseResult res;
   cudaDeviceProp prop{};
   BENCH_CHECK(cudaGetDeviceProperties(&prop, 0));

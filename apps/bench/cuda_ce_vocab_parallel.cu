@@ -65,8 +65,7 @@ struct Rank {
 
 CaseResult run_ce_cuda_vocab_parallel(const CaseConfig& c, BenchDevice&) {
   const int k = c.vocab_ranks;
-  CHUNKLOSS_CHECK(gpu::device_count() >= k, "bench: --vocab-parallel ", k, " needs ", k,
-                  " CUDA devices, ", gpu::device_count(), " visible");
+  require_cuda_devices(k);
   CaseResult res;
   cudaDeviceProp prop{};
   BENCH_CHECK(cudaGetDeviceProperties(&prop, 0));

@@ -95,7 +95,7 @@ struct NaiveCuda {
 }  // namespace
 
 CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
-  CHUNKLOSS_CHECK(gpu::device_count() > 0, "bench: --device cuda but no CUDA device is visible");
+  require_cuda_devices(1);
   CaseResult res;
   cudaDeviceProp prop{};
   BENCH_CHECK(cudaGetDeviceProperties(&prop, 0));

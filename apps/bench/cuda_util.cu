@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "cuda_util.cuh"
 
@@ -285,6 +286,13 @@ std::size_t taken_since(std::size_t before, std::size_t known) {
 
 std::vector<int> int_targets(const std::vector<std::int64_t>& y) {
   return std::vector<int>(y.begin(), y.end());
+}
+
+void require_cuda_devices(int devices) {
+  const int visible = gpu::device_count();
+  CHUNKLOSS_CHECK(visible >= devices, "bench: --device cuda",
+                  devices > 1 ? " --vocab-parallel " + std::to_string(devices) : std::string(),
+                  " needs ", devices, " CUDA device(s), ", visible, " visible");
 }
 
 }  // namespace chunkloss::bench

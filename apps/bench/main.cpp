@@ -306,6 +306,10 @@ int run(const Cli& cli, int argc, char** argv) {
   const std::vector<std::string> words(argv, argv + argc);
   const std::string invoked = apps::shell_join(words);
   if (!cli.json.empty()) apps::prepare_output_file("json", cli.json);  // before any case
+#if CHUNKLOSS_BENCH_CUDA
+  for (const CaseConfig& c : cli.cases)  // before the header, so a refusal is the only output
+    if (c.device == "cuda") require_cuda_devices(std::max(1, c.vocab_ranks));
+#endif
   std::vector<CaseRecord> records;
   nlohmann::json all = nlohmann::json::array();
   std::cout << kProg << " " << apps::utc_now_iso() << "\n";

@@ -153,6 +153,16 @@ def bench_options_case(bench):
     # A value the loss takes runs.
     run(b + ["--loss", "dpo", "--dpo-loss", "exo_pair", "--label-smoothing", "0.1", "--pairs",
              "1", "--seq-len", "8"])
+    # --device cuda with no device visible: the refusal alone, before the header line (a bench
+    # built without CUDA refuses the device as a usage error).
+    hidden = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    cuda = b + ["--device", "cuda", "--rows", "64"]
+    if "cuda" in run([bench, "--help"]).stdout.split("--device arg")[1].split("\n")[0]:
+        one_line(cuda, 1, "needs 1 CUDA device(s), 0 visible", alone=True, env=hidden)
+        one_line(cuda + ["--vocab-parallel", "2"], 1, "--vocab-parallel 2 needs 2", alone=True,
+                 env=hidden)
+    else:
+        one_line(cuda, 2, "--device", "not built into this bench", env=hidden)
 
 
 def steps_of(path):
