@@ -279,9 +279,12 @@ int run(const Settings& s) {
     d.longest_sft.take(d.sft_seqs[i], d.sft[i].line);
   for (std::size_t i = 0; i < d.pairs.size(); ++i) d.longest_pair.take(d.pairs[i], pref[i].line);
 
-  // Every model's vocabulary and positions against the data, before any pass runs.
+  // Every checkpoint read in full (config, weights, their save id and finite values), and its
+  // vocabulary and positions checked against the data, before any pass runs: a bad later
+  // --model fails the run before the earlier ones take their time. Each is read again when its
+  // turn comes, so only one model is held at a time.
   for (const std::string& dir : s.models) {
-    const model::LlamaConfig config = model::load_config(dir);
+    const model::LlamaConfig config = model::load_model(dir).config();
     apps::check_vocab(config, "--model " + dir);
     d.check_fits(config, s);
   }

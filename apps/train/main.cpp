@@ -632,6 +632,18 @@ void prepare_outputs(const Settings& s) {
   }
 }
 
+// The frozen reference of a DPO or KTO run from checkpoint `init`: --init, or for a resumed run
+// the --init its trainer state records, named so when it cannot be read.
+model::LlamaModel load_reference(const std::string& init, const Settings& s) {
+  if (!s.init.empty()) return model::load_model(init);
+  try {
+    return model::load_model(init);
+  } catch (const Error& e) {
+    throw Error("--resume " + s.resume + ": the --init checkpoint its run started from: " +
+                e.what());
+  }
+}
+
 int run(const Settings& s, const std::string& invocation) {
   if (s.threads > 0) omp_set_num_threads(s.threads);
   prepare_outputs(s);
@@ -664,7 +676,7 @@ int run(const Settings& s, const std::string& invocation) {
   std::optional<model::LlamaModel> reference;
   if (s.loss.loss == "dpo" || s.loss.loss == "kto") {
     reference.emplace(init.empty() ? model::LlamaModel(policy->config(), s.seed)
-                                   : model::load_model(init));
+                                   : load_reference(init, s));
     if (!init.empty()) apps::check_vocab(reference->config(), "the reference " + init);
   }
   // The training file, read once: parsed by every rank's trainer and digested for --resume.

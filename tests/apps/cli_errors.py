@@ -10,7 +10,8 @@ CASE is one of:
   checkpoint_paths: a checkpoint directory option (train's --resume and --init, eval's --model
     and --reference) naming a symlink loop or a file is a usage error naming the option and the
     path; a data file option (train's --train-file, eval's --sft-file and --pref-file) naming a
-    symlink loop too.
+    symlink loop too. A resumed DPO run whose recorded --init became a loop names --resume and
+    that checkpoint; eval refuses a later --model with cut-short weights before any pass.
   resume_state: --resume from an optimizer state with a negative second moment is refused,
     naming the file and the tensor; one whose finite moments blow a parameter up to Inf stops
     at that step naming it; neither writes a checkpoint.
@@ -388,6 +389,21 @@ def checkpoint_paths_case(train, evaluate, work):
                             ([evaluate, "--model", ck, "--model", path], "--model"),
                             ([evaluate, "--model", ck, "--reference", path], "--reference")):
             one_line(cmd, 2, option + ": " + problem)
+    # A resumed DPO run whose recorded --init (its reference) became a loop: named as such.
+    sft, dpo = os.path.join(work, "sft"), os.path.join(work, "dpo")
+    run([train, "--steps", "1", "--warmup-steps", "0", "--save", sft] + TINY)
+    run([train, "--loss", "dpo", "--init", sft, "--steps", "1", "--warmup-steps", "0", "--save",
+         dpo] + TINY)
+    os.rename(sft, sft + ".moved")
+    os.symlink(sft, sft)
+    one_line([train, "--loss", "dpo", "--resume", dpo, "--steps", "2", "--warmup-steps", "0"] +
+             TINY, 1, "--resume " + dpo + ": the --init checkpoint its run started from", sft)
+    # A later --model whose weights are cut short is refused, naming the file.
+    cut = os.path.join(work, "cut")
+    shutil.copytree(ck, cut)
+    weights = os.path.join(cut, "model.safetensors")
+    os.truncate(weights, os.path.getsize(weights) - 8)
+    one_line([evaluate, "--model", ck, "--model", cut, "--limit", "2"], 1, weights, alone=True)
     for cmd, option in ((t + ["--train-file", loop], "--train-file"),
                         ([evaluate, "--model", ck, "--sft-file", loop], "--sft-file"),
                         ([evaluate, "--model", ck, "--pref-file", loop], "--pref-file")):
