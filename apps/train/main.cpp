@@ -639,8 +639,8 @@ model::LlamaModel load_reference(const std::string& init, const Settings& s) {
   try {
     return model::load_model(init);
   } catch (const Error& e) {
-    throw Error("--resume " + s.resume + ": the --init checkpoint its run started from: " +
-                e.what());
+    throw Error("--resume " + s.resume +
+                ": the --init checkpoint its run started from: " + e.what());
   }
 }
 
