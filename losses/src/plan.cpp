@@ -401,6 +401,28 @@ Plan plan_token_objective(const PlanRequest& q) {
   return p;
 }
 
+namespace {
+
+// A forward-only sequence call: token chunks of its trimmed pieces, gathered side by side for one
+// logits GEMM per chunk when that staging fits in the workspace of `plain`, the chunks without
+// it (so the call still needs no more workspace than the same call with gradients, whose
+// resident and deferred plans reserve none). The chunks shrink by the X rows staged, a few
+// percent.
+Plan forward_plan(const PlanRequest& q, Plan plain) {
+  plain.regime = Regime::kRecompute;
+  plain.reason = "forward only: pass 1 in token chunks";
+  if (!q.packed_pieces || plain.over_budget) return plain;
+  PlanRequest g = q;
+  g.budget_bytes = plain.workspace_bytes();
+  Plan p = plan_token_objective(g);
+  if (p.over_budget || p.workspace_bytes() > plain.workspace_bytes()) return plain;
+  p.regime = Regime::kRecompute;
+  p.reason = "forward only: pass 1 in token chunks, each chunk's pieces gathered for one GEMM";
+  return p;
+}
+
+}  // namespace
+
 Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   CHUNKLOSS_CHECK(L.sequences > 0 && L.seq_len > 0 && L.sequences * L.seq_len == q.rows &&
                       (L.unit_sequences == 1 || L.unit_sequences == 2) &&
@@ -417,16 +439,13 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   // Recompute: the token objective's chunking; pass 1 adds a logits GEMM and a stats pass in
   // token-chunk order (vocab-block order has its own pass 1 already). Only this regime's
   // gradient pass packs pieces into token chunks with staging for them: the resident and
-  // deferred plans, and a forward-only call's (which then needs no more workspace than the
-  // same call with gradients), reserve none (rq).
+  // deferred plans reserve none (rq); a forward-only call's takes it within the workspace of
+  // its chunks without it (forward_plan).
   PlanRequest rq = q;
   rq.packed_pieces = false;
-  Plan rec = plan_token_objective(any_grad ? q : rq);
+  if (!any_grad) return forward_plan(q, plan_token_objective(rq));
+  Plan rec = plan_token_objective(q);
   rec.regime = Regime::kRecompute;
-  if (!any_grad) {
-    rec.reason = "forward only: pass 1 in token chunks";
-    return rec;
-  }
   const double nhv = nhv_flops(q);
   const double pass1 =
       gemm_time(dm, nhv, static_cast<double>(rec.chunk_rows)) + epilogue_pass_time(q, dm);

@@ -560,6 +560,8 @@ TEST_CASE("gpu: accumulate, forward only, and per-sequence vectors on the host")
       const PrefRun fwd = run_gpu(d, Dpo(o), PrefGradRequest::none());
       const PrefRun fb = run_gpu(d, Dpo(o), g);
       check_runs_close(fwd, fb, dtype == DType::kF32 ? 1e-6 : 1e-4);
+      CHECK(fwd.plan.packed_pieces);  // the pieces of its chunks gathered for one GEMM each
+      CHECK(fwd.plan.workspace_bytes() <= fb.plan.workspace_bytes());
       PrefSpec ks = s;
       ks.labels = true;
       ks.ref = RefMode::kLogps;

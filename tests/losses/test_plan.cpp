@@ -373,6 +373,62 @@ TEST_CASE("plan: a resident group of several sequences stages its X rows on CUDA
   CHECK(group_x_bytes(q, single).first == 0);
 }
 
+TEST_CASE("plan: a forward-only sequence call gathers its pieces within the plain chunks' room") {
+  // Its chunks' pieces share one logits GEMM over their X rows gathered side by side; the
+  // staging comes out of the workspace the chunks would take without it, so the call needs no
+  // more than before (nor than the same call with gradients). Without packed pieces, or where
+  // even the plain chunks exceed the budget, the plan is the plain one.
+  for (Device dev : {Device::kCpu, Device::kCuda}) {
+    for (DType x : {DType::kF32, DType::kBF16}) {
+      INFO(std::string(device_name(dev)), " x ", std::string(dtype_name(x)));
+      PlanRequest q;
+      q.hidden = 512;
+      q.vocab = 8192;
+      q.input_dtype = x;
+      q.device = dev;
+      q.packed_pieces = true;
+      SequenceLayout pairs;
+      pairs.sequences = 16;
+      pairs.seq_len = 256;
+      pairs.unit_sequences = 2;
+      q.rows = pairs.sequences * pairs.seq_len;
+      for (std::size_t budget : {std::size_t{8} << 20, std::size_t{1} << 30}) {
+        INFO("budget ", budget);
+        q.budget_bytes = budget;
+        PlanRequest plain_q = q;
+        plain_q.packed_pieces = false;
+        const Plan plain = plan_token_objective(plain_q);
+        const Plan f = plan_sequence_objective(q, pairs);
+        CHECK(f.regime == Regime::kRecompute);
+        CHECK(f.packed_pieces);
+        CHECK(contains(f.reason, "gathered"));
+        CHECK(f.workspace_bytes() <= plain.workspace_bytes());
+        CHECK(f.chunk_rows <= plain.chunk_rows);
+        CHECK(f.chunk_rows >= plain.chunk_rows * 9 / 10 - 64);
+        // Room for the pieces' X rows (fp32 on the CPU, the input dtype on CUDA).
+        const std::size_t x_row = static_cast<std::size_t>(q.hidden) *
+                                  (dev == Device::kCpu ? 4 : dtype_size(x));
+        CHECK(f.staging.bytes >= static_cast<std::size_t>(f.chunk_rows) * x_row);
+        PlanRequest g = q;
+        g.grad_hidden = g.grad_weight = true;
+        for (Regime r : {Regime::kAuto, Regime::kRecompute, Regime::kResident}) {
+          if (r == Regime::kResident && budget < std::size_t{1} << 30) continue;  // no unit fits
+          SequenceLayout l = pairs;
+          l.regime = r;
+          CHECK(f.workspace_bytes() <= plan_sequence_objective(g, l).workspace_bytes());
+        }
+      }
+      q.budget_bytes = 1 << 16;  // below one plain chunk: the plain plan, over budget
+      const Plan tiny = plan_sequence_objective(q, pairs);
+      CHECK(tiny.over_budget);
+      CHECK_FALSE(tiny.packed_pieces);
+      q.budget_bytes = 0;
+      q.packed_pieces = false;
+      CHECK_FALSE(plan_sequence_objective(q, pairs).packed_pieces);
+    }
+  }
+}
+
 TEST_CASE("plan: vocab_block needs dW, and an infeasible request names the order") {
   PlanRequest q;
   q.rows = 150;
