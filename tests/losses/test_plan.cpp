@@ -406,8 +406,8 @@ TEST_CASE("plan: a forward-only sequence call gathers its pieces within the plai
         CHECK(f.chunk_rows <= plain.chunk_rows);
         CHECK(f.chunk_rows >= plain.chunk_rows * 9 / 10 - 64);
         // Room for the pieces' X rows (fp32 on the CPU, the input dtype on CUDA).
-        const std::size_t x_row = static_cast<std::size_t>(q.hidden) *
-                                  (dev == Device::kCpu ? 4 : dtype_size(x));
+        const std::size_t x_row =
+            static_cast<std::size_t>(q.hidden) * (dev == Device::kCpu ? 4 : dtype_size(x));
         CHECK(f.staging.bytes >= static_cast<std::size_t>(f.chunk_rows) * x_row);
         PlanRequest g = q;
         g.grad_hidden = g.grad_weight = true;
