@@ -43,7 +43,9 @@ struct CaseConfig {
   std::uint64_t seed = 1;
   bool naive = true;           ///< time and check against the materialised computation
   bool chunked_floor = false;  ///< also time the floor GEMMs at the plan's chunk rows
-  bool phases = false;  ///< cuda ce: also time the loss with no, only dX and only dW gradients
+  /// cuda: also time the loss with some gradients only: ce with none, only dX and only dW; the
+  /// preference losses forward only, against their logits GEMMs
+  bool phases = false;
   bool fp32_weight_grad_accumulator = false;  ///< the CrossEntropyOptions field of that name
   DType logits_dtype = DType::kF32;  ///< the options' logits_dtype (bf16: opt-in, CUDA only)
   bool exact = false;                ///< also compare with a float64 computation
@@ -88,6 +90,9 @@ struct CaseResult {
   std::optional<double> selected_floor_ms, default_floor_ms;
   /// `phases`: the loss's median time with only some gradients ("loss only", "dX only", ...).
   std::vector<std::pair<std::string, double>> phase_ms;
+  /// `phases`: a phase's own floor, where the runner times one (preference losses: "forward
+  /// only" against the logits GEMMs, the reference head's too).
+  std::vector<std::pair<std::string, double>> phase_floor_ms;
   /// measured_gemms: warm-up rounds of every timed call until each GEMM shape had its
   /// algorithm, the shapes still measuring after them (0 when all were chosen), and the
   /// context's gpu::Context::gemm_report().

@@ -168,6 +168,12 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
           grad_w();
         },
         &res.floor_times_ms);
+    // --phases: the forward-only call's floor, its logits GEMMs.
+    if (c.phases)
+      res.phase_floor_ms.emplace_back("forward only", time_ms(s, c.repeats, [&] {
+                                        logits();
+                                        if (ref_head) ref_logits();
+                                      }));
     // The same GEMMs over the valid rows only: the work left when prompt and padding rows are
     // skipped.
     const int nv = static_cast<int>(b.valid_rows);
@@ -232,6 +238,18 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
       },
       &res.times_ms);
   res.ratio = res.time_ms / res.floor_ms;
+  if (c.phases) {
+    // Forward only, in the same workspace: its plan never needs more than the call with
+    // gradients.
+    CHUNKLOSS_CHECK(loss.workspace_bytes(in) <= res.workspace_bytes,
+                    "bench: the forward-only call needs more workspace than the call with "
+                    "gradients");
+    const double forward_first = loss.forward(ctx, in, wsv).loss;
+    res.phase_ms.emplace_back("forward only", time_ms(s, c.repeats, [&] {
+                                const double l = loss.forward(ctx, in, wsv).loss;
+                                res.loss_repeatable = res.loss_repeatable && l == forward_first;
+                              }));
+  }
 
   const auto grad_err = [&](const auto* ref_dx, const auto* ref_dw, double& e_dx, double& e_dw) {
     e_dx = bf16 ? rel_err(dx.as<__nv_bfloat16>(), ref_dx, nh) : rel_err(dx.as<float>(), ref_dx, nh);

@@ -130,7 +130,13 @@ std::string case_details(const CaseRecord& rec) {
   }
   if (!r.phase_ms.empty()) {
     os << "  the loss with some gradients:";
-    for (const auto& [name, ms] : r.phase_ms) os << " " << name << " " << fmt("%.2f", ms) << " ms;";
+    for (const auto& [name, ms] : r.phase_ms) {
+      os << " " << name << " " << fmt("%.2f", ms) << " ms";
+      for (const auto& [floor_name, floor] : r.phase_floor_ms)
+        if (floor_name == name)
+          os << " (" << fmt("%.3f", ms / floor) << " of its floor " << fmt("%.2f", floor) << " ms)";
+      os << ";";
+    }
     os << " all " << fmt("%.2f", r.time_ms) << " ms\n";
   }
   os << "  extra memory: measured over the first call " << mib(r.extra_measured.bytes) << " MiB ("
@@ -277,6 +283,7 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   j["selected_floor_ms"] = opt(r.selected_floor_ms);
   j["default_floor_ms"] = opt(r.default_floor_ms);
   for (const auto& [name, ms] : r.phase_ms) j["phase_" + name + "_ms"] = ms;
+  for (const auto& [name, ms] : r.phase_floor_ms) j["phase_" + name + "_floor_ms"] = ms;
   j["gemm_selection"] = r.gemm_settle_rounds ? "measured" : "default";
   j["gemm_settle_rounds"] = opt(r.gemm_settle_rounds);
   j["gemm_shapes_unsettled"] = r.gemm_shapes_unsettled;

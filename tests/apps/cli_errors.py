@@ -40,8 +40,8 @@ CASE is one of:
   stdout: eval's table, bench's report and --help written to a full device (/dev/full) exit 1
     with one line saying that standard output could not be written.
   bench_options: chunkloss-bench refuses at option parsing (exit 2, one line naming the option)
-    --pairs x --seq-len whose N = 2 P T overflows, a negative --seed, bf16 logits on the CPU and a
-    --label-smoothing the loss (or DPO loss type) does not take.
+    --pairs x --seq-len whose N = 2 P T overflows, a negative --seed, bf16 logits and --phases on
+    the CPU and a --label-smoothing the loss (or DPO loss type) does not take.
 """
 import json
 import os
@@ -149,7 +149,9 @@ def bench_options_case(bench):
             (["--loss", "dpo", "--dpo-loss", "ipo", "--pairs", "1", "--seq-len", "8",
               "--label-smoothing", "0.3"], ("--label-smoothing 0.3", "ipo")),
             (["--loss", "dpo", "--dpo-loss", "exo_pair", "--pairs", "1", "--seq-len", "8"],
-             ("--label-smoothing 0", "exo_pair"))):
+             ("--label-smoothing 0", "exo_pair")),
+            (["--loss", "dpo", "--pairs", "1", "--seq-len", "8", "--phases"],
+             ("--phases", "--device cuda"))):
         one_line(b + extra, 2, *words)
     # A value the loss takes runs.
     run(b + ["--loss", "dpo", "--dpo-loss", "exo_pair", "--label-smoothing", "0.1", "--pairs",
