@@ -44,7 +44,7 @@ struct CaseConfig {
   bool naive = true;           ///< time and check against the materialised computation
   bool chunked_floor = false;  ///< also time the floor GEMMs at the plan's chunk rows
   /// cuda: also time the loss with some gradients only: ce with none, only dX and only dW; the
-  /// preference losses forward only, against their logits GEMMs
+  /// preference losses forward only, against their logits GEMMs over the valid rows
   bool phases = false;
   bool fp32_weight_grad_accumulator = false;  ///< the CrossEntropyOptions field of that name
   DType logits_dtype = DType::kF32;  ///< the options' logits_dtype (bf16: opt-in, CUDA only)
@@ -91,7 +91,7 @@ struct CaseResult {
   /// `phases`: the loss's median time with only some gradients ("loss only", "dX only", ...).
   std::vector<std::pair<std::string, double>> phase_ms;
   /// `phases`: a phase's own floor, where the runner times one (preference losses: "forward
-  /// only" against the logits GEMMs, the reference head's too).
+  /// only" against the logits GEMMs over the valid rows, the reference head's too).
   std::vector<std::pair<std::string, double>> phase_floor_ms;
   /// measured_gemms: warm-up rounds of every timed call until each GEMM shape had its
   /// algorithm, the shapes still measuring after them (0 when all were chosen), and the

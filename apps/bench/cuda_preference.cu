@@ -168,21 +168,21 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
           grad_w();
         },
         &res.floor_times_ms);
-    // --phases: the forward-only call's floor, its logits GEMMs.
-    if (c.phases)
-      res.phase_floor_ms.emplace_back("forward only", time_ms(s, c.repeats, [&] {
-                                        logits();
-                                        if (ref_head) ref_logits();
-                                      }));
     // The same GEMMs over the valid rows only: the work left when prompt and padding rows are
     // skipped.
     const int nv = static_cast<int>(b.valid_rows);
-    res.valid_floor_ms = time_ms(s, c.repeats, [&] {
+    const auto valid_logits = [&] {
       gm.logits(x.data(), w.data(), z.data(), nv, hi, vi, ct, CUBLAS_COMPUTE_32F);
       if (ref_head) gm.logits(xr.data(), wr.data(), z.data(), nv, hi, vi, ct, CUBLAS_COMPUTE_32F);
+    };
+    res.valid_floor_ms = time_ms(s, c.repeats, [&] {
+      valid_logits();
       gm.dx(z.data(), w.data(), dx.data(), nv, hi, vi, ct, ct, ct, CUBLAS_COMPUTE_32F);
       gm.dw(z.data(), x.data(), dw.data(), nv, hi, vi, ct, ct, ct, CUBLAS_COMPUTE_32F);
     });
+    // --phases: the forward-only call's floor, its logits GEMMs over the valid rows.
+    if (c.phases)
+      res.phase_floor_ms.emplace_back("forward only", time_ms(s, c.repeats, valid_logits));
   }
   res.floor_what = std::to_string(preference_floor_gemms(c)) +
                    " cuBLAS GEMMs at full size (logits" + (ref_head ? ", reference logits" : "") +

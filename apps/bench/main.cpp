@@ -124,7 +124,7 @@ Cli parse(int argc, char** argv) {
     ("json", po::value<std::string>()->default_value("", "none"), "write the cases as a JSON array to FILE (atomically: FILE.tmp, then rename)")
     ("no-naive", po::bool_switch()->default_value(false, "off"), "skip the naive materialised run (and the error check)")
     ("chunked-floor", po::bool_switch()->default_value(false, "off"), "also time the floor GEMMs at the plan's chunk rows (token_chunk order; cuda: the library's GEMMs, fp32 logits chunk and its in-place gradient operand, dW beside dX; and the full-size floor with dW beside dX)")
-    ("phases", po::bool_switch()->default_value(false, "off"), "cuda: also time the loss with some gradients only: ce with none, with dX only and with dW only, in the same rounds (what each gradient adds); the preference losses forward only, against their logits GEMMs")
+    ("phases", po::bool_switch()->default_value(false, "off"), "cuda: also time the loss with some gradients only: ce with none, with dX only and with dW only, in the same rounds (what each gradient adds); the preference losses forward only, against their logits GEMMs over the valid rows")
     ("logits-dtype", po::value<std::string>()->default_value("f32"), "f32|bf16: the loss's logits chunk (bf16: the opt-in speed/memory mode, cuda only)")
     ("logit-std", po::value<double>()->default_value(2.0), "cuda: the logits' standard deviation s (weight ~ N(0, s^2/H), hidden ~ N(0, 1)); trained models' confident rows have larger logits")
     ("fp32-dw-accum", po::bool_switch()->default_value(false, "off"), "accumulate dW in an fp32 workspace buffer (V*H*4 bytes on top of the budget; matters for bf16)")
