@@ -65,6 +65,22 @@ std::vector<RowRange> unit_ranges(const SequenceCall& c, std::int64_t u0, std::i
   return r;
 }
 
+// A resident group [u0, u1) of the plan's size, with its `ranges`, grown by the units after it
+// while their computed rows still fit the group's logits (group_units units of T rows each): with
+// trimmed prompts a group then takes more units, and the call fewer groups, each a dW GEMM and a
+// host round trip.
+void grow_group(const SequenceCall& c, const Plan& plan, std::int64_t u0, std::int64_t& u1,
+                std::vector<RowRange>& ranges) {
+  const std::int64_t units = c.sequences / c.unit_sequences;
+  const std::int64_t capacity = plan.group_units * c.seq_len * c.unit_sequences;
+  while (u1 < units) {
+    std::vector<RowRange> more = unit_ranges(c, u0, u1 + 1, plan.chunk_rows, true);
+    if (row_count(more) > capacity) return;
+    ranges = std::move(more);
+    ++u1;
+  }
+}
+
 // Calls fn(r0, r1, tile_offset) for the plan's chunks of `ranges`; resident chunks get
 // successive tile offsets, others offset 0.
 template <typename Fn>
@@ -242,9 +258,10 @@ SequenceSums run_sequence_objective(Context& ctx, const SequenceCall& c, const P
 
   if (plan.regime == Regime::kResident && grads) {
     bool first = true;
-    for (std::int64_t u0 = 0; u0 < units; u0 += plan.group_units) {
-      const std::int64_t u1 = std::min(units, u0 + plan.group_units);
-      const std::vector<RowRange> ranges = unit_ranges(c, u0, u1, plan.chunk_rows, true);
+    for (std::int64_t u0 = 0, u1 = 0; u0 < units; u0 = u1) {
+      u1 = std::min(units, u0 + plan.group_units);
+      std::vector<RowRange> ranges = unit_ranges(c, u0, u1, plan.chunk_rows, true);
+      grow_group(c, plan, u0, u1, ranges);
       pass_one(*b, c, ranges, plan, true, sums.logp, &sums.logit_sum);
       on_units(u0, u1, sums, coef);
       clear_once();

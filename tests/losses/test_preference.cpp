@@ -1870,6 +1870,49 @@ TEST_CASE("extension point: an objective returning NaN or throwing raises Error 
   CHECK_THROWS_AS(SequenceLoss(nullptr), Error);
 }
 
+TEST_CASE("resident groups fill their logits with the units' computed rows") {
+  // Every sequence: 192 prompt rows, then 64 valid ones. The smallest resident budget holds one
+  // unit of T rows per group (4 groups by the shapes), and 4 units' computed rows (2 x 64 each)
+  // fill it: the call runs one group. So an objective failing on the last pair fails before any
+  // gradient is written; with a group per unit the first three would have been. The same
+  // grouping gives the oracle's loss and gradients.
+  PrefSpec s = big_spec();
+  s.t = 256;
+  s.ref = RefMode::kNone;
+  PrefData d(s);
+  for (std::size_t i = 0; i < d.targets64.size(); ++i) {
+    const auto row = static_cast<std::int64_t>(i);
+    d.targets64[i] = row % s.t < 192 ? s.ignore_index : (row * 7919) % s.v;
+    d.targets32[i] = static_cast<std::int32_t>(d.targets64[i]);
+  }
+  const std::int64_t pairs = s.s / 2;
+  const PrefGradRequest req;
+  DpoOptions dpo;
+  dpo.engine.regime = Regime::kResident;
+  dpo.engine.memory_budget_bytes = min_budget(d, dpo, Regime::kResident, req);
+  PrefGradBuffers plan_buffers(d, req);
+  const Plan p = make_loss(dpo).plan(d.inputs(), plan_buffers.views());
+  REQUIRE(p.group_units == 1);
+  REQUIRE(p.num_groups == pairs);
+  check_against_oracle(run_library(d, make_loss(dpo), req), oracle(d, PrefConfig::from(dpo)),
+                       PrefTol::of(DType::kF32, DType::kF32), true);
+
+  const double poison =
+      oracle(d, PrefConfig::from(DpoOptions{}), false).logps[static_cast<std::size_t>(pairs - 1)];
+  SequenceOptions o = dpo.engine;
+  const SequenceLoss broken(std::make_shared<BrokenObjective>(poison, Breaks::kStd), o);
+  PrefGradBuffers g(d, req, 3.25f), pristine(d, req, 3.25f);
+  AlignedBuffer ws(broken.workspace_bytes(d.inputs(), g.views()));
+  CpuContext ctx;
+  const std::string what =
+      error_message([&] { broken.forward_backward(ctx, d.inputs(), g.views(), ws.workspace()); });
+  CHECK_MESSAGE(
+      what.find("the objective threw for unit " + std::to_string(pairs - 1)) != std::string::npos,
+      what);
+  CHECK_MESSAGE(what.find("unspecified") == std::string::npos, what);
+  CHECK_MESSAGE(g.bitwise_equal(pristine), "a failed call wrote into the gradients");
+}
+
 TEST_CASE(
     "extension point: an objective failing on the deferred pair says the buffers are "
     "unspecified") {
