@@ -97,8 +97,12 @@ struct Plan {
   double predicted_vocab_cost_s = 0;  ///< cost model, vocab-block order (0: not feasible)
   bool over_budget = false;           ///< the smallest possible chunk did not fit the budget
   Regime regime = Regime::kNone;      ///< sequence objectives: resident or recompute
-  std::int64_t group_units = 0;       ///< resident: units (pairs or sequences) per group
-  std::int64_t num_groups = 0;        ///< resident: ceil(units / group_units)
+  /// Resident: units (pairs or sequences) per group, by the shapes: whole sequences of T rows.
+  /// The engine grows a group by the units after it while their computed rows (each sequence's
+  /// from its first to its last valid target) fit its logits, so with prompts or padding a
+  /// call may run fewer, larger groups than num_groups.
+  std::int64_t group_units = 0;
+  std::int64_t num_groups = 0;  ///< resident: ceil(units / group_units)
   /// Token objectives (CrossEntropyOptions::skip_ignored_rows): the shortest run of ignored rows
   /// between valid ones worth leaving out, from the cost model. The chunks are cut from the
   /// computed rows, so a skip costs no rewrite of dW, only a GEMM split around it (about m_half
