@@ -305,6 +305,8 @@ class CpuTokenBackend final : public TokenBackend {
 
   void select_tile(std::int64_t row_offset) override { tile_ = tile_base_ + row_offset * v_; }
 
+  std::int64_t gather_rows() const override { return x_pack_ ? x_pack_rows_ : 0; }
+
   void fetch_rows(std::int64_t r0, std::int64_t r1, float* loss, float* logit_sum) override {
     std::copy(rows_.loss + r0, rows_.loss + r1, loss);
     std::copy(rows_.zsum + r0, rows_.zsum + r1, logit_sum);

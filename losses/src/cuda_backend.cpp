@@ -260,6 +260,8 @@ class CudaTokenBackend final : public TokenBackend {
     }
   }
 
+  std::int64_t gather_rows() const override { return x_stage_ ? x_stage_rows_ : 0; }
+
   void select_tile(std::int64_t row_offset) override {
     tile_ = tile_base_ + row_offset * c_.vocab * dtype_size(plan_.logits_dtype);
   }

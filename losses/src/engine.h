@@ -147,6 +147,8 @@ class TokenBackend {
   /// Points the logits tile `row_offset` rows (of V columns) into the logits slice, so a
   /// resident group keeps several chunks' logits between the passes.
   virtual void select_tile(std::int64_t row_offset) = 0;
+  /// The most rows whose X rows the *_ranges steps gather side by side for one GEMM (0: none).
+  virtual std::int64_t gather_rows() const = 0;
   /// Copies rows [r0, r1) of the row loss (-log p(y_t) under the plain rule, 0 for ignored
   /// rows) and of the logit sums to host memory; waits for them.
   virtual void fetch_rows(std::int64_t r0, std::int64_t r1, float* loss, float* logit_sum) = 0;

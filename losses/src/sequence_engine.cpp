@@ -68,11 +68,13 @@ std::vector<RowRange> unit_ranges(const SequenceCall& c, std::int64_t u0, std::i
 // A resident group [u0, u1) of the plan's size, with its `ranges`, grown by the units after it
 // while their computed rows still fit the group's logits (group_units units of T rows each): with
 // trimmed prompts a group then takes more units, and the call fewer groups, each a dW GEMM and a
-// host round trip.
-void grow_group(const SequenceCall& c, const Plan& plan, std::int64_t u0, std::int64_t& u1,
-                std::vector<RowRange>& ranges) {
+// host round trip. A group whose X rows the backend gathers for one GEMM (`gather` rows) grows
+// only as far as they still fit there: one GEMM per range instead would cost more than a group.
+void grow_group(const SequenceCall& c, const Plan& plan, std::int64_t gather, std::int64_t u0,
+                std::int64_t& u1, std::vector<RowRange>& ranges) {
   const std::int64_t units = c.sequences / c.unit_sequences;
-  const std::int64_t capacity = plan.group_units * c.seq_len * c.unit_sequences;
+  std::int64_t capacity = plan.group_units * c.seq_len * c.unit_sequences;
+  if (row_count(ranges) <= gather) capacity = std::min(capacity, gather);
   while (u1 < units) {
     std::vector<RowRange> more = unit_ranges(c, u0, u1 + 1, plan.chunk_rows, true);
     if (row_count(more) > capacity) return;
@@ -261,7 +263,7 @@ SequenceSums run_sequence_objective(Context& ctx, const SequenceCall& c, const P
     for (std::int64_t u0 = 0, u1 = 0; u0 < units; u0 = u1) {
       u1 = std::min(units, u0 + plan.group_units);
       std::vector<RowRange> ranges = unit_ranges(c, u0, u1, plan.chunk_rows, true);
-      grow_group(c, plan, u0, u1, ranges);
+      grow_group(c, plan, b->gather_rows(), u0, u1, ranges);
       pass_one(*b, c, ranges, plan, true, sums.logp, &sums.logit_sum);
       on_units(u0, u1, sums, coef);
       clear_once();

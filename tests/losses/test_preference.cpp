@@ -1872,10 +1872,11 @@ TEST_CASE("extension point: an objective returning NaN or throwing raises Error 
 
 TEST_CASE("resident groups fill their logits with the units' computed rows") {
   // Every sequence: 192 prompt rows, then 64 valid ones. The smallest resident budget holds one
-  // unit of T rows per group (4 groups by the shapes), and 4 units' computed rows (2 x 64 each)
-  // fill it: the call runs one group. So an objective failing on the last pair fails before any
-  // gradient is written; with a group per unit the first three would have been. The same
-  // grouping gives the oracle's loss and gradients.
+  // unit of T = 256 rows per group (4 groups by the shapes). The CPU gathers a group's X rows
+  // for one GEMM in 256 rows of staging, and 2 units' computed rows (2 x 64 each) fill it: the
+  // call runs 2 groups. So an objective failing on the second pair fails before any gradient is
+  // written; with a group per unit the first would have been. The same grouping gives the
+  // oracle's loss and gradients.
   PrefSpec s = big_spec();
   s.t = 256;
   s.ref = RefMode::kNone;
@@ -1897,20 +1898,25 @@ TEST_CASE("resident groups fill their logits with the units' computed rows") {
   check_against_oracle(run_library(d, make_loss(dpo), req), oracle(d, PrefConfig::from(dpo)),
                        PrefTol::of(DType::kF32, DType::kF32), true);
 
-  const double poison =
-      oracle(d, PrefConfig::from(DpoOptions{}), false).logps[static_cast<std::size_t>(pairs - 1)];
-  SequenceOptions o = dpo.engine;
-  const SequenceLoss broken(std::make_shared<BrokenObjective>(poison, Breaks::kStd), o);
-  PrefGradBuffers g(d, req, 3.25f), pristine(d, req, 3.25f);
-  AlignedBuffer ws(broken.workspace_bytes(d.inputs(), g.views()));
-  CpuContext ctx;
-  const std::string what =
-      error_message([&] { broken.forward_backward(ctx, d.inputs(), g.views(), ws.workspace()); });
-  CHECK_MESSAGE(
-      what.find("the objective threw for unit " + std::to_string(pairs - 1)) != std::string::npos,
-      what);
-  CHECK_MESSAGE(what.find("unspecified") == std::string::npos, what);
-  CHECK_MESSAGE(g.bitwise_equal(pristine), "a failed call wrote into the gradients");
+  // Pair 1 fails in the first group, pair 3 in the second (the groups stay within the gather).
+  const std::vector<double> logps = oracle(d, PrefConfig::from(DpoOptions{}), false).logps;
+  for (std::int64_t unit : {std::int64_t{1}, pairs - 1}) {
+    CAPTURE(unit);
+    const SequenceLoss broken(
+        std::make_shared<BrokenObjective>(logps[static_cast<std::size_t>(unit)], Breaks::kStd),
+        dpo.engine);
+    PrefGradBuffers g(d, req, 3.25f), pristine(d, req, 3.25f);
+    AlignedBuffer ws(broken.workspace_bytes(d.inputs(), g.views()));
+    CpuContext ctx;
+    const std::string what =
+        error_message([&] { broken.forward_backward(ctx, d.inputs(), g.views(), ws.workspace()); });
+    CHECK_MESSAGE(
+        what.find("the objective threw for unit " + std::to_string(unit)) != std::string::npos,
+        what);
+    const bool first_group = unit == 1;
+    CHECK_MESSAGE((what.find("unspecified") == std::string::npos) == first_group, what);
+    CHECK(g.bitwise_equal(pristine) == first_group);
+  }
 }
 
 TEST_CASE(
