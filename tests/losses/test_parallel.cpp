@@ -664,12 +664,12 @@ class TakesPartWithNan final : public dist::Communicator {
   dist::Communicator* inner = nullptr;
   int rank() const override { return inner->rank(); }
   int size() const override { return inner->size(); }
-  void all_reduce_sum(const Context& ctx, float* data, std::int64_t n) override {
+  void all_reduce_sum(const Context& ctx, float*, std::int64_t n) override {
     std::vector<float> nan(static_cast<std::size_t>(n), std::numeric_limits<float>::quiet_NaN());
     inner->all_reduce_sum(ctx, nan.data(), n);
     fail();
   }
-  void all_reduce_sum(const Context& ctx, double* data, std::int64_t n) override {
+  void all_reduce_sum(const Context& ctx, double*, std::int64_t n) override {
     std::vector<double> nan(static_cast<std::size_t>(n), std::numeric_limits<double>::quiet_NaN());
     inner->all_reduce_sum(ctx, nan.data(), n);
     fail();
