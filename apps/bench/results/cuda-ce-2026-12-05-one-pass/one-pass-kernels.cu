@@ -106,8 +106,7 @@ __global__ void __launch_bounds__(kThreads)
   const std::int64_t c0 = static_cast<std::int64_t>(rank) * kCols;
   const std::int64_t cn = n - c0 < kCols ? n - c0 : kCols;
   const std::int64_t head = vec ? cn / V * V : 0;  // columns copied as 16-byte chunks
-  if (head > 0)
-    cg::memcpy_async(block, sl, row + c0, cuda::aligned_size_t<16>(head * sizeof(TL)));
+  if (head > 0) cg::memcpy_async(block, sl, row + c0, cuda::aligned_size_t<16>(head * sizeof(TL)));
   for (std::int64_t j = head + threadIdx.x; j < cn; j += kThreads) sl[j] = row[c0 + j];
   cg::wait(block);
   const std::int64_t y = valid_target(p, t);
@@ -240,8 +239,7 @@ __global__ void __launch_bounds__(kThreads)
   const std::int64_t c0 = static_cast<std::int64_t>(rank) * kCols;
   const int cn = static_cast<int>(n - c0 < kCols ? n - c0 : kCols);
   const int head = vec ? cn / V * V : 0;
-  if (head > 0)
-    cg::memcpy_async(block, sl, row + c0, cuda::aligned_size_t<16>(head * sizeof(TL)));
+  if (head > 0) cg::memcpy_async(block, sl, row + c0, cuda::aligned_size_t<16>(head * sizeof(TL)));
   for (int j = head + threadIdx.x; j < cn; j += kThreads) sl[j] = row[c0 + j];
   cg::wait(block);
   const std::int64_t y = valid_target(p, t);
@@ -430,10 +428,10 @@ __global__ void __launch_bounds__(kThreads)
     for (int q = 0; q < kParts; ++q) {
       const std::int64_t a = q * kPartCols, b = head < a + kPartCols ? head : a + kPartCols;
       const unsigned bytes = b > a ? static_cast<unsigned>((b - a) * sizeof(TL)) : 0u;
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
-                       smem_addr(&bar[q])),
-                   "r"(bytes)
-                   : "memory");
+      asm volatile(
+          "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&bar[q])),
+          "r"(bytes)
+          : "memory");
       if (bytes)
         asm volatile(
             "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
@@ -509,13 +507,12 @@ bool launch_clusters(void (*kernel)(TokenParams, TL*, std::int64_t, std::int64_t
                      std::int64_t r0, std::int64_t rows, int blocks, cudaStream_t s,
                      cudaError_t* err) {
   cudaFuncAttributes fa{};
-  const bool ok =
-      cudaFuncGetAttributes(&fa, kernel) == cudaSuccess && fa.binaryVersion >= 90 &&
-      (blocks <= kPortableCluster ||
-       cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-           cudaSuccess) &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem)) == cudaSuccess;
+  const bool ok = cudaFuncGetAttributes(&fa, kernel) == cudaSuccess && fa.binaryVersion >= 90 &&
+                  (blocks <= kPortableCluster ||
+                   cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed,
+                                        1) == cudaSuccess) &&
+                  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)) == cudaSuccess;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(rows * blocks));
   cfg.blockDim = dim3(static_cast<unsigned>(threads));
@@ -548,8 +545,8 @@ bool launch_fused(const TokenParams& p, void* tile, std::int64_t ld, std::int64_
   // Blocks of 256 threads in portable clusters, then of 512, then larger clusters of 256.
   int b = blocks_per_row(p.vocab, kSlice<256>);
   if (b <= kMaxCluster)
-    return launch_clusters<TL>(row_fused_kernel<TL, TG, kPlain, 256>, 256, 0, p, t, ld, r0, rows,
-                               b, s, err);
+    return launch_clusters<TL>(row_fused_kernel<TL, TG, kPlain, 256>, 256, 0, p, t, ld, r0, rows, b,
+                               s, err);
   return false;
 }
 

@@ -24,7 +24,8 @@ int main(int argc, char** argv) {
   std::vector<std::int32_t> y(N);
   std::uniform_int_distribution<int> tok(0, V - 1), len(T / 2, T);
   for (std::int64_t s = 0; s < S; ++s) {
-    const std::int64_t p = static_cast<std::int64_t>(prompt * T), end = std::max<std::int64_t>(p + 1, len(g));
+    const std::int64_t p = static_cast<std::int64_t>(prompt * T),
+                       end = std::max<std::int64_t>(p + 1, len(g));
     for (std::int64_t t = 0; t < T; ++t) y[s * T + t] = t >= p && t < end ? tok(g) : -100;
   }
   gpu::DeviceBuffer dx(hx.size() * 2), dw(hw.size() * 2), drx(rx.size() * 2), dy(N * 4);
@@ -33,8 +34,12 @@ int main(int argc, char** argv) {
   gpu::copy_to_device(drx.data(), rx.data(), rx.size() * 2);
   gpu::copy_to_device(dy.data(), y.data(), N * 4);
   PreferenceInputs in;
-  in.policy = {TensorView(dx.data(), DType::kBF16, {N, H}, Device::kCuda), TensorView(dw.data(), DType::kBF16, {V, H}, Device::kCuda), {}};
-  in.reference = {TensorView(drx.data(), DType::kBF16, {N, H}, Device::kCuda), TensorView(dw.data(), DType::kBF16, {V, H}, Device::kCuda), {}};
+  in.policy = {TensorView(dx.data(), DType::kBF16, {N, H}, Device::kCuda),
+               TensorView(dw.data(), DType::kBF16, {V, H}, Device::kCuda),
+               {}};
+  in.reference = {TensorView(drx.data(), DType::kBF16, {N, H}, Device::kCuda),
+                  TensorView(dw.data(), DType::kBF16, {V, H}, Device::kCuda),
+                  {}};
   in.targets = TensorView(dy.data(), DType::kI32, {S, T}, Device::kCuda);
   Dpo loss;
   const Plan plan = loss.plan(in);
@@ -49,9 +54,14 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     l = loss.forward(ctx, in, w).loss;
     ctx.synchronize();
-    if (r >= 2) ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    if (r >= 2)
+      ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(ms.begin(), ms.end());
-  std::printf("pairs %ld T %ld H %ld V %ld prompt %.2f: forward %.3f ms (min %.3f), loss %.6f, workspace %.1f MiB, plan %s\n",
-              (long)pairs, (long)T, (long)H, (long)V, prompt, ms[ms.size() / 2], ms[0], l, bytes / 1048576.0, plan.str().c_str());
+  std::printf(
+      "pairs %ld T %ld H %ld V %ld prompt %.2f: forward %.3f ms (min %.3f), loss %.6f, workspace "
+      "%.1f MiB, plan %s\n",
+      (long)pairs, (long)T, (long)H, (long)V, prompt, ms[ms.size() / 2], ms[0], l,
+      bytes / 1048576.0, plan.str().c_str());
 }
