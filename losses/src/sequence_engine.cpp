@@ -70,6 +70,8 @@ std::vector<RowRange> unit_ranges(const SequenceCall& c, std::int64_t u0, std::i
 // trimmed prompts a group then takes more units, and the call fewer groups, each a dW GEMM and a
 // host round trip. A group whose X rows the backend gathers for one GEMM (`gather` rows) grows
 // only as far as they still fit there: one GEMM per range instead would cost more than a group.
+// Each range stays within a chunk's rows, as in a group of the plan's size (the backends stage a
+// range that they do not gather in a chunk's rows).
 void grow_group(const SequenceCall& c, const Plan& plan, std::int64_t gather, std::int64_t u0,
                 std::int64_t& u1, std::vector<RowRange>& ranges) {
   const std::int64_t units = c.sequences / c.unit_sequences;
@@ -77,7 +79,10 @@ void grow_group(const SequenceCall& c, const Plan& plan, std::int64_t gather, st
   if (row_count(ranges) <= gather) capacity = std::min(capacity, gather);
   while (u1 < units) {
     std::vector<RowRange> more = unit_ranges(c, u0, u1 + 1, plan.chunk_rows, true);
-    if (row_count(more) > capacity) return;
+    const bool ranges_fit = std::all_of(more.begin(), more.end(), [&](const RowRange& r) {
+      return r.r1 - r.r0 <= plan.chunk_rows;
+    });
+    if (!ranges_fit || row_count(more) > capacity) return;
     ranges = std::move(more);
     ++u1;
   }

@@ -1919,6 +1919,58 @@ TEST_CASE("resident groups fill their logits with the units' computed rows") {
   }
 }
 
+TEST_CASE("a grown resident group keeps each range within a chunk's rows (bf16 on the CPU)") {
+  // Chosen sequences: 32 prompt rows, then 96 valid; rejected: 32 prompt rows, 40 valid, then
+  // padding. Gaps under 64 rows merge, so growing a group of 2 pairs would make the chosen side
+  // one range longer than a chunk, and the CPU stages an ungathered range's bf16 X rows in a
+  // chunk's rows: the group stops growing first. With dW alone in an fp32 accumulator nothing
+  // follows that staging in the workspace (the fixture's guard region sees any write past it).
+  PrefSpec s = big_spec();
+  s.t = 128;
+  s.dtype = DType::kBF16;
+  s.bias = false;
+  s.ref = RefMode::kNone;
+  PrefData d(s);
+  for (std::size_t i = 0; i < d.targets64.size(); ++i) {
+    const auto row = static_cast<std::int64_t>(i);
+    const std::int64_t pos = row % s.t;
+    const bool chosen = row / s.t < s.s / 2;
+    const bool valid = pos >= 32 && (chosen || pos < 72);
+    d.targets64[i] = valid ? (row * 7919) % s.v : s.ignore_index;
+    d.targets32[i] = static_cast<std::int32_t>(d.targets64[i]);
+  }
+  for (bool dw_only : {false, true}) {
+    CAPTURE(dw_only);
+    PrefGradRequest req;
+    req.dtype = DType::kBF16;
+    req.hidden = !dw_only;
+    DpoOptions dpo;
+    dpo.engine.regime = Regime::kResident;
+    dpo.engine.fp32_weight_grad_accumulator = dw_only;
+    PrefGradBuffers buffers(d, req);
+    const auto units_per_group = [&](std::size_t budget) {
+      dpo.engine.memory_budget_bytes = budget;
+      try {
+        return make_loss(dpo).plan(d.inputs(), buffers.views()).group_units;
+      } catch (const Error&) {
+        return std::int64_t{0};
+      }
+    };
+    std::size_t lo = 1, hi = std::size_t{1} << 30;  // the smallest budget of 2 pairs a group
+    while (lo < hi) {
+      const std::size_t mid = lo + (hi - lo) / 2;
+      if (units_per_group(mid) >= 2)
+        hi = mid;
+      else
+        lo = mid + 1;
+    }
+    dpo.engine.memory_budget_bytes = lo;
+    REQUIRE(make_loss(dpo).plan(d.inputs(), buffers.views()).group_units == 2);
+    check_against_oracle(run_library(d, make_loss(dpo), req), oracle(d, PrefConfig::from(dpo)),
+                         PrefTol::of(DType::kBF16, DType::kBF16), true);
+  }
+}
+
 TEST_CASE(
     "extension point: an objective failing on the deferred pair says the buffers are "
     "unspecified") {

@@ -99,9 +99,10 @@ struct Plan {
   Regime regime = Regime::kNone;      ///< sequence objectives: resident or recompute
   /// Resident: units (pairs or sequences) per group, by the shapes: whole sequences of T rows.
   /// The engine grows a group by the units after it while their computed rows (each sequence's
-  /// from its first to its last valid target) fit its logits (and the backend's gather staging,
-  /// where the group's rows fit that), so with prompts or padding a call may run fewer, larger
-  /// groups than num_groups.
+  /// from its first to its last valid target, and gaps under 64 rows between those) fit its
+  /// logits, each range at most chunk_rows (and within the backend's gather staging, where the
+  /// group's rows fit that), so with prompts or padding a call may run fewer, larger groups than
+  /// num_groups.
   std::int64_t group_units = 0;
   std::int64_t num_groups = 0;  ///< resident: ceil(units / group_units)
   /// Token objectives (CrossEntropyOptions::skip_ignored_rows): the shortest run of ignored rows
