@@ -405,9 +405,8 @@ namespace {
 
 // A forward-only sequence call: token chunks of its trimmed pieces, gathered side by side for one
 // logits GEMM per chunk when that staging fits in the workspace of `plain`, the chunks without
-// it (so the call still needs no more workspace than the same call with gradients, whose
-// resident and deferred plans reserve none). The chunks shrink by the X rows staged, a few
-// percent.
+// it, so gathering costs the call no workspace. The chunks shrink by the X rows staged: a few
+// percent at a large vocabulary, or a 64-row step where `plain` takes all the rows.
 Plan forward_plan(const PlanRequest& q, Plan plain) {
   plain.regime = Regime::kRecompute;
   plain.reason = "forward only: pass 1 in token chunks";

@@ -376,8 +376,9 @@ TEST_CASE("plan: a resident group of several sequences stages its X rows on CUDA
 TEST_CASE("plan: a forward-only sequence call gathers its pieces within the plain chunks' room") {
   // Its chunks' pieces share one logits GEMM over their X rows gathered side by side; the
   // staging comes out of the workspace the chunks would take without it, so the call needs no
-  // more than before (nor than the same call with gradients). Without packed pieces, or where
-  // even the plain chunks exceed the budget, the plan is the plain one.
+  // more than before (here also no more than the same call with gradients, as at most shapes).
+  // Without packed pieces, or where even the plain chunks exceed the budget, the plan is the
+  // plain one.
   for (Device dev : {Device::kCpu, Device::kCuda}) {
     for (DType x : {DType::kF32, DType::kBF16}) {
       INFO(std::string(device_name(dev)), " x ", std::string(dtype_name(x)));
