@@ -1870,6 +1870,16 @@ TEST_CASE("extension point: an objective returning NaN or throwing raises Error 
   CHECK_THROWS_AS(SequenceLoss(nullptr), Error);
 }
 
+// Sets d's targets: row r (of S x T) valid where `valid(r)`, with a fixed id, else ignored.
+template <typename Valid>
+void set_targets(PrefData& d, Valid valid) {
+  for (std::size_t i = 0; i < d.targets64.size(); ++i) {
+    const auto row = static_cast<std::int64_t>(i);
+    d.targets64[i] = valid(row) ? (row * 7919) % d.spec.v : d.spec.ignore_index;
+    d.targets32[i] = static_cast<std::int32_t>(d.targets64[i]);
+  }
+}
+
 TEST_CASE("resident groups fill their logits with the units' computed rows") {
   // Every sequence: 192 prompt rows, then 64 valid ones. The smallest resident budget holds one
   // unit of T = 256 rows per group (4 groups by the shapes). The CPU gathers a group's X rows
@@ -1881,11 +1891,7 @@ TEST_CASE("resident groups fill their logits with the units' computed rows") {
   s.t = 256;
   s.ref = RefMode::kNone;
   PrefData d(s);
-  for (std::size_t i = 0; i < d.targets64.size(); ++i) {
-    const auto row = static_cast<std::int64_t>(i);
-    d.targets64[i] = row % s.t < 192 ? s.ignore_index : (row * 7919) % s.v;
-    d.targets32[i] = static_cast<std::int32_t>(d.targets64[i]);
-  }
+  set_targets(d, [&](std::int64_t row) { return row % s.t >= 192; });
   const std::int64_t pairs = s.s / 2;
   const PrefGradRequest req;
   DpoOptions dpo;
@@ -1931,14 +1937,10 @@ TEST_CASE("a grown resident group keeps each range within a chunk's rows (bf16 o
   s.bias = false;
   s.ref = RefMode::kNone;
   PrefData d(s);
-  for (std::size_t i = 0; i < d.targets64.size(); ++i) {
-    const auto row = static_cast<std::int64_t>(i);
+  set_targets(d, [&](std::int64_t row) {
     const std::int64_t pos = row % s.t;
-    const bool chosen = row / s.t < s.s / 2;
-    const bool valid = pos >= 32 && (chosen || pos < 72);
-    d.targets64[i] = valid ? (row * 7919) % s.v : s.ignore_index;
-    d.targets32[i] = static_cast<std::int32_t>(d.targets64[i]);
-  }
+    return pos >= 32 && (row / s.t < s.s / 2 || pos < 72);  // chosen, or rejected's 40 rows
+  });
   for (bool dw_only : {false, true}) {
     CAPTURE(dw_only);
     PrefGradRequest req;
