@@ -529,13 +529,18 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
     double best = rec_cost;
     why << "cost model: ";
     if (g > 0 && res_cost <= best) pick = Regime::kResident, best = res_cost;
-    if (def_cost > 0 && def_cost < best) pick = Regime::kDeferred, best = def_cost;
+    // The deferred plan's fixed dH block may not fit a budget that recompute's chunks fit.
+    const bool def_fits = def.workspace_bytes() <= std::max(budget, rec.workspace_bytes());
+    if (def_cost > 0 && def_fits && def_cost < best) pick = Regime::kDeferred, best = def_cost;
     why << regime_name(pick) << " " << best * 1e3 << " ms; recompute " << rec_cost * 1e3 << " ms";
     if (g > 0)
       why << ", resident " << res_cost * 1e3 << " ms";
     else
       why << ", resident does not fit (one unit's logits exceed the budget)";
-    if (def_cost > 0) why << ", deferred " << def_cost * 1e3 << " ms";
+    if (def_cost > 0 && def_fits)
+      why << ", deferred " << def_cost * 1e3 << " ms";
+    else if (def_cost > 0)
+      why << ", deferred does not fit (its fp32 dH block exceeds the budget)";
   }
   if (pick == Regime::kDeferred) {
     def.reason = why.str() + "; " + def.reason;

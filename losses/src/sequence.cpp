@@ -178,6 +178,8 @@ struct Checked {
   std::vector<std::int64_t> tokens;
   std::vector<double> labels;
   bool has_reference = false;
+  // The reference head, run before pass 1 into call.ref_logps.
+  std::optional<detail::TokenCall> reference;
   // The KL batch (KTO): its heads' calls and plans.
   std::optional<detail::TokenCall> kl_policy, kl_reference;
   std::vector<double> kl_ref_logps;
@@ -264,7 +266,7 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
   // A bf16 gradient tile on CUDA keeps per-sequence coefficients out of its rounding.
   k.policy.row_scales = dev == Device::kCuda && hs.dtype == DType::kBF16;
   if (ref_head)
-    k.reference = head_call(in.reference, hs, targets_rows, o.ignore_index, shard, c.v_total);
+    c.reference = head_call(in.reference, hs, targets_rows, o.ignore_index, shard, c.v_total);
   k.sequences = s;
   k.seq_len = t;
   k.unit_sequences = pairs ? 2 : 1;
@@ -362,7 +364,7 @@ void check_values(const SequenceObjective& obj, const SequenceOptions& o, Contex
   }
   if (o.check_finite) {
     check_finite_head(ctx, scalars, who, "policy", in.policy);
-    if (k.reference) check_finite_head(ctx, scalars, who, "reference", in.reference);
+    if (c.reference) check_finite_head(ctx, scalars, who, "reference", in.reference);
     if (c.kl_policy) {
       check_finite_head(ctx, scalars, who, "kl_batch.policy", in.kl_batch.policy);
       check_finite_head(ctx, scalars, who, "kl_batch.reference", in.kl_batch.reference);
@@ -430,7 +432,7 @@ void set_results(PreferenceResult& r, const SequenceObjective& obj, const std::v
                  double units, std::int64_t vocab) {
   const auto mean = [](double a, double b) { return b > 0 ? a / b : 0.0; };
   const double nll = mean(t[kNll], t[kTokens + 1]);
-  r.loss = t[kLoss] * (1.0 / units) + obj.nll_weight() * nll;
+  r.loss = t[kLoss] * (1.0 / units) + (obj.nll_weight() > 0 ? obj.nll_weight() * nll : 0.0);
   auto& m = r.metrics;
   m.emplace_back("rewards/chosen", mean(t[kReward + 1], t[kCount + 1]));
   m.emplace_back("rewards/rejected", mean(t[kReward], t[kCount]));
@@ -459,7 +461,7 @@ void set_results(PreferenceResult& r, const SequenceObjective& obj, const std::v
 
 // KTO's KL reference point from the mismatched batch (every rank's, with a data group):
 // max(0, mean(policy - reference)).
-double kl_from_batch(Context& ctx, const Checked& c, const Workspace& ws,
+double kl_from_batch(Context& ctx, const char* who, const Checked& c, const Workspace& ws,
                      const detail::GroupSum& sum) {
   const std::vector<double> pol =
       detail::sequence_log_probs(ctx, *c.kl_policy, c.kl_plan, ws, c.kl_seq_len, c.kl_valid);
@@ -470,7 +472,29 @@ double kl_from_batch(Context& ctx, const Checked& c, const Workspace& ws,
   double t[2] = {0, static_cast<double>(pol.size())};
   for (std::size_t i = 0; i < pol.size(); ++i) t[0] += pol[i] - ref[i];
   sum(t, 2);
-  return std::max(0.0, t[0] / t[1]);
+  const double mean = t[0] / t[1];
+  // (max(0, NaN) would give a KL point of 0 without a word)
+  CHUNKLOSS_CHECK(std::isfinite(mean), who,
+                  ": the KL estimate from kl_batch, mean(policy - reference log-probs) over ", t[1],
+                  " sequences, is not finite (", mean,
+                  "), so its heads' inputs are not: check_finite names the tensor");
+  return std::max(0.0, mean);
+}
+
+// The reference head's per-sequence log-prob sums, run before the policy's pass 1 into
+// call.ref_logps. Without a data group a sequence whose sum is not finite fails the call here,
+// before any gradient is written (the ranks of a vocabulary split see the same sums, so they
+// all fail); a data group's ranks instead fail its units at the end, as one.
+void run_reference(Context& ctx, const char* who, Checked& c, const Plan& plan,
+                   const Workspace& ws) {
+  if (!c.reference) return;
+  detail::SequenceCall& k = c.call;
+  k.ref_logps = detail::sequence_log_probs(ctx, *c.reference, plan, ws, k.seq_len, k.valid);
+  if (c.data_group) return;
+  for (std::size_t i = 0; i < k.ref_logps.size(); ++i)
+    CHUNKLOSS_CHECK(std::isfinite(k.ref_logps[i]), who,
+                    ": the reference head's log-prob of sequence ", i, " is not finite (",
+                    k.ref_logps[i], "), so its inputs are not: check_finite names the tensor");
 }
 
 // The deferred regime's first pair: its coefficients must be gamma * kappa, as the objective's
@@ -535,9 +559,9 @@ std::array<double, kDataKind> data_call_kind(const SequenceObjective& obj, const
 std::array<double, kVocabKind> vocab_call_kind(const SequenceObjective& obj, const Checked& c,
                                                const Plan& p) {
   const auto& k = c.call.policy;
-  const double heads = (c.call.reference ? 1 : 0) + (c.kl_policy ? 2 : 0) +
-                       (c.kl_reference ? 4 : 0) + (k.grad_x.defined() ? 8 : 0) +
-                       (k.any_grad() ? 16 : 0) + 32.0 * static_cast<double>(p.regime);
+  const double heads = (c.reference ? 1 : 0) + (c.kl_policy ? 2 : 0) + (c.kl_reference ? 4 : 0) +
+                       (k.grad_x.defined() ? 8 : 0) + (k.any_grad() ? 16 : 0) +
+                       32.0 * static_cast<double>(p.regime);
   const auto d = [](std::int64_t x) { return static_cast<double>(x); };
   return {heads,
           d(p.chunk_rows),
@@ -650,7 +674,10 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   const double nll_coef = chosen_tokens > 0 ? obj.nll_weight() / chosen_tokens : 0.0;
 
   PreferenceResult r;
-  r.kl = c.kl_policy ? kl_from_batch(ctx, c, ws, group_sum) : in.kl ? std::max(0.0, *in.kl) : 0.0;
+  r.kl = c.kl_policy ? kl_from_batch(ctx, who.c_str(), c, ws, group_sum)
+         : in.kl     ? std::max(0.0, *in.kl)
+                     : 0.0;
+  run_reference(ctx, who.c_str(), c, plan, ws);
   const BatchConstants batch{r.kl};
   const std::size_t num_extras = obj.extra_metrics().size();
   std::vector<UnitResult> results(static_cast<std::size_t>(units));
@@ -685,17 +712,19 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
                                                              " (not a std::exception)", written)));
         }
         const UnitResult& res = results[ui];
-        bool inputs = true;  // the unit's log-probs are finite
-        for (std::size_t k = 0; k < m; ++k)
-          inputs = inputs && std::isfinite(st[k].logp) && std::isfinite(st[k].ref_logp);
+        // A unit with non-finite log-probs fails even where the objective's value stays finite
+        // (a hinge's max(0, NaN) is 0).
+        for (std::size_t k = 0; k < m; ++k) {
+          const auto seq = static_cast<std::int64_t>(k) * units + u;
+          CHUNKLOSS_CHECK(std::isfinite(st[k].logp) && std::isfinite(st[k].ref_logp), who,
+                          ": the log-probs of sequence ", seq, " (unit ", u,
+                          ") are not finite (logp ", st[k].logp, ", ref ", st[k].ref_logp,
+                          "), so the inputs are not: check_finite names the tensor", written);
+        }
         for (std::size_t k = 0; k < m; ++k) {
           CHUNKLOSS_CHECK(std::isfinite(res.loss) && std::isfinite(res.dlogp[k]), who,
                           ": the objective returned a non-finite loss or derivative for unit ", u,
-                          " (logp ", st[k].logp, ", ref ", st[k].ref_logp, ")",
-                          inputs ? ""
-                                 : "; the unit's log-probs are not finite, so the inputs are not: "
-                                   "check_finite names the tensor",
-                          written);
+                          " (logp ", st[k].logp, ", ref ", st[k].ref_logp, ")", written);
           const auto seq = static_cast<std::size_t>(static_cast<std::int64_t>(k) * units + u);
           coef[seq] = -res.dlogp[k] * inv_units + (st[k].label == 1 ? nll_coef : 0.0);
         }

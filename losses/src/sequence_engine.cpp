@@ -243,9 +243,7 @@ SequenceSums run_sequence_objective(Context& ctx, const SequenceCall& c, const P
   SequenceSums sums;
   sums.logp.assign(s, 0.0);
   sums.logit_sum.assign(s, 0.0);
-  sums.ref_logp = c.reference ? sequence_log_probs(ctx, *c.reference, plan, ws, c.seq_len, c.valid)
-                  : c.ref_logps.empty() ? std::vector<double>(s, 0.0)
-                                        : c.ref_logps;
+  sums.ref_logp = c.ref_logps.empty() ? std::vector<double>(s, 0.0) : c.ref_logps;
 
   const TokenCall& k = c.policy;
   const std::int64_t n = k.rows, v = k.vocab, units = c.sequences / c.unit_sequences;

@@ -5,7 +5,6 @@
 
 #include <cstdint>
 #include <functional>
-#include <optional>
 #include <vector>
 
 #include "engine.h"
@@ -13,11 +12,10 @@
 namespace chunkloss::detail {
 
 /// A validated sequence call: the policy's token call (plain rule, sum scale, logit sums), the
-/// optional reference head's (forward only) and the host-side row layout.
+/// reference's per-sequence sums and the host-side row layout.
 struct SequenceCall {
   TokenCall policy;
-  std::optional<TokenCall> reference;
-  std::vector<double> ref_logps;  ///< [S] precomputed reference sums (no reference head)
+  std::vector<double> ref_logps;  ///< [S] the reference's sums (empty: no reference, all 0)
   std::int64_t sequences = 0, seq_len = 0;
   std::int64_t unit_sequences = 1;  ///< 2: pairs (s, s + S/2)
   std::vector<std::uint8_t> valid;  ///< [S*T]: the row's target is not ignore_index
@@ -38,8 +36,8 @@ struct SequenceSums {
 using UnitsFn = std::function<void(std::int64_t u0, std::int64_t u1, const SequenceSums& sums,
                                    std::vector<double>& coef)>;
 
-/// Runs the reference pass (when present), pass 1, `on_units` per group (once for all units in
-/// the recompute regime) and, when the policy call asks for gradients, pass 2.
+/// Runs pass 1, `on_units` per group (once for all units in the recompute regime) and, when the
+/// policy call asks for gradients, pass 2.
 SequenceSums run_sequence_objective(Context& ctx, const SequenceCall& call, const Plan& plan,
                                     const Workspace& ws, const UnitsFn& on_units);
 

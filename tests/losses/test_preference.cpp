@@ -916,6 +916,29 @@ TEST_CASE("deferred regime: one long pair beyond resident's budget, several pair
   }
 }
 
+TEST_CASE("auto regime: deferred only where its dH block fits a budget that recompute fits") {
+  // One pair of T = 512 at H = 256: the deferred plan's fp32 [N, H] dH block alone is 1 MiB,
+  // while recompute's chunks fit 256 KiB.
+  PrefSpec s;
+  s.s = 2;
+  s.t = 512;
+  s.h = 256;
+  s.v = 64;
+  const PrefData d(s);
+  PrefGradBuffers g(d, {});
+  for (std::size_t kib : {256, 512}) {
+    DpoOptions o;
+    o.engine.memory_budget_bytes = kib << 10;
+    const Plan pick = Dpo(o).plan(d.inputs(), g.views());
+    INFO(pick.str());
+    CHECK(pick.regime == Regime::kRecompute);
+    CHECK(pick.workspace_bytes() <= o.engine.memory_budget_bytes);
+    CHECK(pick.reason.find("deferred does not fit") != std::string::npos);
+    o.engine.regime = Regime::kDeferred;  // requested, it runs over the budget
+    CHECK(Dpo(o).plan(d.inputs(), g.views()).workspace_bytes() > o.engine.memory_budget_bytes);
+  }
+}
+
 // ---- shapes and edge cases ---------------------------------------------------------------------
 
 TEST_CASE("P = 1: one pair of every loss type, and KTO with one sequence") {
@@ -1510,7 +1533,46 @@ TEST_CASE("bad input: check_finite names the head's tensor, the KL batch's too")
   // Without check_finite the NaN reaches the objective, and the message points at the inputs.
   BadCall unchecked(BadCall::spec());
   unchecked.d.weight[0] = nan;
-  unchecked.expect(DpoOptions{}, "the unit's log-probs are not finite, so the inputs are not");
+  unchecked.expect(DpoOptions{}, "are not finite (logp nan, ref 0), so the inputs are not");
+}
+
+TEST_CASE("bad input: non-finite log-probs fail the call where the loss's own value hides them") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  // DPO hinge: max(0, 1 - NaN) is 0, so the unit's log-probs alone must fail it.
+  DpoOptions hinge;
+  hinge.loss_type = DpoLoss::kHinge;
+  BadCall policy;
+  policy.d.weight[0] = nan;
+  policy.expect(hinge, "the log-probs of sequence 0 (unit 0) are not finite (logp nan");
+  // A reference head's NaN fails the call before any gradient is written, naming its sequence,
+  // also where it lies in a later resident group than the first (sequence 3: pair 1's rejected).
+  PrefSpec s = BadCall::spec();
+  s.ref = RefMode::kHead;
+  BadCall ref(s);
+  std::fill_n(ref.d.ref_hidden.begin() + 3 * s.t * s.h, s.t * s.h, nan);
+  for (DpoLoss type : {DpoLoss::kHinge, DpoLoss::kSigmoid}) {
+    DpoOptions o;
+    o.loss_type = type;
+    o.engine.regime = Regime::kResident;
+    o.engine.memory_budget_bytes = min_budget(ref.d, o, Regime::kResident, {});
+    PrefGradBuffers g(ref.d, {});
+    CHECK(Dpo(o).plan(ref.d.inputs(), g.views()).num_groups == 2);
+    ref.expect(o, "the reference head's log-prob of sequence 3 is not finite (nan)");
+  }
+  // KTO: max(0, NaN) is 0, so a non-finite KL estimate must fail the call.
+  PrefSpec k = BadCall::spec();
+  k.labels = true;
+  k.kl_batch = true;
+  k.kl_ref = RefMode::kHead;
+  for (float bad : {nan, inf}) {
+    CAPTURE(bad);
+    BadCall policy_kl(k), reference_kl(k);
+    std::fill(policy_kl.d.kl_hidden.begin(), policy_kl.d.kl_hidden.end(), bad);
+    policy_kl.expect(KtoOptions{}, "the KL estimate from kl_batch");
+    std::fill(reference_kl.d.kl_ref_hidden.begin(), reference_kl.d.kl_ref_hidden.end(), bad);
+    reference_kl.expect(KtoOptions{}, "the KL estimate from kl_batch");
+  }
 }
 
 TEST_CASE("bad input: references where none is allowed, both kinds at once, labels") {
