@@ -62,6 +62,10 @@ double kind_digest(std::span<const std::uint8_t> bytes) {
   return static_cast<double>(h);
 }
 
+double kind_digest(std::span<const double> values) {
+  return kind_digest({reinterpret_cast<const std::uint8_t*>(values.data()), values.size_bytes()});
+}
+
 void GroupSum::operator()(double* values, std::size_t n) const {
   if (group) all_reduce_host(ctx, *group, values, static_cast<std::int64_t>(n));
 }

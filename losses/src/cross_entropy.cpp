@@ -67,6 +67,9 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   check_optional(kWho, "grad_hidden", gr.hidden, dev, {n, h}, kFloat);
   check_optional(kWho, "grad_weight", gr.weight, dev, {v, h}, kFloat);
   check_optional(kWho, "grad_bias", gr.bias, dev, {v}, kFloat);
+  detail::check_grad_dtypes(
+      kWho, dev, in.hidden,
+      {{"grad_hidden", &gr.hidden}, {"grad_weight", &gr.weight}, {"grad_bias", &gr.bias}});
   CHUNKLOSS_CHECK(!gr.bias.defined() || in.bias.defined(), kWho, ": grad_bias ", gr.bias.str(),
                   " given but bias is absent");
   const bool grads = gr.hidden.defined() || gr.weight.defined() || gr.bias.defined();
@@ -163,10 +166,10 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
 }
 
 // What the ranks of the call's groups compare before the first collective: over a vocabulary
-// split the rows, the plan's chunks and the rows they compute, H and whether dH is asked for
-// (its rows are summed per chunk); over a data group H, V and whether dW and db are summed in
-// the call.
-constexpr std::size_t kVocabKind = 6, kDataKind = 4;
+// split the rows, the plan's chunks and the rows they compute, H, whether dH is asked for (its
+// rows are summed per chunk), and the vocabulary and the options the rows' terms use (the rule
+// digest); over a data group H, V and whether dW and db are summed in the call.
+constexpr std::size_t kVocabKind = 7, kDataKind = 4;
 
 // With skip_ignored_rows, in token-chunk order: the rows the call computes, from the targets
 // read on the host (which checks their range there).
@@ -259,16 +262,20 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
                     detail::kind_digest({reinterpret_cast<const std::uint8_t*>(rows.data()),
                                          rows.size() * sizeof(detail::RowRange)}),
                     d(k.hidden),
-                    k.grad_x.defined() ? 1.0 : 0.0};
+                    k.grad_x.defined() ? 1.0 : 0.0,
+                    detail::rule_digest(k)};
       data_kind = {d(k.hidden), d(k.vocab), sum && k.grad_w.defined() ? 1.0 : 0.0,
                    sum && k.grad_bias.defined() ? 1.0 : 0.0};
     }
-    detail::agree_on_call(ctx, kWho, vocab_group, in.data_group, rejected,
-                          {vocab_kind,
-                           data_kind,
-                           {},
-                           "their rows, plans, rows computed, H, or grad_hidden asked for",
-                           "H, V, or grad_weight or grad_bias summed in the call"});
+    detail::agree_on_call(
+        ctx, kWho, vocab_group, in.data_group, rejected,
+        {vocab_kind,
+         data_kind,
+         {},
+         "their rows, plans, rows computed, H, grad_hidden asked for, vocab_shard.size, "
+         "or the options of the rows' terms (ignore_index, label_smoothing, "
+         "z_loss, softcap, compute_entropy, reduction, class_weights)",
+         "H, V, or grad_weight or grad_bias summed in the call"});
   }
   const detail::TokenTotals t = detail::run_token_objective(ctx, c->call, plan, ws);
   CrossEntropyResult r;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "agreement.h"
 #include "chunkloss/core/error.h"
 
 namespace chunkloss::detail {
@@ -47,6 +48,19 @@ void split_vocabulary(const VocabShard& shard, std::int64_t v_total, PlanRequest
   if (!vocab_split_group(shard)) return;
   q.vocab_ranks = shard.group->size();
   q.vocab = (v_total + q.vocab_ranks - 1) / q.vocab_ranks;
+}
+
+double rule_digest(const TokenCall& k) {
+  const double v[] = {static_cast<double>(k.total_vocab()),
+                      static_cast<double>(k.ignore_index),
+                      k.rule.one_minus_ls,
+                      k.rule.eps,
+                      k.rule.z_loss,
+                      k.rule.cw_sum,
+                      k.softcap,
+                      k.entropy ? 1.0 : 0.0,
+                      static_cast<double>(k.scale)};
+  return kind_digest(v);
 }
 
 void reserve_workspace(Plan& p, std::size_t bytes) {

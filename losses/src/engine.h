@@ -186,6 +186,10 @@ void split_vocabulary(const VocabShard& shard, std::int64_t v_total, TokenCall& 
 /// all of them plan the same chunks.
 void split_vocabulary(const VocabShard& shard, std::int64_t v_total, PlanRequest& q);
 
+/// A digest of what a call's rows compute from the whole vocabulary: its size, ignore_index, the
+/// rule, softcap, entropy and the rows' scale (the ranks of a vocabulary split compare it).
+double rule_digest(const TokenCall& k);
+
 /// Extends a plan's layout so that its workspace is at least `bytes`.
 void reserve_workspace(Plan& p, std::size_t bytes);
 

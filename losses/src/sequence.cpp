@@ -240,6 +240,9 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
     detail::check_optional(who, "grads.hidden", gr.hidden, dev, {n, h}, kFloat);
   detail::check_optional(who, "grads.weight", gr.weight, dev, {v, h}, kFloat);
   detail::check_optional(who, "grads.bias", gr.bias, dev, {v}, kFloat);
+  detail::check_grad_dtypes(
+      who, dev, in.policy.hidden,
+      {{"grads.hidden", &gr.hidden}, {"grads.weight", &gr.weight}, {"grads.bias", &gr.bias}});
   CHUNKLOSS_CHECK(!gr.bias.defined() || in.policy.bias.defined(), who, ": grads.bias ",
                   gr.bias.str(), " given but policy.bias is absent");
   CHUNKLOSS_CHECK(o.logits_dtype == DType::kF32 || hs.dtype == DType::kBF16, who,
@@ -520,7 +523,7 @@ void check_deferred_pair(const SequenceObjective& obj, const Checked& c,
 
 // The values vocab_call_kind and data_call_kind compare, and the two sums (units and chosen
 // tokens) of the data group's first exchange.
-constexpr std::size_t kVocabKind = 12, kDataKind = 4, kDataSums = 2;
+constexpr std::size_t kVocabKind = 14, kDataKind = 4, kDataSums = 2;
 
 // The call's plan; with a KL batch, whose passes run first from the start of the same block,
 // the layout is extended to hold their plan too.
@@ -554,10 +557,15 @@ std::array<double, kDataKind> data_call_kind(const SequenceObjective& obj, const
 
 // What every rank of a vocabulary split must have alike for their collectives (in the passes)
 // to match, and for their coefficients to be the same: the heads run, dH, the plans' regime,
-// chunks and groups, H, the rows and which of them count (the policy's and the KL batch's), and
-// the objective.
+// chunks and groups, H, V, the rows and which of them count (the policy's and the KL batch's),
+// the objective and the values it reads besides the sums (reference_logps, labels, kl and the
+// KL batch's reference_logps).
 std::array<double, kVocabKind> vocab_call_kind(const SequenceObjective& obj, const Checked& c,
-                                               const Plan& p) {
+                                               const Plan& p, const PreferenceInputs& in) {
+  std::vector<double> given = c.call.ref_logps;
+  given.insert(given.end(), c.labels.begin(), c.labels.end());
+  given.insert(given.end(), c.kl_ref_logps.begin(), c.kl_ref_logps.end());
+  if (in.kl) given.push_back(*in.kl);
   const auto& k = c.call.policy;
   const double heads = (c.reference ? 1 : 0) + (c.kl_policy ? 2 : 0) + (c.kl_reference ? 4 : 0) +
                        (k.grad_x.defined() ? 8 : 0) + (k.any_grad() ? 16 : 0) +
@@ -572,9 +580,11 @@ std::array<double, kVocabKind> vocab_call_kind(const SequenceObjective& obj, con
           d(c.kl_seq_len),
           d(c.kl_plan.chunk_rows),
           d(k.hidden),
+          d(c.v_total),
           detail::kind_digest(c.call.valid),
           detail::kind_digest(c.kl_valid),
-          objective_digest(obj)};
+          objective_digest(obj),
+          detail::kind_digest(given)};
 }
 
 }  // namespace
@@ -658,14 +668,14 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
     counts[0] = static_cast<double>(c.call.sequences / c.call.unit_sequences);
     for (std::int64_t i = 0; i < c.call.sequences; ++i)
       if (is_chosen(c, i)) counts[1] += static_cast<double>(c.tokens[static_cast<std::size_t>(i)]);
-    vocab_kind = vocab_call_kind(obj, c, plan);
+    vocab_kind = vocab_call_kind(obj, c, plan, in);
     data_kind = data_call_kind(obj, c);
   }
   detail::agree_on_call(
       ctx, who.c_str(), vocab_group, in.data_group, rejected,
       {vocab_kind, data_kind, counts,
-       "a reference head, a KL batch, dH asked for, H, their rows or targets, their plans, or the "
-       "objective",
+       "a reference head, a KL batch, dH asked for, H, vocab_shard.size, their rows or targets, "
+       "their plans, the objective, or reference_logps, labels or kl",
        "a KL batch, dW or db summed in the call, H or V, or the objective"});
   const detail::GroupSum group_sum{ctx, in.data_group};
   Checked& c = *checked;
@@ -684,8 +694,11 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   std::vector<std::vector<double>> extras(static_cast<std::size_t>(units),
                                           std::vector<double>(num_extras, 0.0));
   const bool deferred = plan.regime == Regime::kDeferred && c.call.policy.any_grad();
-  // With a data group the objective's failure is thrown at the end, once the ranks know of it
-  // (the ranks of a vocabulary split see the same sums, so they all fail at once).
+  // With a data group or a vocabulary split the objective's failure is thrown at the end, once
+  // the ranks know of it: the failed units' coefficients are 0 and the passes' collectives go on.
+  // (The ranks of a vocabulary split see the same sums and agreed on the objective's other
+  // inputs, so they fail alike unless their objectives differ in what the library cannot see.)
+  const bool defer = in.data_group || vocab_group;
   std::exception_ptr failed;
 
   detail::UnitsFn on_units = [&](std::int64_t u0, std::int64_t u1, const detail::SequenceSums& sums,
@@ -695,7 +708,7 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
       const std::size_t m = unit_stats(c, sums, u, st);
       const auto ui = static_cast<std::size_t>(u);
       // (the deferred regime writes its first pair's gradients before evaluating it)
-      const char* written = u0 > 0 || in.data_group || deferred
+      const char* written = u0 > 0 || defer || deferred
                                 ? "; gradients were already written, so the gradient buffers "
                                   "hold unspecified values"
                                 : "";
@@ -730,7 +743,7 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
         }
         if (deferred && u == 0) check_deferred_pair(obj, c, coef, res, st);
       } catch (...) {
-        if (!in.data_group) throw;
+        if (!defer) throw;
         if (!failed) failed = std::current_exception();
         for (std::size_t k = 0; k < m; ++k)
           coef[static_cast<std::size_t>(static_cast<std::int64_t>(k) * units + u)] = 0.0;
@@ -751,10 +764,14 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   }
   std::vector<double> t = tally(obj, c, sums, r.rewards, results, extras, failed != nullptr);
   group_sum(t.data(), t.size());
+  // The data group's failed ranks, then (in a grid, each data group's) over the vocabulary split.
+  double failures = t[kFailed];
+  if (vocab_group) detail::GroupSum{ctx, vocab_group}(&failures, 1);
   if (failed) std::rethrow_exception(failed);
-  CHUNKLOSS_CHECK(t[kFailed] == 0, who,
-                  ": the objective failed (threw or returned a non-finite value) on ", t[kFailed],
-                  " other rank(s) of data_group; the gradient buffers hold unspecified values");
+  CHUNKLOSS_CHECK(failures == 0, who,
+                  ": the objective failed (threw or returned a non-finite value) on ", failures,
+                  " other rank(s) of data_group or vocab_shard.group; the gradient buffers hold "
+                  "unspecified values");
   set_results(r, obj, t, all_units, c.v_total);
   return r;
 }
@@ -791,7 +808,7 @@ LogProbCall check_log_probs(const SequenceOptions& o, Device dev, const Head& he
 
 // What the ranks of a vocabulary split compare in their one exchange: the plan's chunks, S, T,
 // H, and which rows have valid targets.
-constexpr std::size_t kLogProbKind = 5;
+constexpr std::size_t kLogProbKind = 6;
 
 }  // namespace
 
@@ -839,11 +856,19 @@ SequenceLogProbResult SequenceLogProbs::compute(Context& ctx, const Head& head,
     const auto d = [](std::int64_t x) { return static_cast<double>(x); };
     std::array<double, kLogProbKind> kind{};
     if (!rejected)
-      kind = {d(plan.chunk_rows), d(targets.size(0)), d(targets.size(1)), d(c->hs.h),
-              detail::kind_digest(ht.valid)};
-    detail::agree_on_call(
-        ctx, kLogProbs, group, nullptr, rejected,
-        {kind, {}, {}, "their rows, H, which targets are valid, or their plans", ""});
+      kind = {d(plan.chunk_rows),
+              d(targets.size(0)),
+              d(targets.size(1)),
+              d(c->hs.h),
+              detail::kind_digest(ht.valid),
+              d(c->v_total)};
+    detail::agree_on_call(ctx, kLogProbs, group, nullptr, rejected,
+                          {kind,
+                           {},
+                           {},
+                           "their rows, H, which targets are valid, their plans, or "
+                           "vocab_shard.size",
+                           ""});
   }
   const TensorView rows(targets.data(), targets.dtype(), {c->hs.n}, targets.device(),
                         targets.device_index());

@@ -266,7 +266,9 @@ SequenceSums run_sequence_objective(Context& ctx, const SequenceCall& c, const P
     for (std::int64_t u0 = 0, u1 = 0; u0 < units; u0 = u1) {
       u1 = std::min(units, u0 + plan.group_units);
       std::vector<RowRange> ranges = unit_ranges(c, u0, u1, plan.chunk_rows, true);
-      grow_group(c, plan, b->gather_rows(), u0, u1, ranges);
+      // (not over a vocabulary split: its ranks' gather staging may differ with their shards'
+      // sizes, and their groups, each with its collectives, must not)
+      if (!k.vocab_group) grow_group(c, plan, b->gather_rows(), u0, u1, ranges);
       pass_one(*b, c, ranges, plan, true, sums.logp, &sums.logit_sum);
       on_units(u0, u1, sums, coef);
       clear_once();

@@ -75,13 +75,16 @@ void check_memory(const char* who, const Context& ctx, const Workspace& ws, Name
                           std::pair<std::uintptr_t, std::uintptr_t> b) {
     return a.first < a.second && b.first < b.second && a.first < b.second && b.first < a.second;
   };
+  // The call overwrites the workspace while it reads the inputs and writes the outputs.
   const auto workspace = range(ws.base(), ws.bytes());
+  for (NamedViews list : {inputs, outputs})
+    for (const auto& [name, t] : list)
+      CHUNKLOSS_CHECK(!t->defined() || !overlap(range(t->data(), t->nbytes()), workspace), who,
+                      ": ", name, " ", t->str(), " shares memory with the workspace");
   for (auto out = outputs.begin(); out != outputs.end(); ++out) {
     const TensorView& o = *out->second;
     if (!o.defined()) continue;
     const auto mine = range(o.data(), o.nbytes());
-    CHUNKLOSS_CHECK(!overlap(mine, workspace), who, ": ", out->first, " ", o.str(),
-                    " shares memory with the workspace");
     for (NamedViews list : {inputs, outputs})
       for (const auto& [name, t] : list) {
         if (t == out->second || !t->defined()) continue;
@@ -90,6 +93,14 @@ void check_memory(const char* who, const Context& ctx, const Workspace& ws, Name
                         " (an output may not alias an input or another output)");
       }
   }
+}
+
+void check_grad_dtypes(const char* who, Device dev, const TensorView& hidden, NamedViews grads) {
+  if (dev != Device::kCuda || hidden.dtype() != DType::kF32) return;
+  for (const auto& [name, g] : grads)
+    CHUNKLOSS_CHECK(!g->defined() || g->dtype() == DType::kF32, who, ": ", name, " ", g->str(),
+                    " must be f32 with f32 hidden ", hidden.str(),
+                    " on CUDA (cuBLAS has no GEMM from f32 operands to a bf16 result)");
 }
 
 void check_finite(const char* who, const char* name, const TensorView& t) {

@@ -30,6 +30,9 @@ using NamedViews = std::initializer_list<std::pair<const char*, const TensorView
 /// a byte with an input, another output or the workspace (the call would read what it writes).
 void check_memory(const char* who, const Context& ctx, const Workspace& ws, NamedViews inputs,
                   NamedViews outputs);
+/// On CUDA, fp32 inputs need fp32 gradient buffers: cuBLAS has no GEMM from fp32 operands to a
+/// bf16 result (the CPU rounds its fp32 gradients to bf16 instead).
+void check_grad_dtypes(const char* who, Device dev, const TensorView& hidden, NamedViews grads);
 /// Every element of a float view is finite (host memory only).
 void check_finite(const char* who, const char* name, const TensorView& t);
 /// The same for a view in host memory or on the context's device: a device view is counted

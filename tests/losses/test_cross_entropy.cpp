@@ -1413,6 +1413,31 @@ TEST_CASE("bad input: views or workspace on another device") {
       {"workspace"});
 }
 
+TEST_CASE("bad input: on CUDA, f32 hidden with a bf16 gradient buffer (plan checks the shapes)") {
+  // cuBLAS has no GEMM from f32 operands to a bf16 result; the CPU rounds its f32 gradients.
+  BadCall b;
+  const auto on_cuda = [](const TensorView& t, DType dtype) {
+    return TensorView(t.data(), dtype, {t.size(0), t.ndim() > 1 ? t.size(1) : 1}, Device::kCuda);
+  };
+  CrossEntropyInputs in = b.in();
+  in.hidden = on_cuda(in.hidden, DType::kF32);
+  in.weight = on_cuda(in.weight, DType::kF32);
+  in.bias = TensorView(in.bias.data(), DType::kF32, {11}, Device::kCuda);
+  in.targets = TensorView(in.targets.data(), in.targets.dtype(), {5}, Device::kCuda);
+  CrossEntropyGrads g;
+  g.hidden = on_cuda(b.grads.views().hidden, DType::kF32);
+  g.weight = on_cuda(b.grads.views().weight, DType::kF32);
+  const LinearCrossEntropy loss(b.o);
+  CHECK_NOTHROW(loss.plan(in, g));
+  g.weight = on_cuda(b.grads.views().weight, DType::kBF16);
+  check_error([&] { loss.plan(in, g); },
+              {"grad_weight [11, 8] bf16 cuda must be f32 with f32 hidden [5, 8] f32 cuda"});
+  // The CPU takes it.
+  CrossEntropyGrads cpu = b.grads.views();
+  cpu.weight = TensorView(cpu.weight.data(), DType::kBF16, {11, 8});
+  CHECK_NOTHROW(loss.plan(b.in(), cpu));
+}
+
 TEST_CASE("bad input: an output sharing memory with an input, another output or the workspace") {
   BadCall b;
   const CrossEntropyInputs in = b.in();
@@ -1432,6 +1457,17 @@ TEST_CASE("bad input: an output sharing memory with an input, another output or 
   g.hidden = TensorView::of(reinterpret_cast<float*>(b.ws.data()) + 8, {5, 8});
   check_error([&] { b.call(b.o, in, g, b.out.views()); },
               {"grad_hidden", "shares memory with the workspace"});
+  // An input inside the workspace would be overwritten while the call reads it.
+  float* in_ws = reinterpret_cast<float*>(b.ws.data()) + 64;
+  std::copy(b.d.hidden.begin(), b.d.hidden.end(), in_ws);
+  CrossEntropyInputs moved = in;
+  moved.hidden = TensorView::of(in_ws, {5, 8});
+  check_error([&] { b.call(moved); }, {"hidden [5, 8] f32 cpu shares memory with the workspace"});
+  auto* targets_ws = reinterpret_cast<std::int32_t*>(in_ws);
+  std::copy(b.d.targets32.begin(), b.d.targets32.end(), targets_ws);
+  moved = in;
+  moved.targets = TensorView::of(targets_ws, {5});
+  check_error([&] { b.call(moved); }, {"targets [5] i32 cpu shares memory with the workspace"});
 }
 
 TEST_CASE("bad input: too-small workspace") {

@@ -564,6 +564,27 @@ TEST_CASE("a call one rank rejects, or calls whose collectives differ, fail on e
       });
   for (const std::string& m : e)
     CHECK(m.find("vocab_shard.group make different kinds of calls") != std::string::npos);
+  // Rank 0's shard [0, 253) is its own for V = 506 as for V = 507, but the ranks' vocabularies
+  // differ (its targets 506 made 0, so that it accepts them); label smoothing on one rank only
+  // (the ranks' terms would differ).
+  e = pair_errors(
+      true, [](std::size_t r, CrossEntropyInputs& in, CrossEntropyGrads&, CrossEntropyOptions&) {
+        static std::vector<std::int32_t> y;
+        if (r != 0) return;
+        in.vocab_shard.size = 506;
+        const auto* t = in.targets.data_as<const std::int32_t>();
+        y.assign(t, t + in.targets.numel());
+        std::replace(y.begin(), y.end(), 506, 0);
+        in.targets = TensorView::of(y.data(), {in.targets.numel()});
+      });
+  for (const std::string& m : e)
+    CHECK(m.find("vocab_shard.group make different kinds of calls") != std::string::npos);
+  e = pair_errors(
+      true, [](std::size_t r, CrossEntropyInputs&, CrossEntropyGrads&, CrossEntropyOptions& o) {
+        if (r == 1) o.label_smoothing = 0.1f;
+      });
+  for (const std::string& m : e)
+    CHECK(m.find("vocab_shard.group make different kinds of calls") != std::string::npos);
   // Targets whose skipped rows differ on one rank (its chunks would differ).
   e = pair_errors(
       true, [](std::size_t r, CrossEntropyInputs& in, CrossEntropyGrads&, CrossEntropyOptions& o) {
@@ -730,8 +751,9 @@ TEST_CASE("a grid whose data groups are passed by some ranks only fails on every
     CHECK_MESSAGE(
         m.find(
             "vocab_shard.group make different kinds of calls (their rows, plans, rows computed, H, "
-            "or grad_hidden asked for, or whether they pass a data_group, differ)") !=
-            std::string::npos,
+            "grad_hidden asked for, vocab_shard.size, or the options of the rows' terms "
+            "(ignore_index, label_smoothing, z_loss, softcap, compute_entropy, reduction, "
+            "class_weights), or whether they pass a data_group, differ)") != std::string::npos,
         m);
   // Passed by every rank, the same grid returns on every rank.
   for (const std::string& m : grid_errors(

@@ -1766,6 +1766,17 @@ TEST_CASE("bad input: a gradient sharing memory with an input, another gradient 
   v.weight = TensorView::of(ws.workspace().at<float>({0, 4}), {s.v, s.h});
   expect(v, "grads.weight [");
   expect(v, "shares memory with the workspace");
+  // An input inside the workspace would be overwritten while the call reads it.
+  auto* in_ws = ws.workspace().at<std::int32_t>({0, 4});
+  REQUIRE(ws.workspace().bytes() >= d.targets32.size() * 4 + 4);
+  std::copy(d.targets32.begin(), d.targets32.end(), in_ws);
+  PreferenceInputs moved = in;
+  moved.targets = TensorView::of(in_ws, {s.s, s.t});
+  const std::string what =
+      error_message([&] { loss.forward_backward(ctx, moved, g.views(), ws.workspace()); });
+  CHECK_MESSAGE(what.find("targets [" + std::to_string(s.s) + ", " + std::to_string(s.t) +
+                          "] i32 cpu shares memory with the workspace") != std::string::npos,
+                what);
 }
 
 TEST_CASE("bad input: non-finite precomputed reference sums, smoothing where a type has none") {

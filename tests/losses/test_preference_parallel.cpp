@@ -11,6 +11,7 @@
 #include <chunkloss/losses/preference.h>
 #include <chunkloss/losses/sequence.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <exception>
@@ -542,11 +543,13 @@ TEST_CASE("vocab parallel: bf16, forward only, and a 2 x 2 grid with a data grou
 }
 
 // Both ranks of a vocabulary split of `d`, rank 1 with `shard1`'s rows (rank 0 with the right
-// ones), `nan1` put into its weight and options `o1` when given; each rank's error message (""
-// when it returned), after checking that a failed call wrote nothing.
-std::vector<std::string> vocab_errors(const PrefData& d, const DpoOptions& o,
-                                      std::pair<std::int64_t, std::int64_t> shard1,
-                                      bool nan1 = false, const DpoOptions* o1 = nullptr) {
+// ones), `nan1` put into its weight and options `o1` when given, each rank's inputs then passed
+// to `edit` when given; each rank's error message ("" when it returned), after checking that a
+// failed call wrote nothing.
+std::vector<std::string> vocab_errors(
+    const PrefData& d, const DpoOptions& o, std::pair<std::int64_t, std::int64_t> shard1,
+    bool nan1 = false, const DpoOptions* o1 = nullptr,
+    const std::function<void(std::size_t, PreferenceInputs&)>& edit = nullptr) {
   std::vector<ShardRun> runs;
   runs.emplace_back(d, 0, d.spec.v / 2, PrefGradRequest{});
   runs.emplace_back(d, shard1.first, shard1.second, PrefGradRequest{});
@@ -556,6 +559,7 @@ std::vector<std::string> vocab_errors(const PrefData& d, const DpoOptions& o,
     ShardRun& run = runs[r];
     PreferenceInputs in = run.inputs(d);
     in.vocab_shard = {&group.comm(static_cast<int>(r)), run.v0, d.spec.v};
+    if (edit) edit(r, in);
     CpuContext ctx(1);
     const PreferenceGrads grads = run.grads.views_as<PreferenceGrads>(false);
     const AlignedBuffer ws(std::size_t{1} << 20);
@@ -596,6 +600,84 @@ TEST_CASE("vocab parallel: bad shards, the deferred regime, and a rank's bad val
   e = vocab_errors(d, DpoOptions{}, right);
   CHECK(e[0].empty());
   CHECK(e[1].empty());
+}
+
+TEST_CASE(
+    "vocab parallel: ranks that differ in V or in the objective's inputs fail on every rank") {
+  // Rank 0's shard [0, 33) is its own for V = 66 as for V = 67, but the ranks' vocabularies
+  // differ (its targets 66 made 0, so that it accepts them).
+  const PrefData d(pair_spec(RefMode::kHead, false));
+  std::vector<std::int32_t> targets = d.targets32;
+  std::replace(targets.begin(), targets.end(), 66, 0);
+  std::vector<std::string> e = vocab_errors(
+      d, DpoOptions{}, {33, 67}, false, nullptr, [&](std::size_t r, PreferenceInputs& in) {
+        if (r != 0) return;
+        in.vocab_shard.size = 66;
+        in.targets = TensorView::of(targets.data(), {d.spec.s, d.spec.t});
+      });
+  for (const std::string& m : e)
+    CHECK_MESSAGE(m.find("vocab_shard.group make different kinds of calls") != std::string::npos,
+                  m);
+  // Precomputed reference sums that differ on one rank (the ranks' coefficients would differ).
+  const PrefData logps(pair_spec(RefMode::kLogps, false));
+  std::vector<float> other = logps.ref_logps;
+  other[1] += 0.5f;
+  e = vocab_errors(logps, DpoOptions{}, {33, 67}, false, nullptr,
+                   [&](std::size_t r, PreferenceInputs& in) {
+                     if (r == 1) in.reference_logps = TensorView::of(other.data(), {logps.spec.s});
+                   });
+  for (const std::string& m : e)
+    CHECK_MESSAGE(m.find("vocab_shard.group make different kinds of calls") != std::string::npos,
+                  m);
+  e = vocab_errors(logps, DpoOptions{}, {33, 67});
+  CHECK(e[0].empty());
+  CHECK(e[1].empty());
+}
+
+// Throws where `throws` is set: an objective whose ranks differ in what the library cannot see.
+class ThrowsOnRank final : public SequenceObjective {
+ public:
+  explicit ThrowsOnRank(bool throws) : throws_(throws) {}
+  std::string_view name() const override { return "ThrowsOnRank"; }
+  Unit unit() const override { return Unit::kPair; }
+  bool uses_reference() const override { return true; }
+  UnitResult evaluate(std::span<const SequenceStats> s, const BatchConstants& b,
+                      std::span<double> e) const override {
+    if (throws_) throw std::runtime_error("ThrowsOnRank: thrown");
+    return NanOnMarker().evaluate(s, b, e);
+  }
+
+ private:
+  bool throws_;
+};
+
+TEST_CASE("vocab parallel: an objective that throws on one rank only makes every rank throw") {
+  // The ranks' passes go on with the failed units' coefficients 0 (their collectives match), and
+  // the failure is exchanged at the end.
+  const PrefData d(pair_spec(RefMode::kHead, false));
+  std::vector<ShardRun> runs;
+  runs.emplace_back(d, 0, 33, PrefGradRequest{});
+  runs.emplace_back(d, 33, 67, PrefGradRequest{});
+  dist::InProcessGroup group(2);
+  const std::vector<std::string> e = on_threads(2, [&](std::size_t r) {
+    PreferenceInputs in = runs[r].inputs(d);
+    in.vocab_shard = {&group.comm(static_cast<int>(r)), runs[r].v0, d.spec.v};
+    CpuContext ctx(1);
+    const AlignedBuffer ws(std::size_t{1} << 20);
+    try {
+      SequenceLoss(std::make_shared<ThrowsOnRank>(r == 1))
+          .forward_backward(ctx, in, runs[r].grads.views_as<PreferenceGrads>(false),
+                            ws.workspace());
+    } catch (const Error& x) {
+      return std::string(x.what());
+    }
+    return std::string();
+  });
+  INFO(e[0], " | ", e[1]);
+  CHECK(e[0].find("failed (threw or returned a non-finite value) on 1 other rank(s) of "
+                  "data_group or vocab_shard.group") != std::string::npos);
+  CHECK(e[1].find("the objective threw for unit 0: ThrowsOnRank: thrown; gradients were already "
+                  "written") != std::string::npos);
 }
 
 TEST_CASE("vocab parallel: the auto regime at a small budget plans token chunks on every rank") {

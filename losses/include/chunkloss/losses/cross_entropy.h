@@ -123,7 +123,8 @@ struct CrossEntropyInputs {
 };
 
 /// Gradient buffers owned by the caller; absent views are not computed. grad_hidden [N, H]
-/// and grad_weight [V, H] f32 or bf16, grad_bias [V] f32 or bf16. With `accumulate` the
+/// and grad_weight [V, H] f32 or bf16, grad_bias [V] f32 or bf16 (on CUDA f32 with f32 hidden,
+/// as cuBLAS has no GEMM from f32 operands to a bf16 result). With `accumulate` the
 /// gradients are added to the buffers' contents, otherwise the buffers are overwritten.
 /// All absent: a forward-only evaluation that does no gradient work.
 struct CrossEntropyGrads {

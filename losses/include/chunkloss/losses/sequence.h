@@ -169,7 +169,8 @@ struct PreferenceInputs {
   dist::Communicator* data_group = nullptr;
 };
 
-/// Gradient buffers owned by the caller (absent: not computed; all absent: forward only).
+/// Gradient buffers owned by the caller (absent: not computed; all absent: forward only). On CUDA
+/// with f32 heads they are f32 (cuBLAS has no GEMM from f32 operands to a bf16 result).
 struct PreferenceGrads {
   TensorView hidden;  ///< [S*T, H] f32 or bf16
   TensorView weight;  ///< [V, H] f32 or bf16
