@@ -782,10 +782,15 @@ int run(const Settings& s, const std::string& invocation) {
                             static_cast<std::int64_t>(m.grads().size()));
     });
     MicroStats sum;
-    std::map<std::string, double> metric_sum;
+    // Each metric's mean over the micro-batches that report it (KTO's of one label lack the
+    // other label's).
+    std::map<std::string, std::pair<double, int>> metric_sum;
     for (std::size_t i = 0; i < micro_batches.size(); ++i) {
       sum.loss += stats[0][i].loss;  // the group's, on every rank
-      for (const auto& [k, v] : stats[0][i].metrics) metric_sum[k] += v;
+      for (const auto& [k, v] : stats[0][i].metrics) {
+        metric_sum[k].first += v;
+        ++metric_sum[k].second;
+      }
       for (int r = 0; r < ranks; ++r)  // each part's tokens once
         if (grid.first_of_vocab_group(r))
           sum.tokens += stats[static_cast<std::size_t>(r)][i].tokens;
@@ -810,10 +815,11 @@ int run(const Settings& s, const std::string& invocation) {
         {"lr", lr},
         {"grad_norm", norm},
         {"tokens", sum.tokens}};
-    for (const auto& [k, v] : metric_sum) rec[k] = v * inv;
+    for (const auto& [k, v] : metric_sum) rec[k] = v.first / v.second;
     metrics.append(rec);
     const auto acc = metric_sum.find(acc_key);
-    progress.update({step + 1, last_loss, acc == metric_sum.end() ? NAN : acc->second * inv,
+    progress.update({step + 1, last_loss,
+                     acc == metric_sum.end() ? NAN : acc->second.first / acc->second.second,
                      acc_label, sum.tokens});
     if (s.save_every > 0 && (step + 1) % s.save_every == 0 && step + 1 < s.steps)
       save(step + 1,

@@ -437,21 +437,24 @@ void set_results(PreferenceResult& r, const SequenceObjective& obj, const std::v
   const double nll = mean(t[kNll], t[kTokens + 1]);
   r.loss = t[kLoss] * (1.0 / units) + (obj.nll_weight() > 0 ? obj.nll_weight() * nll : 0.0);
   auto& m = r.metrics;
-  m.emplace_back("rewards/chosen", mean(t[kReward + 1], t[kCount + 1]));
-  m.emplace_back("rewards/rejected", mean(t[kReward], t[kCount]));
+  // A label without sequences (an unpaired batch of one label) has no means: its metrics and
+  // the margin are left out, as TRL's KTO does.
+  const bool chosen = t[kCount + 1] > 0, rejected = t[kCount] > 0;
+  if (chosen) m.emplace_back("rewards/chosen", mean(t[kReward + 1], t[kCount + 1]));
+  if (rejected) m.emplace_back("rewards/rejected", mean(t[kReward], t[kCount]));
   const bool pairs = obj.unit() == Unit::kPair;
   if (pairs) {
     m.emplace_back("rewards/accuracies", t[kAccuracy] / units);
     m.emplace_back("rewards/margins", t[kMargin] / units);
-  } else {
+  } else if (chosen && rejected) {
     m.emplace_back("rewards/margins",
                    mean(t[kReward + 1], t[kCount + 1]) - mean(t[kReward], t[kCount]));
   }
-  m.emplace_back("logps/chosen", mean(t[kLogp + 1], t[kCount + 1]));
-  m.emplace_back("logps/rejected", mean(t[kLogp], t[kCount]));
+  if (chosen) m.emplace_back("logps/chosen", mean(t[kLogp + 1], t[kCount + 1]));
+  if (rejected) m.emplace_back("logps/rejected", mean(t[kLogp], t[kCount]));
   const auto dv = static_cast<double>(vocab);
-  m.emplace_back("logits/chosen", mean(t[kLogit + 1], t[kTokens + 1] * dv));
-  m.emplace_back("logits/rejected", mean(t[kLogit], t[kTokens] * dv));
+  if (chosen) m.emplace_back("logits/chosen", mean(t[kLogit + 1], t[kTokens + 1] * dv));
+  if (rejected) m.emplace_back("logits/rejected", mean(t[kLogit], t[kTokens] * dv));
   if (obj.nll_weight() > 0) m.emplace_back("nll_loss", nll);
   const std::vector<std::string> names = obj.extra_metrics();
   for (std::size_t e = 0; e < names.size(); ++e) m.emplace_back(names[e], t[kNumTally + e] / units);

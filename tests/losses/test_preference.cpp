@@ -961,6 +961,29 @@ TEST_CASE("P = 1: one pair of every loss type, and KTO with one sequence") {
   check_matrix(k, KtoOptions{});
 }
 
+TEST_CASE("KTO with sequences of one label: that label's metrics alone, and no margin") {
+  for (std::int32_t label : {0, 1}) {
+    CAPTURE(label);
+    PrefSpec k;
+    k.s = 4;
+    k.labels = true;
+    k.ref = RefMode::kHead;
+    PrefData d(k);
+    std::fill(d.labels.begin(), d.labels.end(), label);
+    const PrefRun run = run_library(d, Kto(KtoOptions{}), {});
+    check_against_oracle(run, oracle(d, PrefConfig::from(KtoOptions{})),
+                         PrefTol::of(DType::kF32, DType::kF32), false);
+    const std::string has = label ? "chosen" : "rejected", lacks = label ? "rejected" : "chosen";
+    for (const std::string m : {"rewards/", "logps/", "logits/"}) {
+      CHECK_NOTHROW(run.result.metric(m + has));
+      CHECK_THROWS_AS(run.result.metric(m + lacks), Error);
+    }
+    CHECK_THROWS_AS(run.result.metric("rewards/margins"), Error);
+    CHECK(run.result.metric("count/" + has) == 4);
+    CHECK(run.result.metric("count/" + lacks) == 0);
+  }
+}
+
 TEST_CASE("odd shapes: T = 1, H = 1, V = 1, and odd T, H, V") {
   struct Shape {
     std::int64_t s, t, h, v;

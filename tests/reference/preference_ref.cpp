@@ -364,6 +364,8 @@ PrefResult preference(const PrefProblem& p, const PrefConfig& c, bool gradients)
     return count > 0 ? sum / count : 0.0;
   };
   auto& m = r.metrics;
+  const bool any_chosen = std::find(chosen.begin(), chosen.end(), true) != chosen.end();
+  const bool any_rejected = std::find(rejected.begin(), rejected.end(), true) != rejected.end();
   m["rewards/chosen"] = mean_where(e.rewards, chosen);
   m["rewards/rejected"] = mean_where(e.rewards, rejected);
   m["rewards/margins"] = m["rewards/chosen"] - m["rewards/rejected"];
@@ -386,6 +388,14 @@ PrefResult preference(const PrefProblem& p, const PrefConfig& c, bool gradients)
   m["logps/rejected"] = mean_where(measure, rejected);
   m["logits/chosen"] = logits_mean(chosen);
   m["logits/rejected"] = logits_mean(rejected);
+  // A label without sequences has no means, and then no margin either (as TRL's KTO).
+  for (const auto& [any, label] :
+       {std::pair{any_chosen, "chosen"}, std::pair{any_rejected, "rejected"}})
+    if (!any) {
+      for (const char* metric : {"rewards/", "logps/", "logits/"})
+        m.erase(metric + std::string(label));
+      m.erase("rewards/margins");
+    }
   if (c.nll_weight > 0) m["nll_loss"] = e.nll;
   if (c.kind == PrefKind::kOrpo) {
     m["log_odds_ratio"] = e.extra_logsig_odds;

@@ -185,7 +185,8 @@ struct PreferenceResult {
   /// Metrics with TRL's names: rewards/chosen, rewards/rejected, rewards/accuracies (pairs),
   /// rewards/margins, logps/chosen, logps/rejected, logits/chosen, logits/rejected, nll_loss
   /// (when the NLL term is on), the objective's extras; unpaired losses also count/chosen,
-  /// count/rejected (sequences per label) and, with uses_kl(), kl.
+  /// count/rejected (sequences per label) and, with uses_kl(), kl. An unpaired batch (the data
+  /// group's) without sequences of one label has none of that label's metrics, nor margins.
   std::vector<std::pair<std::string, double>> metrics;
   std::vector<double> logps;         ///< [S] policy log-prob sums
   std::vector<double> ref_logps;     ///< [S] reference log-prob sums (0 without a reference)
