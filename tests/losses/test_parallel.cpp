@@ -778,19 +778,40 @@ TEST_CASE("in-process group: sums in rank order, gathers, and rejects mismatched
       c.all_reduce_sum(ctx, data[i].data(), 2);
       const int mine = 7 * r;
       c.all_gather(ctx, &mine, gathered[i].data(), sizeof(int));
-      float one = 1.0f;
+      float one[2] = {1.0f, 2.0f};
       try {
-        c.all_reduce_sum(ctx, &one, r == 2 ? 0 : 1);
+        c.all_reduce_sum(ctx, one, r == 2 ? 0 : 1);
       } catch (const Error& e) {
         errors[i] = e.what();
+      }
+      // Of equal size, but another element type, or another collective.
+      double two = 2.0;
+      try {
+        if (r == 1)
+          c.all_reduce_sum(ctx, &two, 1);
+        else
+          c.all_reduce_sum(ctx, one, 2);
+      } catch (const Error& e) {
+        errors[i] += std::string(" | ") + e.what();
+      }
+      try {
+        if (r == 0)
+          c.all_gather(ctx, one, one, sizeof(float));
+        else
+          c.all_reduce_sum(ctx, one, 1);
+      } catch (const Error& e) {
+        errors[i] += std::string(" | ") + e.what();
       }
     });
   for (auto& t : threads) t.join();
   for (int r = 0; r < 3; ++r) {
     const auto i = static_cast<std::size_t>(r);
+    INFO(errors[i]);
     CHECK(data[i] == std::vector<float>{111, 222});
     CHECK(gathered[i] == std::vector<int>{0, 7, 14});
-    CHECK(errors[i].find("InProcessGroup::all_reduce_sum: rank ") != std::string::npos);
+    CHECK(errors[i].find("calls all_reduce_sum of floats with 0 bytes") != std::string::npos);
+    CHECK(errors[i].find("calls all_reduce_sum of doubles with 8 bytes") != std::string::npos);
+    CHECK(errors[i].find("calls all_gather of bytes with 4 bytes") != std::string::npos);
   }
 }
 

@@ -3,6 +3,8 @@
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "chunkloss/core/error.h"
@@ -55,7 +57,7 @@ struct InProcessGroup::State {
     void all_gather(const Context& ctx, const void* send, void* recv, std::size_t bytes) override {
       host_bytes_.resize(bytes);
       copy(ctx, host_bytes_.data(), send, bytes, true);
-      s_.publish(rank_, host_bytes_.data(), bytes, "all_gather");
+      s_.publish(rank_, host_bytes_.data(), bytes, "all_gather of bytes");
       gathered_.resize(bytes * s_.slots.size());
       for (std::size_t r = 0; r < s_.slots.size(); ++r)
         std::memcpy(gathered_.data() + r * bytes, s_.slots[r], bytes);
@@ -70,7 +72,9 @@ struct InProcessGroup::State {
       const auto count = static_cast<std::size_t>(n);
       host_bytes_.resize(count * sizeof(T));
       copy(ctx, host_bytes_.data(), data, host_bytes_.size(), true);
-      s_.publish(rank_, host_bytes_.data(), host_bytes_.size(), "all_reduce_sum");
+      s_.publish(
+          rank_, host_bytes_.data(), host_bytes_.size(),
+          std::is_same_v<T, float> ? "all_reduce_sum of floats" : "all_reduce_sum of doubles");
       sum_.assign(count, 0.0);
       for (const void* p : s_.slots) {
         const auto* v = static_cast<const T*>(p);
@@ -88,24 +92,27 @@ struct InProcessGroup::State {
     std::vector<unsigned char> host_bytes_, gathered_;
   };
 
-  explicit State(int size) : slots(static_cast<std::size_t>(size)), sizes(slots.size()) {
+  explicit State(int size)
+      : slots(static_cast<std::size_t>(size)), sizes(slots.size()), whats(slots.size()) {
     for (int r = 0; r < size; ++r) ranks.push_back(std::make_unique<Rank>(*this, r));
   }
 
-  // Puts rank r's buffer in its slot and waits for every rank's; the sizes must agree (else
-  // every rank throws, after a second barrier so no rank's next call overwrites a slot that
-  // another is still reading).
-  void publish(int r, const void* p, std::size_t bytes, const char* what) {
+  // Puts rank r's buffer in its slot and waits for every rank's; the collectives (`what`: the
+  // operation and the element type) and the sizes must agree (else every rank throws, after a
+  // second barrier so no rank's next call overwrites a slot that another is still reading).
+  void publish(int r, const void* p, std::size_t bytes, std::string_view what) {
     slots[static_cast<std::size_t>(r)] = p;
     sizes[static_cast<std::size_t>(r)] = bytes;
+    whats[static_cast<std::size_t>(r)] = what;
     wait();
     std::size_t other = 0;
-    while (other < sizes.size() && sizes[other] == bytes) ++other;
+    while (other < sizes.size() && sizes[other] == bytes && whats[other] == what) ++other;
     if (other == sizes.size()) return;
     const std::size_t theirs = sizes[other];
+    const std::string_view their_what = whats[other];
     wait();
-    CHUNKLOSS_FAIL("InProcessGroup::", what, ": rank ", r, " has ", bytes, " bytes, rank ", other,
-                   " has ", theirs);
+    CHUNKLOSS_FAIL("InProcessGroup: rank ", r, " calls ", what, " with ", bytes, " bytes, rank ",
+                   other, " calls ", their_what, " with ", theirs, " bytes");
   }
 
   // A barrier over all ranks (throws once the group is aborted).
@@ -135,6 +142,7 @@ struct InProcessGroup::State {
   std::vector<std::unique_ptr<Rank>> ranks;
   std::vector<const void*> slots;
   std::vector<std::size_t> sizes;
+  std::vector<std::string_view> whats;
   std::mutex mutex;
   std::condition_variable cv;
   std::size_t arrived = 0;

@@ -192,6 +192,7 @@ void NcclCommunicator::take_part_and_throw(const Context& ctx, const char* what,
 void NcclCommunicator::sum(const Context& ctx, void* data, std::int64_t n, std::size_t elem_bytes,
                            int nccl_type) {
   check_live("all_reduce_sum");
+  CHUNKLOSS_CHECK(n >= 0, "NcclCommunicator::all_reduce_sum: n=", n, " < 0");
   const auto count = static_cast<std::size_t>(n);
   const auto enqueue = [&](void* buf, cudaStream_t s) {
     return ncclAllReduce(buf, buf, count, static_cast<ncclDataType_t>(nccl_type), ncclSum,
