@@ -363,6 +363,9 @@ Plan plan_token_objective(const PlanRequest& q) {
     p.order = LoopOrder::kTokenChunk;
     why << "skip_ignored_rows: token_chunk, the order that skips";
   } else if (q.order == LoopOrder::kVocabBlock) {
+    CHUNKLOSS_CHECK(q.grad_weight,
+                    "plan: loop_order vocab_block is for calls that ask for the weight gradient "
+                    "(it writes each block of dW once); without it use token_chunk or auto");
     CHUNKLOSS_CHECK(vb > 0,
                     "plan: loop_order vocab_block needs [64, V] and [N, 64] logits and its "
                     "accumulators within the budget: N=",
