@@ -303,6 +303,10 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
     const bool kref_head = given(kb.reference);
     CHUNKLOSS_CHECK(kref_head != kb.reference_logps.defined(), who,
                     ": kl_batch needs exactly one of a reference head and reference_logps");
+    CHUNKLOSS_CHECK(c.has_reference, who,
+                    ": kl_batch needs the batch to have a reference too (a head or "
+                    "reference_logps): the KL point and the rewards measure against the same "
+                    "reference, and without one the point max(0, a mean log-prob) is always 0");
     const TensorView krows(kb.targets.data(), kb.targets.dtype(), {ks.n}, kb.targets.device(),
                            kb.targets.device_index());
     c.kl_policy = head_call(kb.policy, ks, krows, o.ignore_index, shard, c.v_total);

@@ -1547,7 +1547,7 @@ TEST_CASE("bad input: check_finite names the head's tensor, the KL batch's too")
   PrefSpec k = BadCall::spec();
   k.labels = true;
   k.kl_batch = true;
-  k.kl_ref = RefMode::kHead;
+  k.ref = k.kl_ref = RefMode::kHead;
   BadCall kb(k);
   kb.d.kl_ref_hidden[3] = nan;
   KtoOptions o;
@@ -1587,7 +1587,7 @@ TEST_CASE("bad input: non-finite log-probs fail the call where the loss's own va
   PrefSpec k = BadCall::spec();
   k.labels = true;
   k.kl_batch = true;
-  k.kl_ref = RefMode::kHead;
+  k.ref = k.kl_ref = RefMode::kHead;
   for (float bad : {nan, inf}) {
     CAPTURE(bad);
     BadCall policy_kl(k), reference_kl(k);
@@ -1706,15 +1706,22 @@ TEST_CASE("bad input: the KL batch") {
   PrefSpec s = BadCall::spec();
   s.labels = true;
   s.kl_batch = true;
-  s.kl_ref = RefMode::kHead;
+  s.ref = s.kl_ref = RefMode::kHead;
   BadCall b(s);
   PreferenceInputs in = b.d.inputs();
   in.kl_batch.policy.hidden = TensorView::of(b.d.kl_hidden.data(), {s.kl_s * s.kl_t - 1, s.h});
   b.expect(KtoOptions{}, in, "kl_batch");
-  // A KL batch without a reference (head or sums): the estimate would be meaningless.
+  // A KL batch without a reference (head or sums), or with both; and one for a batch without a
+  // reference, whose KL point would be max(0, a mean log-prob) = 0 whatever the batch.
   in = b.d.inputs();
   in.kl_batch.reference = {};
-  b.expect(KtoOptions{}, in, "kl_batch");
+  b.expect(KtoOptions{}, in, "kl_batch needs exactly one of a reference head and reference_logps");
+  in = b.d.inputs();
+  in.kl_batch.reference_logps = TensorView::of(b.d.kl_ref_logps.data(), {s.kl_s});
+  b.expect(KtoOptions{}, in, "kl_batch needs exactly one of a reference head and reference_logps");
+  in = b.d.inputs();
+  in.reference = {};
+  b.expect(KtoOptions{}, in, "kl_batch needs the batch to have a reference too");
   in = b.d.inputs();
   b.d.kl_targets32[2] = static_cast<std::int32_t>(s.v);
   b.expect(KtoOptions{}, in, "kl_batch");
