@@ -285,7 +285,6 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
   c.layout.sequences = s;
   c.layout.seq_len = t;
   c.layout.unit_sequences = k.unit_sequences;
-  c.layout.reference_head = ref_head;
   c.layout.regime = o.regime;
   c.layout.deferrable = !c.vocab_group && pairs && obj.pair_antisymmetric() &&
                         obj.nll_weight() == 0 && !gr.bias.defined() &&

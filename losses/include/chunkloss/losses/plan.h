@@ -77,7 +77,6 @@ struct SequenceLayout {
   std::int64_t sequences = 0;       ///< S
   std::int64_t seq_len = 0;         ///< T (rows = S * T)
   std::int64_t unit_sequences = 1;  ///< 2 for pairs (i, i + S/2), 1 for single sequences
-  bool reference_head = false;      ///< a reference head is run through pass 1 first
   /// The deferred regime applies: pairs of a pair-antisymmetric objective without an NLL term,
   /// dW (if requested) overwritten rather than accumulated, no bias gradient.
   bool deferrable = false;
