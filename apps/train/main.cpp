@@ -608,17 +608,26 @@ class Ranks {
 
 // Checks every output before any work (and makes their directories): --save, --metrics and
 // --chart must be writable, files where files go, and must not overwrite an input (the training
-// data, the --config file, the --init checkpoint) or a file of a checkpoint the run reads or
-// writes (--resume, --init, --save and its checkpoint-N).
-void prepare_outputs(const Settings& s) {
-  if (!s.save.empty() && !s.init.empty() && apps::same_file(s.save, s.init))
-    throw apps::UsageError("--save " + s.save +
-                           ": it is the --init checkpoint, which this run starts from (and "
-                           "compares a --resume with): save elsewhere");
+// data, the --config file, the --init checkpoint `init`: --init's, or the one a resumed run
+// records) or a file of a checkpoint the run reads or writes (--resume, --init, --save and its
+// checkpoint-N).
+void prepare_outputs(const Settings& s, const std::string& init) {
+  if (!s.save.empty() && !init.empty()) {
+    const bool holds = apps::path_within(init, s.save), inside = apps::path_within(s.save, init);
+    const char* relation = holds && inside ? "it is" : holds ? "it holds" : "it lies inside";
+    if (holds || inside)
+      throw apps::UsageError(
+          "--save " + s.save + ": " + relation + " the --init checkpoint " + init +
+          (s.init.empty() ? " that the run of --resume " + s.resume + " started from" : "") +
+          ", which this run starts from and its saves (SAVE and SAVE/checkpoint-N) must stay "
+          "apart from: save elsewhere");
+  }
   if (!s.save.empty()) apps::prepare_output_dir("save", s.save);
   const std::vector<std::string> checkpoints = {s.resume, s.init, s.save};
   std::vector<std::pair<std::string, std::string>> inputs = {{"--train-file", s.data.file},
                                                              {"--config", s.config_file}};
+  for (const auto& [option, path] : inputs)  // (a save would replace them)
+    if (!path.empty()) apps::check_not_checkpoint_file(option.substr(2), path, {s.save}, s.save);
   if (!s.metrics.empty()) {
     apps::check_not_checkpoint_file("metrics", s.metrics, checkpoints, s.save);
     apps::prepare_output_file("metrics", s.metrics, inputs, {".tmp", ".partial"});
@@ -646,7 +655,6 @@ model::LlamaModel load_reference(const std::string& init, const Settings& s) {
 
 int run(const Settings& s, const std::string& invocation) {
   if (s.threads > 0) omp_set_num_threads(s.threads);
-  prepare_outputs(s);
   // The policy: resumed, initialised from a checkpoint, or new.
   std::optional<model::LlamaModel> policy;
   std::string init = s.init;
@@ -661,11 +669,10 @@ int run(const Settings& s, const std::string& invocation) {
     resumed = model::load_training_state(s.resume, *policy, *opt, save_id);
     if (init.empty() && resumed->strings.count("init")) init = resumed->strings.at("init");
     start = resumed->global_step;
-  } else if (!init.empty()) {
-    policy.emplace(model::load_model(init));
-  } else {
-    policy.emplace(s.config, s.seed);
   }
+  prepare_outputs(s, init);  // (a resumed run's --init is known now)
+  if (!policy)
+    policy.emplace(init.empty() ? model::LlamaModel(s.config, s.seed) : model::load_model(init));
   check_architecture(s, policy->config());
   if (!s.resume.empty() || !init.empty())
     apps::check_vocab(policy->config(),

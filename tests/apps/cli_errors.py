@@ -25,7 +25,9 @@ CASE is one of:
     device given as a file (eval --json, bench --json, train --chart, --metrics), a parent that is
     a file, an output that is an input (--train-file, --config, the --init checkpoint saved
     over, the metrics drawn as the chart) or a file of a checkpoint read or written (--resume's,
-    --save's checkpoint-N); the inputs stay intact.
+    --save's checkpoint-N); a --save that is, holds or lies inside the --init checkpoint (a
+    resumed run's recorded one too), and a --config or --train-file that is a file of --save;
+    the inputs stay intact.
   messages: runtime errors name what to fix: too few examples for a micro-batch with
     --data-parallel names the file and both options; a checkpoint whose vocab_size is below the
     tokenizer's is refused when loaded (--init, --model), naming it; a too long example is named
@@ -257,7 +259,42 @@ def outputs_case(train, evaluate, bench, work):
     with open(state) as f:
         if f.read() != saved_state:
             fail("--metrics overwrote the checkpoint's trainer_state.json")
+    # The saves (SAVE, SAVE/checkpoint-N) stay apart from the checkpoint the run starts from:
+    # --init's, or the one a resumed run records (DPO's reference); an input is no file of SAVE.
+    dpo = os.path.join(work, "dpo")
+    run(t + ["--loss", "dpo", "--init", ck, "--save", dpo, "--save-every", "1"])
+    cs = os.path.join(work, "cs")
+    os.makedirs(cs)
+    ini_in_save = os.path.join(cs, "config.json")
+    data_in_save = os.path.join(cs, "trainer_state.json")
+    for path, text in ((ini_in_save, "steps = 2\n"),
+                       (data_in_save, '{"prompt": "1+1=", "completion": "2"}\n' * 4)):
+        with open(path, "w") as f:
+            f.write(text)
+    first = os.path.join(ck, "checkpoint-1")
+    before = tree(ck), tree(cs)
+    for cmd, words in (
+            (t + ["--init", first, "--save", ck, "--save-every", "1"],
+             ("--save " + ck, "holds the --init checkpoint " + first)),
+            (t + ["--init", ck, "--save", os.path.join(first, "x")], ("lies inside", "--init")),
+            (t + ["--loss", "dpo", "--resume", os.path.join(dpo, "checkpoint-1"), "--save", ck],
+             ("--save " + ck, "is the --init checkpoint", "--resume")),
+            (t + ["--config", ini_in_save, "--save", cs], ("--config " + ini_in_save,)),
+            (t + ["--train-file", data_in_save, "--save", cs], ("--train-file " + data_in_save,))):
+        one_line(cmd, 2, *words)
+    if (tree(ck), tree(cs)) != before:
+        fail("a refused --save changed the --init checkpoint or an input in SAVE")
     run(t + ["--resume", os.path.join(ck, "checkpoint-1")])
+
+
+def tree(top):
+    """Every file under `top`: relative path -> bytes."""
+    out = {}
+    for d, _, files in os.walk(top):
+        for name in files:
+            with open(os.path.join(d, name), "rb") as f:
+                out[os.path.relpath(os.path.join(d, name), top)] = f.read()
+    return out
 
 
 def shrink_vocab(ck, vocab):

@@ -175,16 +175,33 @@ std::string label_smoothing_error(std::string_view loss, std::string_view dpo_lo
   return "";
 }
 
+namespace {
+
+// `p` made absolute and normalised, its existing part's symlinks resolved.
+std::filesystem::path normal_path(const std::string& p) {
+  std::error_code e;
+  const std::filesystem::path c = std::filesystem::weakly_canonical(p, e);
+  return e ? std::filesystem::absolute(p, e).lexically_normal() : c;
+}
+
+}  // namespace
+
 bool same_file(const std::string& a, const std::string& b) {
-  namespace fs = std::filesystem;
   std::error_code ec;
-  if (fs::equivalent(a, b, ec)) return true;
-  const auto normal = [](const std::string& p) {
-    std::error_code e;
-    const fs::path c = fs::weakly_canonical(p, e);
-    return e ? fs::absolute(p, e).lexically_normal() : c;
-  };
-  return normal(a) == normal(b);
+  if (std::filesystem::equivalent(a, b, ec)) return true;
+  return normal_path(a) == normal_path(b);
+}
+
+bool path_within(const std::string& inner, const std::string& outer) {
+  if (same_file(inner, outer)) return true;
+  const std::filesystem::path in = normal_path(inner), out = normal_path(outer);
+  auto i = in.begin();
+  for (const std::filesystem::path& part : out) {
+    if (part.empty()) continue;  // a trailing separator
+    if (i == in.end() || *i != part) return false;
+    ++i;
+  }
+  return true;
 }
 
 void prepare_output_file(std::string_view option, const std::string& path,

@@ -69,6 +69,10 @@ std::string label_smoothing_error(std::string_view loss, std::string_view dpo_lo
 /// relative spellings included), or the same path once made absolute and normalised.
 bool same_file(const std::string& a, const std::string& b);
 
+/// Whether `inner` is `outer` (same_file) or lies inside directory `outer`, both made absolute
+/// and normalised, with the symlinks of their existing parts resolved.
+bool path_within(const std::string& inner, const std::string& outer);
+
 /// Checks output file `path` of option `option` before the run's work, and creates its parent
 /// directory when missing (prepare_output_dir), so that a bad output fails at once rather than at
 /// the end. Throws UsageError naming the option when `path` is a directory or another
