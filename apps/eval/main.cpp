@@ -71,6 +71,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   const std::string config_file = vm["config"].as<std::string>();
   if (!config_file.empty()) apps::store_config_file(config_file, desc, vm);
   po::notify(vm);
+  apps::check_utf8_options(vm);
   Settings s;
   s.config_file = config_file;
   s.models = vm["model"].as<std::vector<std::string>>();

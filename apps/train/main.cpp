@@ -184,6 +184,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   const std::string config_file = vm["config"].as<std::string>();
   if (!config_file.empty()) apps::store_config_file(config_file, all, vm);
   po::notify(vm);
+  apps::check_utf8_options(vm);
 
   Settings s;
   s.config_file = config_file;
@@ -655,6 +656,12 @@ model::LlamaModel load_reference(const std::string& init, const Settings& s) {
 
 int run(const Settings& s, const std::string& invocation) {
   if (s.threads > 0) omp_set_num_threads(s.threads);
+  // The paths the checkpoints record, made absolute (the working directory or a symlink's target
+  // may take them out of UTF-8).
+  const std::string train_file = absolute_path(s.data.file);
+  apps::check_utf8("--train-file " + s.data.file + " (made absolute)", train_file);
+  if (!s.init.empty())
+    apps::check_utf8("--init " + s.init + " (made absolute)", absolute_path(s.init));
   // The policy: resumed, initialised from a checkpoint, or new.
   std::optional<model::LlamaModel> policy;
   std::string init = s.init;
@@ -750,7 +757,7 @@ int run(const Settings& s, const std::string& invocation) {
   model::TrainerState state;
   state.strings = options;
   state.strings["command"] = invocation;  // for the record, with the paths below
-  state.strings["train_file"] = absolute_path(s.data.file);
+  state.strings["train_file"] = train_file;
   if (!init.empty()) state.strings["init"] = absolute_path(init);
   const auto save = [&](std::int64_t step, const std::string& dir) {
     state.global_step = step;

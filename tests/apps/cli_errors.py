@@ -41,6 +41,10 @@ CASE is one of:
     range, --init with --resume, and --chart with nothing to draw it from.
   stdout: eval's table, bench's report and --help written to a full device (/dev/full) exit 1
     with one line saying that standard output could not be written.
+  utf8: an option value (the command line's or the --config file's) that is not valid UTF-8,
+    which the checkpoint's trainer_state.json or eval's --json could not record, is a usage
+    error naming the option, before any work (train and eval); so is a --train-file whose
+    absolute path (as the checkpoint records it) is not.
   bench_options: chunkloss-bench refuses at option parsing (exit 2, one line naming the option)
     --pairs x --seq-len whose N = 2 P T overflows, a negative --seed, bf16 logits and --phases on
     the CPU and a --label-smoothing the loss (or DPO loss type) does not take.
@@ -474,6 +478,34 @@ def before_work_case(train, work):
         one_line(t + extra, 1, *words, alone=True)
 
 
+def utf8_case(train, evaluate, work):
+    bad = os.fsdecode(b"\xff\xfe")  # (surrogate escapes: the bytes themselves reach the app)
+    ck = os.path.join(work, "ck")
+    run([train, "--steps", "1", "--warmup-steps", "0", "--save", ck] + TINY)
+    data = os.path.join(work, "x" + bad + ".jsonl")
+    with open(data, "w") as f:
+        f.write((json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n") * 4)
+    ini = os.path.join(work, "c.ini")
+    with open(ini, "wb") as f:
+        f.write(b"save = " + os.fsencode(os.path.join(work, "s")) + b"\xc0\xaf\n")
+    t = [train, "--steps", "1", "--warmup-steps", "0"] + TINY
+    out = os.path.join(work, "out" + bad)
+    for cmd, option in ((t + ["--save", out], "--save"),
+                        (t + ["--train-file", data], "--train-file"),
+                        (t + ["--config", ini], "--save"),
+                        ([evaluate, "--model", ck, "--limit", "2", "--name", "a" + bad], "--name"),
+                        ([evaluate, "--model", ck, "--limit", "2", "--json", out], "--json")):
+        one_line(cmd, 2, option + ": not valid UTF-8", alone=True)
+    if os.path.exists(out):
+        fail("a refused --save or --json was written")
+    # A UTF-8 path that is not so once made absolute, as the checkpoint records it.
+    cwd = os.path.join(work, "d" + bad)
+    os.makedirs(cwd)
+    shutil.copy(data, os.path.join(cwd, "x.jsonl"))
+    one_line(t + ["--train-file", "x.jsonl", "--save", os.path.join(work, "s")], 2,
+             "--train-file x.jsonl (made absolute): not valid UTF-8", alone=True, cwd=cwd)
+
+
 def main():
     train, evaluate, bench, work, case = sys.argv[1:6]
     work = os.path.join(work, case)
@@ -489,7 +521,8 @@ def main():
              "messages": lambda: messages_case(train, evaluate, work),
              "before_work": lambda: before_work_case(train, work),
              "loss_options": lambda: loss_options_case(train, work),
-             "stdout": lambda: stdout_case(train, evaluate, bench, work)}
+             "stdout": lambda: stdout_case(train, evaluate, bench, work),
+             "utf8": lambda: utf8_case(train, evaluate, work)}
     if case not in cases:
         fail("unknown case " + case)
     cases[case]()

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
@@ -114,6 +115,38 @@ std::string utc_format(const char* fmt) {
 
 std::string utc_now_iso() { return utc_format("%Y-%m-%dT%H:%M:%SZ"); }
 std::string utc_today() { return utc_format("%Y-%m-%d"); }
+
+void check_utf8(std::string_view option, std::string_view value) {
+  for (std::size_t i = 0; i < value.size();) {
+    const auto lead = static_cast<unsigned char>(value[i]);
+    std::size_t n = 0;              // continuation bytes
+    unsigned lo = 0x80, hi = 0xBF;  // the second byte's range
+    if (lead >= 0xC2 && lead <= 0xDF) {
+      n = 1;
+    } else if (lead >= 0xE0 && lead <= 0xEF) {
+      n = 2;
+      if (lead == 0xE0) lo = 0xA0;  // (overlong)
+      if (lead == 0xED) hi = 0x9F;  // (surrogates)
+    } else if (lead >= 0xF0 && lead <= 0xF4) {
+      n = 3;
+      if (lead == 0xF0) lo = 0x90;  // (overlong)
+      if (lead == 0xF4) hi = 0x8F;  // (past U+10FFFF)
+    }
+    bool ok = lead < 0x80 || n > 0;
+    for (std::size_t k = 1; ok && k <= n; ++k) {
+      const auto b = i + k < value.size() ? static_cast<unsigned char>(value[i + k]) : 0u;
+      ok = b >= (k == 1 ? lo : 0x80u) && b <= (k == 1 ? hi : 0xBFu);
+    }
+    if (!ok) {
+      char byte[8];
+      std::snprintf(byte, sizeof byte, "0x%02X", lead);
+      throw UsageError(std::string(option) + ": not valid UTF-8 (byte " + byte + " at offset " +
+                       std::to_string(i) +
+                       "): the run's options and paths are recorded as JSON text, which is UTF-8");
+    }
+    i += n + 1;
+  }
+}
 
 std::filesystem::file_status input_status(std::string_view option, const std::string& path) {
   std::error_code ec;

@@ -12,6 +12,7 @@
 #include <iostream>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "chunkloss/apps/cli.h"
 
@@ -32,6 +33,16 @@ inline void store_config_file(const std::string& path,
     boost::program_options::store(boost::program_options::parse_config_file(in, options), vm);
   } catch (const boost::program_options::error& e) {
     throw UsageError("--config " + path + ": " + e.what());
+  }
+}
+
+/// check_utf8 on every string value of `vm` (the command line's and the --config file's).
+inline void check_utf8_options(const boost::program_options::variables_map& vm) {
+  for (const auto& [name, v] : vm) {
+    if (const auto* one = boost::any_cast<std::string>(&v.value()))
+      check_utf8("--" + name, *one);
+    else if (const auto* list = boost::any_cast<std::vector<std::string>>(&v.value()))
+      for (const std::string& item : *list) check_utf8("--" + name, item);
   }
 }
 

@@ -48,6 +48,12 @@ std::string shell_join(const std::vector<std::string>& words);
 std::string utc_now_iso();
 std::string utc_today();
 
+/// Throws UsageError naming `option` (e.g. "--save") and the first bad byte when `value` is not
+/// valid UTF-8 (RFC 3629: no overlong forms, surrogates or code points past U+10FFFF). The apps
+/// record their options and paths as JSON text (trainer_state.json, --json), which must be
+/// UTF-8, so such a value is refused before any work rather than when its record is written.
+void check_utf8(std::string_view option, std::string_view value);
+
 /// The status of input `path` of option `option` (e.g. "config"; file_type::not_found when it
 /// does not exist, left to the reader to report). Throws UsageError "--OPTION: cannot open PATH:
 /// REASON" when the file system refuses the path (a symlink loop, a name too long, a parent that
