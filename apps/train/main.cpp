@@ -116,7 +116,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("loss", po::value<std::string>()->default_value("ce"), "ce (SFT) | dpo | orpo | simpo | cpo | kto")
     ("device", po::value<std::string>()->default_value("cpu"), "where the loss runs: cpu | cuda (CUDA device 0; each step's hidden states and lm_head are copied there and the gradients back; the model layer runs on the CPU)")
     ("gemm-selection", po::value<std::string>()->default_value("default"), "with --device cuda: default (cuBLAS's own algorithm for each GEMM shape, the same bits in every run) | measured (cuBLAS's and cuBLASLt's candidates timed on each shape's first calls, the fastest kept: faster on large heads, exact, but bits may differ between runs)")
-    ("threads", po::value<int>()->default_value(1), "CPU threads for the model and the loss (0: all cores; the bundled model is too small to gain from more than 1)")
+    ("threads", po::value<int>()->default_value(1), "CPU threads for the model and the loss (0: all cores; the bundled model is too small to gain from more than 1); the results differ by rounding between thread counts, so --resume asks for the same")
     ("data-parallel", po::value<int>()->default_value(1), "ranks of a data group, threads of this process: each holds a model replica and takes its part of every micro-batch; their loss calls share the library's data group (the loss, metrics and gradients of the whole micro-batch) and the gradients are summed over them before each optimizer step; --threads is split between them; an epoch's last short micro-batch is dropped; with --device cuda every rank's loss runs on device 0")
     ("vocab-parallel", po::value<int>()->default_value(1), "ranks of a vocabulary split, threads of this process: each holds a model replica, steps on the same examples and passes its rows [V r / K, V (r + 1) / K) of the lm_head to the loss calls, which share the library's vocabulary split (vocab_shard); rank 0 runs the model's backward, the others add their rows' lm_head gradient; with --data-parallel D the D x K ranks form a grid; with --device cuda every rank's loss runs on device 0")
     ("seed", po::value<std::int64_t>()->default_value(0), "seed of the model init and the data order (>= 0)");
@@ -346,8 +346,10 @@ std::string digest(std::string_view bytes) {
 
 // Everything that decides a run's numbers, saved in trainer_state.json; --resume asks for the
 // same. The data and a DPO or KTO run's reference count by their contents, not their paths.
-// Only the loss's own options count, and beta 0 is the loss's default. (--threads, the outputs
-// and the progress lines do not change the numbers.)
+// Only the loss's own options count, and beta 0 is the loss's default. The thread count counts
+// (0 as the cores it gives): the model's Eigen GEMMs block their sums by it and the loss is
+// bitwise the same only on the same count. (The outputs and the progress lines do not change the
+// numbers.)
 std::map<std::string, std::string> run_options(const Settings& s, const std::string& train_text,
                                                const std::optional<model::LlamaModel>& reference) {
   const auto num = [](double v) {
@@ -363,6 +365,7 @@ std::map<std::string, std::string> run_options(const Settings& s, const std::str
       {"seed", std::to_string(s.seed)},
       {"batch_size", integer(s.batch_size)},
       {"grad_accum", integer(s.grad_accum)},
+      {"threads", integer(s.threads > 0 ? s.threads : omp_get_max_threads())},
       {"steps", integer(s.steps)},
       {"device", s.device},
       {"gemm_selection", s.measured_gemms ? "measured" : "default"},

@@ -140,6 +140,7 @@ def main():
                             (["--skip-ignored-rows", "false"], "skip_ignored_rows"),
                             (["--train-file", other_data], "train_file_digest"),
                             (["--budget-mib", "128"], "budget_bytes"),
+                            (["--threads", "2"], "threads = 1, this one has 2"),
                             (["--hidden-size", "64"], "--hidden-size 64: the checkpoint")):
             p = run(resume + extra, expect=2 if extra[0] == "--hidden-size" else 1)
             if word not in p.stderr or len(p.stderr.strip().splitlines()) != 1:
