@@ -429,6 +429,21 @@ TEST_CASE("checkpoint errors: config.json") {
                         "2^31 - 1]"));
   CHECK(contains(with(i_field, "\"intermediate_size\": 2147483647"),
                  "parameters, more than this CPU model layer holds (2^36)"));
+  // Nor does a small hostile config.json exhaust memory: too many layers, or tensors other than
+  // model.safetensors holds, are refused before the model is allocated.
+  const std::string l_field =
+      "\"num_hidden_layers\": " + std::to_string(s.config.num_hidden_layers);
+  CHECK(contains(with(l_field, "\"num_hidden_layers\": 100000000"),
+                 path + ": LlamaConfig: num_hidden_layers=100000000 is more than"));
+  const std::string v_field = "\"vocab_size\": " + std::to_string(s.config.vocab_size);
+  for (const char* vocab : {"1000000", "2147483647"}) {
+    const std::string m = with(v_field, std::string("\"vocab_size\": ") + vocab);
+    CHECK(contains(m, s.model_path() + ": 2 problems: tensor model.embed_tokens.weight has shape"));
+    CHECK(contains(m, std::string("expected [") + vocab + ", 12]"));
+    CHECK(contains(m, "(the tensors of " + path + ")"));
+  }
+  CHECK(contains(with("\"rope_theta\": 10000.0", "\"rope_theta\": 1e-300"),
+                 path + ": LlamaConfig: rope_theta=1e-300 must be positive and finite in float"));
   // A minimal HF config: missing optional fields take transformers' defaults.
   const LlamaConfig minimal = config_from_json(
       R"({"vocab_size": 11, "hidden_size": 12, "intermediate_size": 20, "num_hidden_layers": 1,

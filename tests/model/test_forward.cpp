@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "data/expect_error.h"
@@ -192,6 +194,29 @@ TEST_CASE("model: invalid configs and inputs are errors naming the problem") {
   c = tiny_config(false, false);
   c.rms_norm_eps = 0;
   CHECK(contains(error_message([&] { LlamaModel m(c); }), "rms_norm_eps"));
+  c = tiny_config(false, false);
+  c.num_hidden_layers = model::kMaxLayers + 1;
+  CHECK(contains(error_message([&] { LlamaModel m(c); }),
+                 "num_hidden_layers=" + std::to_string(model::kMaxLayers + 1) + " is more than"));
+  // Positive as doubles, 0 or Inf as floats (the model's precision: rope_theta 1e-300 gave NaN).
+  using Field = std::tuple<const char*, double LlamaConfig::*, double>;
+  for (const auto& [name, field, value] :
+       {Field{"rms_norm_eps", &LlamaConfig::rms_norm_eps, 1e-300},
+        Field{"rope_theta", &LlamaConfig::rope_theta, 1e-300},
+        Field{"initializer_range", &LlamaConfig::initializer_range, 1e300}}) {
+    c = tiny_config(false, false);
+    c.*field = value;
+    CHECK(contains(error_message([&] { LlamaModel m(c); }),
+                   std::string(name) + "=" + (value > 1 ? "1e+300" : "1e-300") +
+                       " must be positive and finite in float"));
+  }
+  // A float theta whose angles theta^(-(d-2)/d) (T - 1) overflow float at head_dim 64.
+  c = tiny_config(false, false);
+  c.hidden_size = 64;
+  c.num_attention_heads = c.num_key_value_heads = 1;
+  c.max_position_embeddings = 1 << 20;
+  c.rope_theta = 1e-38;
+  CHECK(contains(error_message([&] { LlamaModel m(c); }), "rope_theta=1e-38 makes RoPE's angles"));
 
   LlamaModel m(tiny_config(false, false));
   std::vector<float> g(100);

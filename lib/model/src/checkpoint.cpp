@@ -17,6 +17,7 @@
 
 #include "atomic_file.h"
 #include "chunkloss/core/error.h"
+#include "chunkloss/model/decoder.h"
 #include "chunkloss/model/safetensors.h"
 
 namespace chunkloss::model {
@@ -75,9 +76,10 @@ struct Wanted {
   std::vector<std::int64_t> shape;
 };
 
-// Throws one error listing every difference between the file's tensors and `want`.
+// Throws one error listing every difference between the file's tensors and `want` (with
+// `expected_by`, the config file they come from, named at its end).
 void check_tensor_set(const SafetensorsFile& f, const std::vector<Wanted>& want,
-                      const LlamaConfig& config) {
+                      const LlamaConfig& config, const std::string& expected_by = "") {
   std::vector<std::string> problems;
   std::set<std::string> wanted;
   for (const Wanted& w : want) {
@@ -110,12 +112,13 @@ void check_tensor_set(const SafetensorsFile& f, const std::vector<Wanted>& want,
   os << f.source() << ": " << problems.size()
      << (problems.size() == 1 ? " problem: " : " problems: ");
   for (std::size_t i = 0; i < problems.size(); ++i) os << (i ? "; " : "") << problems[i];
+  if (!expected_by.empty()) os << " (the tensors of " << expected_by << ")";
   CHUNKLOSS_FAIL(os.str());
 }
 
-std::vector<Wanted> model_tensors(const LlamaModel& model, const char* suffix) {
+std::vector<Wanted> model_tensors(const std::vector<ParameterInfo>& layout) {
   std::vector<Wanted> out;
-  for (const ParameterInfo& p : model.parameters()) out.push_back({p.name + suffix, p.shape});
+  for (const ParameterInfo& p : layout) out.push_back({p.name, p.shape});
   return out;
 }
 
@@ -163,7 +166,7 @@ void check_saveable(std::span<const float> values, const LlamaModel& model, cons
 
 // Checks the tensor set of `f` against `model` and copies its values in (all or none).
 void copy_parameters(const SafetensorsFile& f, LlamaModel& model) {
-  check_tensor_set(f, model_tensors(model, ""), model.config());
+  check_tensor_set(f, model_tensors(model.parameters()), model.config());
   const std::vector<float> values = read_parameters(f, model, "");
   std::copy(values.begin(), values.end(), model.params().begin());
 }
@@ -387,11 +390,15 @@ LlamaModel load_model(const std::string& dir, std::string* save_id) {
   const CheckpointFiles files(dir);
   const std::string config_path = files.path(kConfigFile);
   const std::string config_text = read_text(config_path);
-  LlamaModel model(config_from_json(config_text, config_path));
+  const LlamaConfig config = config_from_json(config_text, config_path);
   const std::string model_path = files.path(kModelFile);
   const SafetensorsFile f = SafetensorsFile::read(model_path);
   const std::string id = meta_save_id(f);
   check_same_save(config_path, json_save_id(json::parse(config_text)), model_path, id);
+  // The tensors against the config's layout before a model of its size is allocated: a
+  // config.json of another model (or a hostile one) fails in one line, not out of memory.
+  check_tensor_set(f, model_tensors(detail::parameter_layout(config)), config, config_path);
+  LlamaModel model(config);
   copy_parameters(f, model);
   if (save_id) *save_id = id;
   return model;

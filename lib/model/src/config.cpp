@@ -1,6 +1,7 @@
 // LlamaConfig validation and config.json (de)serialisation with nlohmann::json.
 #include "chunkloss/model/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -23,6 +24,11 @@ void validate(const LlamaConfig& c) {
   positive("num_attention_heads", c.num_attention_heads);
   positive("num_key_value_heads", c.num_key_value_heads);
   positive("max_position_embeddings", c.max_position_embeddings);
+  // Each layer is nine parameter records, however small: a bound far above any Llama's layers
+  // keeps a hostile config.json from exhausting memory on them.
+  CHUNKLOSS_CHECK(c.num_hidden_layers <= kMaxLayers,
+                  "LlamaConfig: num_hidden_layers=", c.num_hidden_layers,
+                  " is more than this model layer takes (", kMaxLayers, ")");
   CHUNKLOSS_CHECK(c.hidden_size % c.num_attention_heads == 0,
                   "LlamaConfig: hidden_size=", c.hidden_size,
                   " is not a multiple of num_attention_heads=", c.num_attention_heads);
@@ -43,13 +49,24 @@ void validate(const LlamaConfig& c) {
                   ", hidden_size=", c.hidden_size, ", intermediate_size=", c.intermediate_size,
                   ", num_hidden_layers=", c.num_hidden_layers, " give ", params,
                   " parameters, more than this CPU model layer holds (2^36)");
+  // The model computes in float: each value must be positive and finite as a float too.
   const auto positive_real = [](const char* name, double v) {
-    CHUNKLOSS_CHECK(std::isfinite(v) && v > 0, "LlamaConfig: ", name, "=", v,
-                    " must be positive and finite");
+    const auto f = static_cast<float>(v);
+    CHUNKLOSS_CHECK(std::isfinite(v) && v > 0 && std::isfinite(f) && f > 0, "LlamaConfig: ", name,
+                    "=", v, " must be positive and finite",
+                    std::isfinite(v) && v > 0 ? " in float (the model's precision)" : "");
   };
   positive_real("rms_norm_eps", c.rms_norm_eps);
   positive_real("rope_theta", c.rope_theta);
   positive_real("initializer_range", c.initializer_range);
+  // RoPE's largest angle, (max_position_embeddings - 1) theta^(-2i/d) over the frequencies i, as
+  // the model computes it in float: an infinite one makes NaN (a theta far below 1).
+  const auto theta = static_cast<float>(c.rope_theta);
+  const float d = static_cast<float>(c.head_dim());
+  const float least_power = std::min(1.0f, std::pow(theta, (d - 2) / d));
+  CHUNKLOSS_CHECK(std::isfinite(static_cast<float>(c.max_position_embeddings - 1) / least_power),
+                  "LlamaConfig: rope_theta=", c.rope_theta, " makes RoPE's angles at ",
+                  c.max_position_embeddings, " positions overflow float");
   const auto token = [&](const char* name, std::int64_t id) {
     CHUNKLOSS_CHECK(id >= 0 && id < c.vocab_size, "LlamaConfig: ", name, "=", id,
                     " outside [0, vocab_size=", c.vocab_size, ")");

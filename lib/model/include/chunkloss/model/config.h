@@ -32,10 +32,16 @@ struct LlamaConfig {
   std::int64_t head_dim() const { return hidden_size / num_attention_heads; }
 };
 
-/// Throws chunkloss::Error naming the field when a size is not positive, hidden_size is not a
-/// multiple of num_attention_heads, num_attention_heads not a multiple of num_key_value_heads,
-/// head_dim is odd (RoPE rotates pairs), rms_norm_eps, rope_theta or initializer_range are not
-/// positive and finite, or a token id lies outside [0, vocab_size).
+/// The most num_hidden_layers validate() takes (each layer is nine parameter records).
+inline constexpr std::int64_t kMaxLayers = 4096;
+
+/// Throws chunkloss::Error naming the field when a size is not in [1, 2^31 - 1],
+/// num_hidden_layers is above kMaxLayers, the parameters number more than 2^36, hidden_size is
+/// not a multiple of num_attention_heads, num_attention_heads not a multiple of
+/// num_key_value_heads, head_dim is odd (RoPE rotates pairs), rms_norm_eps, rope_theta or
+/// initializer_range are not positive and finite as floats (the model's precision), rope_theta
+/// makes RoPE's angles overflow float within max_position_embeddings, or a token id lies
+/// outside [0, vocab_size).
 void validate(const LlamaConfig& config);
 
 /// config.json text in Hugging Face's format: "architectures": ["LlamaForCausalLM"],
