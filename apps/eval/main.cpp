@@ -304,6 +304,10 @@ int run(const Settings& s) {
   for (std::size_t i = 0; i < s.models.size(); ++i) {
     model::LlamaModel m = model::load_model(s.models[i]);
     nlohmann::json r = evaluate(dev, m, d, s, ref ? &*ref : nullptr);
+    for (const auto& [key, value] : r.items())  // (--json would record null)
+      CHUNKLOSS_CHECK(std::isfinite(value.get<double>()), "--model ", s.models[i], ": its ", key,
+                      " on the held-out data is ", value.get<double>(),
+                      " (the model's outputs are not finite: a diverged or damaged checkpoint?)");
     r["name"] = s.names[i];
     r["model"] = s.models[i];
     if (!s.reference.empty()) r["reference"] = s.reference;

@@ -31,8 +31,9 @@ CASE is one of:
   messages: runtime errors name what to fix: too few examples for a micro-batch with
     --data-parallel names the file and both options; a checkpoint whose vocab_size is below the
     tokenizer's is refused when loaded (--init, --model), naming it; a too long example is named
-    by its line, as JSON errors are (blank lines count), in train and eval. Each is refused
-    before any work: its error line is all the app prints.
+    by its line, as JSON errors are (blank lines count), in train and eval; eval names a model
+    whose held-out loss is not finite. Each is refused before any output: its error line is
+    all the app prints.
   before_work: chunkloss-train refuses a training file with bad JSON, one missing the loss's
     field, an empty one, a KTO file of one example, and a metrics file whose FILE.partial cannot
     be written before any work: its error line alone, not after the model summary.
@@ -347,12 +348,23 @@ def messages_case(train, evaluate, work):
     one_line([evaluate, "--model", ck, "--limit", "2"], 1, "--model " + ck, "vocab_size 258",
              alone=True)
 
+    good = os.path.join(work, "good")
+    run([train, "--steps", "1", "--warmup-steps", "0", "--save", good] + TINY)
+    # Finite weights whose logits overflow: eval refuses the NaN loss rather than printing it
+    # and writing null to --json.
+    huge = os.path.join(work, "huge")
+    shutil.copytree(good, huge)
+    set_tensor(os.path.join(huge, "model.safetensors"), "lm_head.weight", 3e38)
+    out = os.path.join(work, "huge.json")
+    one_line([evaluate, "--model", huge, "--limit", "2", "--json", out], 1,
+             "--model " + huge + ": its eval_loss", "not finite", alone=True)
+    if os.path.exists(out):
+        fail("eval wrote --json for a model whose loss is not finite")
+
     long_file = os.path.join(work, "long.jsonl")
     with open(long_file, "w") as f:
         f.write(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n\n")
         f.write(json.dumps({"prompt": "1+1=", "completion": "2" * 80}) + "\n")
-    good = os.path.join(work, "good")
-    run([train, "--steps", "1", "--warmup-steps", "0", "--save", good] + TINY)
     for cmd in ([train, "--train-file", long_file, "--max-length", "0", "--steps", "2"] + TINY,
                 [evaluate, "--model", good, "--sft-file", long_file]):
         one_line(cmd, 1, long_file + ":3: the example encodes to 85 positions", alone=True)
