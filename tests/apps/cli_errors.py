@@ -32,7 +32,8 @@ CASE is one of:
     --data-parallel names the file and both options; a checkpoint whose vocab_size is below the
     tokenizer's is refused when loaded (--init, --model), naming it; a too long example is named
     by its line, as JSON errors are (blank lines count), in train and eval; eval names a model
-    whose held-out loss is not finite. Each is refused before any output: its error line is
+    whose held-out loss is not finite (and counts a generated id that is no byte, from a model
+    of vocab_size 300, as a miss of exact match). Each is refused before any output: its error line is
     all the app prints.
   before_work: chunkloss-train refuses a training file with bad JSON, one missing the loss's
     field, an empty one, a KTO file of one example, and a metrics file whose FILE.partial cannot
@@ -333,6 +334,42 @@ def shrink_vocab(ck, vocab):
         json.dump(config, f)
 
 
+def emitting_model(ck, vocab, emit):
+    """Rewrites checkpoint `ck` as a model of `vocab` tokens whose greedy decoding emits `emit`,
+    then EOS (257): zero projections and unit norms, so the final hidden state is the token's
+    embedding, which is e0 for every token but `emit` (e1); the lm_head maps e0 to `emit` and
+    e1 to EOS."""
+    path = os.path.join(ck, "model.safetensors")
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    hidden = header["model.embed_tokens.weight"]["shape"][1]
+    out, blobs = {}, b""
+    for name, t in sorted((k, v) for k, v in header.items() if k != "__metadata__"):
+        shape = [vocab, hidden] if name in ("model.embed_tokens.weight", "lm_head.weight") \
+            else t["shape"]
+        values = [1.0 if len(shape) == 1 else 0.0] * (shape[0] * (shape[1:] or [1])[0])
+        if name == "model.embed_tokens.weight":
+            for token in range(vocab):
+                values[token * hidden + (1 if token == emit else 0)] = 1.0
+        if name == "lm_head.weight":
+            values[emit * hidden] = values[257 * hidden + 1] = 10.0
+        blob = struct.pack("<%df" % len(values), *values)
+        out[name] = {"dtype": "F32", "shape": shape,
+                     "data_offsets": [len(blobs), len(blobs) + len(blob)]}
+        blobs += blob
+    head = json.dumps(out).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + blobs)
+    with open(os.path.join(ck, "config.json")) as f:
+        config = json.load(f)
+    config["vocab_size"] = vocab
+    del config["chunkloss_save_id"]
+    with open(os.path.join(ck, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
 def messages_case(train, evaluate, work):
     one = os.path.join(work, "one.jsonl")
     with open(one, "w") as f:
@@ -350,6 +387,16 @@ def messages_case(train, evaluate, work):
 
     good = os.path.join(work, "good")
     run([train, "--steps", "1", "--warmup-steps", "0", "--save", good] + TINY)
+    # A model of 300 tokens that generates id 299, no byte of the tokenizer's: a miss of exact
+    # match, not a failure.
+    v300 = os.path.join(work, "v300")
+    shutil.copytree(good, v300)
+    emitting_model(v300, 300, 299)
+    out = os.path.join(work, "v300.json")
+    run([evaluate, "--model", v300, "--limit", "2", "--json", out])
+    with open(out) as f:
+        if json.load(f)[0]["exact_match"] != 0:
+            fail("a generated id that is no byte must count as a miss")
     # Finite weights whose logits overflow: eval refuses the NaN loss rather than printing it
     # and writing null to --json.
     huge = os.path.join(work, "huge")
