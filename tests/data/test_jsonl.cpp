@@ -103,6 +103,12 @@ TEST_CASE("jsonl: malformed SFT lines name the file, the line and the problem") 
   CHECK(contains(m, "sft.jsonl:1: bad JSON"));
   m = sft_error("{\"prompt\": \"\xff\", \"completion\": \"b\"}\n");
   CHECK(contains(m, "sft.jsonl:1: bad JSON"));
+  // What nlohmann's parser accepted silently: a repeated key (it kept the last) and a NUL byte
+  // (it ended the line there, so the garbage after it trained).
+  m = sft_error(kGoodSft + "{\"prompt\": \"a\", \"completion\": \"b\", \"prompt\": \"c\"}\n");
+  CHECK(contains(m, "sft.jsonl:2: bad JSON: key \"prompt\" appears twice in one object"));
+  m = sft_error(std::string("{\"prompt\": \"a\", \"completion\": \"b\"}\0garbage\n", 43));
+  CHECK(contains(m, "sft.jsonl:1: bad JSON: a NUL byte at offset 34"));
   m = sft_error("");
   CHECK(contains(m, "sft.jsonl: no examples"));
   m = sft_error("\n  \n\r\n");

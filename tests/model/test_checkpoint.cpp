@@ -293,6 +293,17 @@ TEST_CASE("checkpoint errors: offsets, dtypes and shapes inside the header") {
                  "overlap"));
   CHECK(contains(err(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
                  "leave a hole"));
+  // A tensor named twice (nlohmann kept the last, whose range hid the first's overlap), and a NUL
+  // byte (nlohmann ended the header there).
+  CHECK(contains(err(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                     R"("a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                     R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                     8),
+                 "t.safetensors: bad header JSON: key \"a\" appears twice in one object"));
+  CHECK(contains(err(std::string(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})") +
+                         std::string("\0 x", 3),
+                     4),
+                 "t.safetensors: bad header JSON: a NUL byte at offset 54"));
   CHECK(contains(err(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 8),
                  "trailing bytes"));
   CHECK(contains(err(R"({"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,4]}})", 4),
@@ -574,6 +585,10 @@ TEST_CASE("checkpoint errors: optimizer state, trainer state and mixed saves") {
   state.replace(state.find("\"global_step\": 1"), 16, "\"global_step\": 1.5");
   spit(state_path, state);
   CHECK(contains(err(), state_path + ": field \"global_step\" must be an integer"));
+  state = good_state;
+  state.replace(state.find("\"global_step\": 1"), 16, "\"global_step\": 0, \"global_step\": 1");
+  spit(state_path, state);
+  CHECK(contains(err(), state_path + ": bad JSON: key \"global_step\" appears twice"));
   spit(state_path, good_state);
   CHECK(err().empty());
 

@@ -9,6 +9,7 @@
 #include <system_error>
 
 #include "chunkloss/core/error.h"
+#include "chunkloss/core/strict_json.h"
 
 namespace chunkloss::data {
 namespace {
@@ -66,7 +67,8 @@ std::size_t for_each_object(std::string_view text, std::string_view source, F&& 
     const Line at{source, number};
     json obj;
     try {
-      obj = json::parse(line.begin(), line.end());
+      obj = detail::parse_strict_json(
+          line, std::string(source) + ":" + std::to_string(number) + ": bad JSON");
     } catch (const json::exception& e) {
       CHUNKLOSS_FAIL(source, ":", number, ": bad JSON: ", e.what());
     }

@@ -17,6 +17,7 @@
 
 #include "atomic_file.h"
 #include "chunkloss/core/error.h"
+#include "chunkloss/core/strict_json.h"
 #include "chunkloss/model/decoder.h"
 #include "chunkloss/model/safetensors.h"
 
@@ -187,7 +188,7 @@ std::string read_text(const std::string& path) {
 json parse_json_file(const std::string& path) {
   const std::string text = read_text(path);
   try {
-    return json::parse(text);
+    return chunkloss::detail::parse_strict_json(text, path + ": bad JSON");
   } catch (const json::exception& e) {
     CHUNKLOSS_FAIL(path, ": bad JSON: ", e.what());
   }

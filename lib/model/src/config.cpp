@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "chunkloss/core/error.h"
+#include "chunkloss/core/strict_json.h"
 
 namespace chunkloss::model {
 
@@ -178,7 +179,7 @@ struct Reader {
 LlamaConfig config_from_json(std::string_view text, std::string_view source) {
   json j;
   try {
-    j = json::parse(text.begin(), text.end());
+    j = chunkloss::detail::parse_strict_json(text, std::string(source) + ": bad JSON");
   } catch (const json::exception& e) {
     CHUNKLOSS_FAIL(source, ": bad JSON: ", e.what());
   }

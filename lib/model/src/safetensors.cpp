@@ -10,6 +10,7 @@
 
 #include "atomic_file.h"
 #include "chunkloss/core/error.h"
+#include "chunkloss/core/strict_json.h"
 
 namespace chunkloss::model {
 
@@ -101,8 +102,9 @@ SafetensorsFile SafetensorsFile::parse(std::string bytes, std::string source) {
 
   json header;
   try {
-    header = json::parse(file.bytes_.begin() + 8,
-                         file.bytes_.begin() + static_cast<std::ptrdiff_t>(file.data_start_));
+    header = chunkloss::detail::parse_strict_json(
+        std::string_view(file.bytes_).substr(8, static_cast<std::size_t>(header_len)),
+        src + ": bad header JSON");
   } catch (const json::exception& e) {
     CHUNKLOSS_FAIL(src, ": bad header JSON: ", e.what());
   }

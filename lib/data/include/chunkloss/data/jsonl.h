@@ -40,7 +40,9 @@ struct UnpairedExample {
 /// - the fields named below must be present and be JSON strings ("label": a JSON boolean);
 ///   other fields are ignored;
 /// - "prompt" may be the empty string; "completion", "text", "chosen" and "rejected" may not;
-/// - a file with no examples is an error.
+/// - a file with no examples is an error;
+/// - a key repeated in one object, or a NUL byte in a line, is bad JSON (a lenient parser would
+///   take the last value, or end the line at the NUL).
 /// Every error is a chunkloss::Error whose message starts with "<source>:<line>: " and names
 /// the field, e.g. `sft.jsonl:7: field "completion" must be a string, got number`.
 ///

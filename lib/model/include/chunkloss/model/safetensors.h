@@ -28,7 +28,8 @@ class SafetensorsFile {
  public:
   /// Reads and validates a file. Throws chunkloss::Error naming the path and the problem:
   /// cannot open, truncated file (shorter than 8 bytes or than its header length says), header
-  /// length over 100 MB, bad header JSON, header not an object, an entry without a string
+  /// length over 100 MB, bad header JSON (a key repeated in one object, e.g. a tensor named
+  /// twice, or a NUL byte, included), header not an object, an entry without a string
   /// "dtype", an unknown dtype, a bad "shape" or "data_offsets", offsets out of range or not
   /// matching dtype x shape, tensors that overlap or leave holes in the data section, or a
   /// "__metadata__" that is not a string-to-string object.
