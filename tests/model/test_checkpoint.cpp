@@ -366,6 +366,15 @@ TEST_CASE("checkpoint errors: missing, unexpected, wrong-shape and wrong-dtype t
   CHECK(contains(m, "2 problems"));
   CHECK(contains(m, "tensor model.norm.weight has shape [2, 6], expected [12]"));
   CHECK(contains(m, "unexpected tensor extra"));
+  // Many problems: the first 20 listed, the rest counted (300k made an 8 MB line).
+  std::vector<NamedTensor> many;
+  std::vector<std::string> names;
+  for (int i = 0; i < 30; ++i) names.push_back("extra." + std::to_string(i));
+  for (const std::string& n : names) many.push_back({n, TensorView::of(junk.data(), {3})});
+  rewrite("", many);
+  m = s.load_error();
+  CHECK(contains(m, "30 problems: unexpected tensor extra."));
+  CHECK(contains(m, "; and 10 more"));
   std::vector<BFloat16> half(12);
   rewrite("model.norm.weight", {{"model.norm.weight", TensorView::of(half.data(), {12})}});
   CHECK(contains(s.load_error(), "tensor model.norm.weight has dtype BF16, expected F32"));
@@ -585,6 +594,9 @@ TEST_CASE("checkpoint errors: optimizer state, trainer state and mixed saves") {
   state.replace(state.find("\"global_step\": 1"), 16, "\"global_step\": 1.5");
   spit(state_path, state);
   CHECK(contains(err(), state_path + ": field \"global_step\" must be an integer"));
+  state.replace(state.find("1.5"), 3, "18446744073709551615");  // (it read as -1)
+  spit(state_path, state);
+  CHECK(contains(err(), state_path + ": field \"global_step\" must be an integer in [-2^63"));
   state = good_state;
   state.replace(state.find("\"global_step\": 1"), 16, "\"global_step\": 0, \"global_step\": 1");
   spit(state_path, state);

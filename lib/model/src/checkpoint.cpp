@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
@@ -112,7 +113,10 @@ void check_tensor_set(const SafetensorsFile& f, const std::vector<Wanted>& want,
   std::ostringstream os;
   os << f.source() << ": " << problems.size()
      << (problems.size() == 1 ? " problem: " : " problems: ");
-  for (std::size_t i = 0; i < problems.size(); ++i) os << (i ? "; " : "") << problems[i];
+  constexpr std::size_t kListed = 20;  // (a hostile file may hold a million tensors)
+  for (std::size_t i = 0; i < std::min(problems.size(), kListed); ++i)
+    os << (i ? "; " : "") << problems[i];
+  if (problems.size() > kListed) os << "; and " << problems.size() - kListed << " more";
   if (!expected_by.empty()) os << " (the tensors of " << expected_by << ")";
   CHUNKLOSS_FAIL(os.str());
 }
@@ -448,9 +452,16 @@ TrainerState load_training_state(const std::string& dir, const LlamaModel& model
                     json_save_id(j));
   }
   TrainerState st;
+  // (nlohmann takes 2^64 - 1 as an integer, which int64 reads as -1.)
+  const auto int64 = [](const json& v) {
+    return v.is_number_integer() &&
+           !(v.is_number_unsigned() &&
+             v.get<std::uint64_t>() >
+                 static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()));
+  };
   const auto gs = j.find("global_step");
-  if (gs == j.end() || !gs->is_number_integer())
-    fail_field(state_path, "global_step", "an integer");
+  if (gs == j.end() || !int64(*gs))
+    fail_field(state_path, "global_step", "an integer in [-2^63, 2^63 - 1]");
   st.global_step = gs->get<std::int64_t>();
   const auto read_map = [&](const char* field, auto& out, auto is_ok, const char* want_desc) {
     const auto it = j.find(field);
@@ -462,9 +473,7 @@ TrainerState load_training_state(const std::string& dir, const LlamaModel& model
       out[e.key()] = e.value().template get<V>();
     }
   };
-  read_map(
-      "counters", st.counters, [](const json& v) { return v.is_number_integer(); },
-      "an object of integers");
+  read_map("counters", st.counters, int64, "an object of integers in [-2^63, 2^63 - 1]");
   read_map(
       "scalars", st.scalars, [](const json& v) { return v.is_number(); }, "an object of numbers");
   read_map(

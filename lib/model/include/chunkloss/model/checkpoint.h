@@ -66,10 +66,10 @@ LlamaConfig load_config(const std::string& dir);
 LlamaModel load_model(const std::string& dir, std::string* save_id = nullptr);
 
 /// Reads a safetensors file into `model`. The file must hold exactly the model's tensors: every
-/// problem is listed in one chunkloss::Error naming the file, e.g. "missing tensor
-/// model.norm.weight", "unexpected tensor lm_head.weight (tie_word_embeddings is true)",
-/// "tensor model.embed_tokens.weight has shape [259, 32], expected [259, 64]", "tensor X has
-/// dtype BF16, expected F32"; plus every SafetensorsFile::read error; and a NaN or Inf value,
+/// problem is counted, and the first 20 listed, in one chunkloss::Error naming the file, e.g.
+/// "missing tensor model.norm.weight", "unexpected tensor lm_head.weight (tie_word_embeddings is
+/// true)", "tensor model.embed_tokens.weight has shape [259, 32], expected [259, 64]", "tensor X
+/// has dtype BF16, expected F32"; plus every SafetensorsFile::read error; and a NaN or Inf value,
 /// named by tensor and index (load_model and load_training_state refuse those too). The model
 /// is unchanged when it throws.
 void load_weights(const std::string& path, LlamaModel& model);
