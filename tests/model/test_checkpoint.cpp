@@ -665,6 +665,20 @@ TEST_CASE("checkpoint: an interrupted save leaves the previous checkpoint loadab
   }
 }
 
+TEST_CASE("checkpoint: a save does not write through a symbolic link at a temporary's path") {
+  const LlamaConfig c = tiny_config(true, false);
+  const TempDir dir, elsewhere;
+  Trained t(c);
+  t.save(dir.path());
+  const std::string target = elsewhere.file("precious.txt");
+  spit(target, "keep me");
+  fs::create_symlink(target, dir.file("config.json.tmp"));
+  t.step();
+  CHECK(contains(error_message([&] { t.save(dir.path()); }),
+                 "cannot create " + dir.file("config.json.tmp")));
+  CHECK(slurp(target) == "keep me");
+}
+
 TEST_CASE("checkpoint: a save interrupted after its commit record is read whole and completed") {
   const LlamaConfig c = tiny_config(false, false);
   const char* files[] = {"model.safetensors", "optimizer.safetensors", "trainer_state.json",

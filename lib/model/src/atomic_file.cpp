@@ -30,7 +30,8 @@ std::filesystem::file_type file_type_of(const std::string& path) {
 }
 
 void write_temp_file(const std::string& tmp, std::string_view bytes) {
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // (not through a symbolic link at the temporary's path, whose target the save would replace)
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
   CHUNKLOSS_CHECK(fd >= 0, "cannot create ", tmp, ": ", std::strerror(errno));
   const char* p = bytes.data();
   std::size_t left = bytes.size();
