@@ -303,16 +303,34 @@ def tree(top):
     return out
 
 
+def read_model(ck):
+    """Checkpoint `ck`'s model.safetensors: its header and its tensors' bytes."""
+    with open(os.path.join(ck, "model.safetensors"), "rb") as f:
+        raw = f.read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def rewrite(ck, header, blobs, config_set, config_drop=()):
+    """Writes checkpoint `ck`'s model.safetensors from `header` and the tensors' bytes `blobs`;
+    in its config.json sets the keys of dict `config_set` and removes those of `config_drop`."""
+    head = json.dumps(header).encode()
+    with open(os.path.join(ck, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + blobs)
+    with open(os.path.join(ck, "config.json")) as f:
+        config = json.load(f)
+    config.update(config_set)
+    for key in config_drop:
+        del config[key]
+    with open(os.path.join(ck, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
 def shrink_vocab(ck, vocab):
     """Rewrites checkpoint `ck` as a model of `vocab` tokens (fewer rows of the embedding and
     lm_head), as a checkpoint made for another tokenizer would be."""
-    path = os.path.join(ck, "model.safetensors")
-    with open(path, "rb") as f:
-        raw = f.read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
-    data, out = raw[8 + n:], {}
-    blobs = b""
+    header, data = read_model(ck)
+    out, blobs = {}, b""
     for name, t in header.items():
         if name == "__metadata__":
             out[name] = t
@@ -323,15 +341,8 @@ def shrink_vocab(ck, vocab):
             t = dict(t, shape=[vocab, t["shape"][1]])
         out[name] = dict(t, data_offsets=[len(blobs), len(blobs) + len(blob)])
         blobs += blob
-    head = json.dumps(out).encode()
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)) + head + blobs)
-    with open(os.path.join(ck, "config.json")) as f:
-        config = json.load(f)
-    config["vocab_size"] = vocab
-    config["pad_token_id"] = None  # (as Llama's own configs have it)
-    with open(os.path.join(ck, "config.json"), "w") as f:
-        json.dump(config, f)
+    # (no pad token, as Llama's own configs have it)
+    rewrite(ck, out, blobs, {"vocab_size": vocab, "pad_token_id": None})
 
 
 def emitting_model(ck, vocab, emit):
@@ -339,11 +350,7 @@ def emitting_model(ck, vocab, emit):
     then EOS (257): zero projections and unit norms, so the final hidden state is the token's
     embedding, which is e0 for every token but `emit` (e1); the lm_head maps e0 to `emit` and
     e1 to EOS."""
-    path = os.path.join(ck, "model.safetensors")
-    with open(path, "rb") as f:
-        raw = f.read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
+    header, _ = read_model(ck)
     hidden = header["model.embed_tokens.weight"]["shape"][1]
     out, blobs = {}, b""
     for name, t in sorted((k, v) for k, v in header.items() if k != "__metadata__"):
@@ -359,15 +366,7 @@ def emitting_model(ck, vocab, emit):
         out[name] = {"dtype": "F32", "shape": shape,
                      "data_offsets": [len(blobs), len(blobs) + len(blob)]}
         blobs += blob
-    head = json.dumps(out).encode()
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)) + head + blobs)
-    with open(os.path.join(ck, "config.json")) as f:
-        config = json.load(f)
-    config["vocab_size"] = vocab
-    del config["chunkloss_save_id"]
-    with open(os.path.join(ck, "config.json"), "w") as f:
-        json.dump(config, f)
+    rewrite(ck, out, blobs, {"vocab_size": vocab}, ["chunkloss_save_id"])
 
 
 def messages_case(train, evaluate, work):
