@@ -146,8 +146,11 @@ struct PreferenceInputs {
   /// the same hidden rows, targets (ids in [0, size)), labels, reference_logps and kl, and the
   /// same options. Every rank gets the same loss, metrics, per-sequence vectors and dH, and the dW
   /// and db of its shard. Not in the deferred regime nor in vocab-block order. Every rank must
-  /// make the same kind of call (a reference head, a KL batch, dH asked for, and the same plan:
-  /// checked); a call any rank rejects makes every rank throw before anything is written.
+  /// make the same kind of call (a reference head, a KL batch, dH asked for, the same plan, the
+  /// vocabulary's size, and the same reference_logps, labels and kl: checked); a call any rank
+  /// rejects makes every rank throw before anything is written, and an objective that fails on
+  /// any rank (say its options differ, which the library cannot see) makes every rank throw at
+  /// the end of the call, the gradient buffers then holding unspecified values.
   VocabShard vocab_shard;
   /// Data parallelism: the ranks of this group each call with their own sequences (S and T may
   /// differ; the heads' H, V, dtype, the options and the gradients asked for must not). The
@@ -226,7 +229,9 @@ class SequenceLoss {
   /// groups the objective runs group by group, so if that happens after the first group the
   /// gradient buffers hold unspecified values (the message says so), as they do after any such
   /// failure in the deferred regime, which writes its first pair's gradients before the
-  /// objective sees that pair. With a data group, see PreferenceInputs::data_group.
+  /// objective sees that pair. A reference head's non-finite log-prob fails the call before
+  /// anything is written. With a data group or a vocabulary split, see
+  /// PreferenceInputs::data_group and vocab_shard.
   PreferenceResult forward_backward(Context& ctx, const PreferenceInputs& in,
                                     const PreferenceGrads& grads, const Workspace& workspace) const;
   /// Evaluation: pass 1 only, no gradient work.
