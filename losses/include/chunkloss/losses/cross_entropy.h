@@ -103,8 +103,9 @@ struct CrossEntropyInputs {
   /// loss, lse, predictions and dH; dW and db are the shard's. With groups, the ranks first agree
   /// whether any rank rejected its call (shapes, shard, plan, workspace; on the CPU also targets,
   /// class weights and check_finite's values) or makes a call whose collectives differ (rows, H,
-  /// chunks and the rows skip_ignored_rows computes, dH asked for, a data_group passed or not; over
-  /// data_group, H, V, and dW and db summed or not), and then all throw. On CUDA that exchange
+  /// chunks and the rows skip_ignored_rows computes, dH asked for, a data_group passed or not, the
+  /// vocabulary's size and the options of the rows' terms; over data_group, H, V, and dW and db
+  /// summed or not), and then all throw. On CUDA that exchange
   /// passes through the context's own scratch memory (gpu::Context::scratch(), not the
   /// workspace) and waits for the stream once per group (once more in a grid).
   /// On CUDA, out-of-range targets, bad class weights and check_finite's findings are counted
