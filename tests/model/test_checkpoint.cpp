@@ -441,6 +441,18 @@ TEST_CASE("checkpoint errors: config.json") {
                  "rope_parameters must be an object"));
   CHECK(contains(with("\"tie_word_embeddings\": false", "\"tie_word_embeddings\": 0"),
                  "field \"tie_word_embeddings\" must be a boolean"));
+  // transformers' list of eos ids: the first is the one kept, and every item must be an id.
+  for (const auto& [list, item] :
+       {std::pair{"[9, \"x\"]", "item 1 is \"x\""},
+        {"[9, 11]", "item 1 is 11, not a token id in [0, vocab_size=11)"},
+        {"[9, -1]", "item 1 is -1"},
+        {"[9.0]", "item 0 is 9.0"}})
+    CHECK(contains(with("\"eos_token_id\": 9", std::string("\"eos_token_id\": ") + list),
+                   path + ": field \"eos_token_id\" " + item));
+  CHECK(contains(with("\"eos_token_id\": 9", "\"eos_token_id\": []"),
+                 "field \"eos_token_id\" must be an integer or a non-empty list of integers"));
+  CHECK(config_from_json(config_to_json(s.config, R"({"eos_token_id": [9, 2]})"), "list")
+            .eos_token_id == 9);
   // Sizes whose products would overflow are refused before anything is allocated.
   const std::string i_field =
       "\"intermediate_size\": " + std::to_string(s.config.intermediate_size);

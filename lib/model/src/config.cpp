@@ -115,6 +115,13 @@ std::string config_to_json(const LlamaConfig& c, std::string_view extra_fields) 
 
 namespace {
 
+// Whether `v` is an integer in [0, n).
+bool is_index(const json& v, std::int64_t n) {
+  if (v.is_number_unsigned())
+    return v.get<std::uint64_t>() < static_cast<std::uint64_t>(std::max<std::int64_t>(n, 0));
+  return v.is_number_integer() && v.get<std::int64_t>() >= 0 && v.get<std::int64_t>() < n;
+}
+
 struct Reader {
   const json& j;
   std::string_view source;
@@ -151,14 +158,20 @@ struct Reader {
                     v->type_name());
     return v->get<bool>();
   }
-  std::optional<std::int64_t> token(const char* name, std::optional<std::int64_t> fallback) const {
+  // A token id, or the first of a list (transformers allows a list of eos ids; this decoder
+  // stops on one), every item of which must be an id in [0, vocab_size).
+  std::optional<std::int64_t> token(const char* name, std::optional<std::int64_t> fallback,
+                                    std::int64_t vocab_size) const {
     const json* v = find(name);
     if (!v) return fallback;
     if (v->is_null()) return std::nullopt;
     if (v->is_array()) {
-      // transformers allows a list of eos ids; this decoder stops on one.
-      CHUNKLOSS_CHECK(!v->empty() && (*v)[0].is_number_integer(), source, ": field \"", name,
+      CHUNKLOSS_CHECK(!v->empty(), source, ": field \"", name,
                       "\" must be an integer or a non-empty list of integers");
+      for (std::size_t i = 0; i < v->size(); ++i)
+        CHUNKLOSS_CHECK(is_index((*v)[i], vocab_size), source, ": field \"", name, "\" item ", i,
+                        " is ", (*v)[i].dump(), ", not a token id in [0, vocab_size=", vocab_size,
+                        ")");
       return (*v)[0].get<std::int64_t>();
     }
     return integer(name, std::nullopt);
@@ -218,13 +231,13 @@ LlamaConfig config_from_json(std::string_view text, std::string_view source) {
   }
   c.initializer_range = r.real("initializer_range", 0.02);
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
-  const std::optional<std::int64_t> bos = r.token("bos_token_id", 1);
-  const std::optional<std::int64_t> eos = r.token("eos_token_id", 2);
+  const std::optional<std::int64_t> bos = r.token("bos_token_id", 1, c.vocab_size);
+  const std::optional<std::int64_t> eos = r.token("eos_token_id", 2, c.vocab_size);
   CHUNKLOSS_CHECK(bos.has_value(), source, ": bos_token_id must not be null");
   CHUNKLOSS_CHECK(eos.has_value(), source, ": eos_token_id must not be null");
   c.bos_token_id = *bos;
   c.eos_token_id = *eos;
-  c.pad_token_id = r.token("pad_token_id", std::nullopt);
+  c.pad_token_id = r.token("pad_token_id", std::nullopt, c.vocab_size);
   if (c.num_attention_heads > 0) {
     const std::int64_t head_dim = r.integer("head_dim", c.head_dim());
     CHUNKLOSS_CHECK(head_dim == c.head_dim(), source, ": head_dim=", head_dim,

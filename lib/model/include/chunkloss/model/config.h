@@ -55,12 +55,13 @@ std::string config_to_json(const LlamaConfig& config, std::string_view extra_fie
 /// intermediate_size, num_hidden_layers, num_attention_heads; the rest default as in
 /// transformers (num_key_value_heads = num_attention_heads, rms_norm_eps 1e-6, rope_theta 10000,
 /// max_position_embeddings 2048, initializer_range 0.02, tie_word_embeddings false, bos 1,
-/// eos 2, pad none). Fields this decoder cannot honour are rejected: model_type other than
-/// "llama", hidden_act other than "silu", attention_bias or mlp_bias true, a non-null
-/// rope_scaling, a rope_parameters.rope_type other than "default" (transformers 5 keeps RoPE's
-/// settings there; its rope_theta is read), a head_dim other than hidden_size /
-/// num_attention_heads. Unknown fields are ignored. Throws chunkloss::Error naming `source` and the
-/// field, then validate()s.
+/// eos 2, pad none). A token id field may be a non-empty list, as transformers allows for
+/// eos_token_id: the first id is kept, and every item must be an integer in [0, vocab_size).
+/// Fields this decoder cannot honour are rejected: model_type other than "llama", hidden_act
+/// other than "silu", attention_bias or mlp_bias true, a non-null rope_scaling, a
+/// rope_parameters.rope_type other than "default" (transformers 5 keeps RoPE's settings there;
+/// its rope_theta is read), a head_dim other than hidden_size / num_attention_heads. Unknown
+/// fields are ignored. Throws chunkloss::Error naming `source` and the field, then validate()s.
 LlamaConfig config_from_json(std::string_view text, std::string_view source);
 
 }  // namespace chunkloss::model
