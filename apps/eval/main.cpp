@@ -290,12 +290,12 @@ int run(const Settings& s) {
   // turn comes, so only one model is held at a time.
   for (const std::string& dir : s.models) {
     const model::LlamaConfig config = model::load_model(dir).config();
-    apps::check_vocab(config, "--model " + dir);
+    apps::check_tokenizer(config, "--model " + dir);
     d.check_fits(config, s);
   }
   if (!s.reference.empty()) {
     const model::LlamaConfig config = model::load_config(s.reference);
-    apps::check_vocab(config, "--reference " + s.reference);
+    apps::check_tokenizer(config, "--reference " + s.reference);
     d.check_fits(config, s);
   }
 

@@ -685,8 +685,8 @@ int run(const Settings& s, const std::string& invocation) {
     policy.emplace(init.empty() ? model::LlamaModel(s.config, s.seed) : model::load_model(init));
   check_architecture(s, policy->config());
   if (!s.resume.empty() || !init.empty())
-    apps::check_vocab(policy->config(),
-                      s.resume.empty() ? "--init " + init : "--resume " + s.resume);
+    apps::check_tokenizer(policy->config(),
+                          s.resume.empty() ? "--init " + init : "--resume " + s.resume);
   if (!opt) opt.emplace(policy->params().size(), s.adam);
   opt_ptr = &*opt;
   // DPO's and KTO's frozen reference: the --init model, or a new one like the policy's start.
@@ -694,7 +694,7 @@ int run(const Settings& s, const std::string& invocation) {
   if (s.loss.loss == "dpo" || s.loss.loss == "kto") {
     reference.emplace(init.empty() ? model::LlamaModel(policy->config(), s.seed)
                                    : load_reference(init, s));
-    if (!init.empty()) apps::check_vocab(reference->config(), "the reference " + init);
+    if (!init.empty()) apps::check_tokenizer(reference->config(), "the reference " + init);
   }
   // The training file, read once: parsed by every rank's trainer and digested for --resume.
   DataSettings data = s.data;

@@ -30,7 +30,8 @@ CASE is one of:
     the inputs stay intact.
   messages: runtime errors name what to fix: too few examples for a micro-batch with
     --data-parallel names the file and both options; a checkpoint whose vocab_size is below the
-    tokenizer's is refused when loaded (--init, --model), naming it; a too long example is named
+    tokenizer's, or whose config.json's bos_token_id or eos_token_id is not the tokenizer's, is
+    refused when loaded (--init, --model), naming it; a too long example is named
     by its line, as JSON errors are (blank lines count), in train and eval; eval names a model
     whose held-out loss is not finite (and counts a generated id that is no byte, from a model
     of vocab_size 300, as a miss of exact match). Each is refused before any output: its error line is
@@ -386,6 +387,17 @@ def messages_case(train, evaluate, work):
 
     good = os.path.join(work, "good")
     run([train, "--steps", "1", "--warmup-steps", "0", "--save", good] + TINY)
+    # A checkpoint whose BOS or EOS is not the byte tokenizer's (made for another tokenizer, as
+    # Llama's 1 and 2) is refused when loaded, naming its config.json and the field.
+    for field, value, words in (("bos_token_id", 1, "bos_token_id 1, not the byte tokenizer's "
+                                                    "BOS id 256"),
+                                ("eos_token_id", [258, 257], "eos_token_id 258")):
+        other = os.path.join(work, field)
+        shutil.copytree(good, other)
+        rewrite(other, *read_model(other), {field: value})
+        for cmd, option in (([evaluate, "--model", other, "--limit", "2"], "--model"),
+                            ([train, "--init", other, "--steps", "2"] + TINY, "--init")):
+            one_line(cmd, 1, option + " " + other + ": its config.json has " + words, alone=True)
     # A model of 300 tokens that generates id 299, no byte of the tokenizer's: a miss of exact
     # match, not a failure.
     v300 = os.path.join(work, "v300")

@@ -6,6 +6,7 @@
 #include <chunkloss/model/checkpoint.h>
 
 #include <filesystem>
+#include <tuple>
 
 #include "chunkloss/apps/cli.h"
 
@@ -45,12 +46,18 @@ void Longest::take(const data::Sequence& s, std::size_t at_line, const std::stri
   what = description;
 }
 
-void check_vocab(const model::LlamaConfig& config, const std::string& what) {
+void check_tokenizer(const model::LlamaConfig& config, const std::string& what) {
   const data::ByteTokenizer tok;
   CHUNKLOSS_CHECK(config.vocab_size >= tok.vocab_size(), what, ": the checkpoint's vocab_size ",
                   config.vocab_size, " is smaller than the byte tokenizer's ", tok.vocab_size(),
                   " (ids 0-255 bytes, ", tok.bos_id(), " BOS, ", tok.eos_id(), " EOS, ",
                   tok.pad_id(), " PAD): it was not trained with this data layer");
+  for (const auto& [field, id, want, name] :
+       {std::tuple{"bos_token_id", config.bos_token_id, tok.bos_id(), "BOS"},
+        {"eos_token_id", config.eos_token_id, tok.eos_id(), "EOS"}})
+    CHUNKLOSS_CHECK(id == want, what, ": its ", model::kConfigFile, " has ", field, " ", id,
+                    ", not the byte tokenizer's ", name, " id ", want,
+                    ": it was not trained with this data layer");
 }
 
 void check_fits(const Longest& longest, const std::string& file, const model::LlamaConfig& config,

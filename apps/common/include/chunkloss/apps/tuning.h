@@ -49,10 +49,11 @@ void check_not_checkpoint_file(std::string_view option, const std::string& path,
                                const std::vector<std::string>& dirs, const std::string& save = "");
 
 /// Throws chunkloss::Error naming `what` (the checkpoint, e.g. "--init runs/sft") when a model
-/// of `config` cannot take every id of the apps' byte tokenizer (data::ByteTokenizer): a
-/// vocab_size below its 259 (the bytes, BOS, EOS and PAD), found when the checkpoint is loaded
-/// rather than at the first padded batch.
-void check_vocab(const model::LlamaConfig& config, const std::string& what);
+/// of `config` was not made for the apps' byte tokenizer (data::ByteTokenizer): a vocab_size
+/// below its 259 (the bytes, BOS, EOS and PAD), or a bos_token_id or eos_token_id in its
+/// config.json other than the tokenizer's BOS 256 and EOS 257. Found when the checkpoint is
+/// loaded rather than at the first padded batch or the first generation.
+void check_tokenizer(const model::LlamaConfig& config, const std::string& what);
 
 /// Throws chunkloss::Error naming `file` and the example's line ("file:7: the example encodes
 /// to ...", as the JSONL readers name lines) and both lengths when `longest` has more positions
