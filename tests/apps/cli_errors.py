@@ -6,7 +6,8 @@ input makes an app print one line naming the problem and exit non-zero (2 for a 
     cli_errors.py TRAIN EVAL BENCH WORKDIR CASE
 
 CASE is one of:
-  config: --config naming a symlink loop or a name too long is a usage error (train and eval).
+  config: --config naming a symlink loop or a name too long, or a config file with a line
+    `config = FILE` (one cannot include another), is a usage error (train and eval).
   checkpoint_paths: a checkpoint directory option (train's --resume and --init, eval's --model
     and --reference) naming a symlink loop or a file is a usage error naming the option and the
     path; a data file option (train's --train-file, eval's --sft-file and --pref-file) naming a
@@ -482,9 +483,17 @@ def config_case(train, evaluate, work):
         os.remove(loop)
     os.symlink(loop, loop)
     long_name = os.path.join(work, "a" * 300 + ".ini")
+    # A config file naming another, which was ignored.
+    inner, outer = os.path.join(work, "inner.ini"), os.path.join(work, "outer.ini")
+    with open(inner, "w") as f:
+        f.write("threads = 1\n")
+    with open(outer, "w") as f:
+        f.write("threads = 1\nconfig = " + inner + "\n")
     for app in (train, evaluate):
         one_line([app, "--config", loop], 2, "--config", loop)
         one_line([app, "--config", long_name], 2, "--config", "name too long")
+        one_line([app, "--config", outer], 2, "--config " + outer + ": 'config = " + inner + "'",
+                 "cannot include another", alone=True)
 
 
 def checkpoint_paths_case(train, evaluate, work):

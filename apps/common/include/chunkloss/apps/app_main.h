@@ -20,7 +20,8 @@ namespace chunkloss::apps {
 
 /// Adds the options of the INI file `path` (--config) to `vm`; the command line's, stored
 /// first, win. Throws UsageError naming the file when it cannot be read (missing, a directory, a
-/// symlink loop, a name too long, ...) or holds an unknown or malformed option. Pipes work too
+/// symlink loop, a name too long, ...), holds an unknown or malformed option, or names another
+/// config file (`config = FILE`: one file cannot include another). Pipes work too
 /// (--config <(...)).
 inline void store_config_file(const std::string& path,
                               const boost::program_options::options_description& options,
@@ -30,7 +31,14 @@ inline void store_config_file(const std::string& path,
   std::ifstream in(path);
   if (!in.is_open() || !in) throw UsageError("--config: cannot open " + path + " as a file");
   try {
-    boost::program_options::store(boost::program_options::parse_config_file(in, options), vm);
+    const boost::program_options::parsed_options parsed =
+        boost::program_options::parse_config_file(in, options);
+    for (const boost::program_options::option& o : parsed.options)
+      if (o.string_key == "config")
+        throw UsageError("--config " + path +
+                         ": 'config = " + (o.value.empty() ? "" : o.value.front()) +
+                         "': a config file cannot include another");
+    boost::program_options::store(parsed, vm);
   } catch (const boost::program_options::error& e) {
     throw UsageError("--config " + path + ": " + e.what());
   }
