@@ -35,7 +35,8 @@ CASE is one of:
     refused when loaded (--init, --model), naming it; a too long example is named
     by its line, as JSON errors are (blank lines count), in train and eval; eval names a model
     whose held-out loss is not finite (and counts a generated id that is no byte, from a model
-    of vocab_size 300, as a miss of exact match). Each is refused before any output: its error line is
+    of vocab_size 300, as a miss of exact match); a tensor name holding control characters is
+    printed with them escaped (ESC as \\x1b). Each is refused before any output: its error line is
     all the app prints.
   before_work: chunkloss-train refuses a training file with bad JSON, one missing the loss's
     field, an empty one, a KTO file of one example, and a metrics file whose FILE.partial cannot
@@ -399,6 +400,18 @@ def messages_case(train, evaluate, work):
         for cmd, option in (([evaluate, "--model", other, "--limit", "2"], "--model"),
                             ([train, "--init", other, "--steps", "2"] + TINY, "--init")):
             one_line(cmd, 1, option + " " + other + ": its config.json has " + words, alone=True)
+    # A file's names reach the error line with their control characters escaped: a tensor name
+    # holding ESC, BEL, DEL and a line break cannot drive the terminal or break the line.
+    hostile = os.path.join(work, "hostile")
+    shutil.copytree(good, hostile)
+    header, blobs = read_model(hostile)
+    header["evil\x1b[31m\x07\x7f\n"] = {"dtype": "F32", "shape": [1],
+                                       "data_offsets": [len(blobs), len(blobs) + 4]}
+    rewrite(hostile, header, blobs + bytes(4), {})
+    p = one_line([evaluate, "--model", hostile, "--limit", "2"], 1,
+                 "unexpected tensor evil\\x1b[31m\\x07\\x7f\\x0a", alone=True)
+    if any(c in p.stderr.rstrip("\n") for c in "\x1b\x07\x7f\n"):
+        fail("a control character of a tensor name reached the terminal: %r" % p.stderr)
     # A model of 300 tokens that generates id 299, no byte of the tokenizer's: a miss of exact
     # match, not a failure.
     v300 = os.path.join(work, "v300")

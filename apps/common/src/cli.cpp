@@ -20,10 +20,20 @@
 
 namespace chunkloss::apps {
 
-std::string one_line(std::string text) {
-  for (char& ch : text)
-    if (ch == '\n' || ch == '\r') ch = ' ';
-  return text;
+std::string one_line(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char ch : text) {
+    const auto byte = static_cast<unsigned char>(ch);
+    if (byte < 0x20 || byte == 0x7F) {
+      char escape[8];
+      std::snprintf(escape, sizeof escape, "\\x%02x", byte);
+      out += escape;
+    } else {
+      out += ch;
+    }
+  }
+  return out;
 }
 
 std::vector<std::string> split_list(std::string_view option, std::string_view text) {

@@ -24,8 +24,10 @@ class UsageError : public std::runtime_error {
   explicit UsageError(const std::string& what) : std::runtime_error(what) {}
 };
 
-/// `text` with every line break replaced by a space (error messages print on one line).
-std::string one_line(std::string text);
+/// `text` with every control character (a byte below 0x20, line breaks included, or 0x7F)
+/// written as a visible escape such as "\x1b": error messages print on one line, and a name
+/// they quote from a file (a tensor's, a path) cannot drive the terminal.
+std::string one_line(std::string_view text);
 
 /// Splits "a,b,c" on commas. Throws UsageError naming `option` on an empty item.
 std::vector<std::string> split_list(std::string_view option, std::string_view text);
