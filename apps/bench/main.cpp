@@ -64,7 +64,7 @@ std::string case_command(const std::string& prog, const CaseConfig& c) {
     w.insert(w.end(), {"--pairs", std::to_string(c.pairs), "--seq-len", std::to_string(c.seq_len),
                        "--prompt-frac", fmt("%g", c.prompt_frac), "--reference", c.reference,
                        "--regime", std::string(regime_name(c.regime))});
-    if (c.loss == "dpo") w.insert(w.end(), {"--dpo-loss", c.dpo_loss});
+    if (c.loss == "dpo") w.insert(w.end(), {"--dpo-loss-type", c.dpo_loss});
     if (c.label_smoothing != 0)
       w.insert(w.end(), {"--label-smoothing", fmt("%g", c.label_smoothing)});
   } else {
@@ -110,7 +110,7 @@ Cli parse(int argc, char** argv) {
     ("ce-seq-len", po::value<std::int64_t>()->default_value(0, "0 = one row in 7 ignored"), "ce: the rows are sequences of T rows, each with a prompt (--prompt-frac); also times the floor over the valid rows only")
     ("skip-ignored-rows", po::bool_switch()->default_value(false, "off"), "ce: CrossEntropyOptions::skip_ignored_rows (runs of ignored rows are not multiplied; see --ce-seq-len)")
     ("reference", po::value<std::string>()->default_value("", "head for dpo and kto, none otherwise"), "dpo, kto: head (a reference head with its own hidden and weight, run through pass 1 without gradients) | logps (its per-sequence log-probs precomputed, untimed) | none")
-    ("dpo-loss", po::value<std::string>()->default_value("sigmoid"), "dpo: loss type (TRL names: sigmoid, hinge, ipo, robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop)")
+    ("dpo-loss-type", po::value<std::string>()->default_value("sigmoid"), "dpo: loss type (TRL names: sigmoid, hinge, ipo, robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop)")
     ("label-smoothing", po::value<double>()->default_value(0.0), "dpo (sigmoid, robust, exo_pair), simpo, cpo: label smoothing eps")
     ("regime", po::value<std::string>()->default_value("auto"), "preference losses: auto|resident|recompute|deferred; list")
     ("hidden", po::value<std::string>()->default_value("1024"), "H, hidden size; list")
@@ -156,8 +156,8 @@ Cli parse(int argc, char** argv) {
   const bool pref = is_preference_loss(base.loss);
   constexpr std::int64_t kMaxDim = std::int64_t{1} << 31;
   const auto given = [&](const char* o) { return vm.count(o) && !vm[o].defaulted(); };
-  for (const char* o :
-       {"pairs", "seq-len", "prompt-frac", "reference", "regime", "dpo-loss", "label-smoothing"})
+  for (const char* o : {"pairs", "seq-len", "prompt-frac", "reference", "regime", "dpo-loss-type",
+                        "label-smoothing"})
     if (!pref && given(o) && !(o == std::string("prompt-frac") && given("ce-seq-len")))
       throw apps::UsageError(
           "--" + std::string(o) + " is for the preference losses, not --loss " + base.loss +
@@ -187,8 +187,8 @@ Cli parse(int argc, char** argv) {
     throw apps::UsageError(
         "--vocab-parallel takes none of --gemm-selection measured, --phases, --chunked-floor, "
         "--exact and --order vocab_block");
-  if (base.loss != "dpo" && given("dpo-loss"))
-    throw apps::UsageError("--dpo-loss is for --loss dpo");
+  if (base.loss != "dpo" && given("dpo-loss-type"))
+    throw apps::UsageError("--dpo-loss-type is for --loss dpo");
   base.prompt_frac = vm["prompt-frac"].as<double>();
   if (!(base.prompt_frac >= 0 && base.prompt_frac < 1))
     throw apps::UsageError("--prompt-frac: " + fmt("%g", base.prompt_frac) + " is not in [0, 1)");
@@ -200,15 +200,15 @@ Cli parse(int argc, char** argv) {
     throw apps::UsageError("--ce-seq-len: " + std::to_string(base.ce_seq_len) + " is not in [0, " +
                            std::to_string(kMaxDim) + "]");
   base.label_smoothing = vm["label-smoothing"].as<double>();
-  base.dpo_loss = vm["dpo-loss"].as<std::string>();
+  base.dpo_loss = vm["dpo-loss-type"].as<std::string>();
   try {
     parse_dpo_loss(base.dpo_loss);
   } catch (const Error& e) {
-    throw apps::UsageError(std::string("--dpo-loss: ") + e.what());
+    throw apps::UsageError(std::string("--dpo-loss-type: ") + e.what());
   }
   if (pref) {
     const std::string bad =
-        apps::label_smoothing_error(base.loss, base.dpo_loss, "--dpo-loss", base.label_smoothing);
+        apps::label_smoothing_error(base.loss, base.dpo_loss, base.label_smoothing);
     if (!bad.empty()) throw apps::UsageError(bad);
   }
   base.reference = vm["reference"].as<std::string>();

@@ -287,8 +287,8 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.loss.desirable_weight = in_range<double>(vm, "desirable-weight", 0, 1e6);
   s.loss.undesirable_weight = in_range<double>(vm, "undesirable-weight", 0, 1e6);
   s.loss.budget_bytes = apps::budget_bytes(vm["budget-mib"].as<double>(), s.device);
-  if (const std::string bad = apps::label_smoothing_error(
-          s.loss.loss, s.loss.dpo_loss_type, "--dpo-loss-type", s.loss.label_smoothing);
+  if (const std::string bad =
+          apps::label_smoothing_error(s.loss.loss, s.loss.dpo_loss_type, s.loss.label_smoothing);
       !bad.empty())
     throw apps::UsageError(bad);
   try {  // whatever else the loss object refuses, refused here too

@@ -52,7 +52,8 @@ CASE is one of:
     absolute path (as the checkpoint records it) is not.
   bench_options: chunkloss-bench refuses at option parsing (exit 2, one line naming the option)
     --pairs x --seq-len whose N = 2 P T overflows, a negative --seed, bf16 logits and --phases on
-    the CPU and a --label-smoothing the loss (or DPO loss type) does not take.
+    the CPU, a --label-smoothing the loss (or DPO loss type) does not take, and --dpo-loss-type
+    (chunkloss-train's name) for a loss other than dpo.
 """
 import json
 import os
@@ -157,16 +158,21 @@ def bench_options_case(bench):
              ("--label-smoothing 1", "dpo")),
             (["--loss", "orpo", "--pairs", "1", "--seq-len", "8", "--label-smoothing", "0.3"],
              ("--label-smoothing 0.3", "orpo", "no label smoothing")),
-            (["--loss", "dpo", "--dpo-loss", "ipo", "--pairs", "1", "--seq-len", "8",
-              "--label-smoothing", "0.3"], ("--label-smoothing 0.3", "ipo")),
-            (["--loss", "dpo", "--dpo-loss", "exo_pair", "--pairs", "1", "--seq-len", "8"],
+            (["--loss", "dpo", "--dpo-loss-type", "ipo", "--pairs", "1", "--seq-len", "8",
+              "--label-smoothing", "0.3"], ("--label-smoothing 0.3", "--dpo-loss-type ipo")),
+            (["--loss", "dpo", "--dpo-loss-type", "exo_pair", "--pairs", "1", "--seq-len", "8"],
              ("--label-smoothing 0", "exo_pair")),
+            (["--loss", "simpo", "--dpo-loss-type", "ipo", "--pairs", "1", "--seq-len", "8"],
+             ("--dpo-loss-type is for --loss dpo",)),
             (["--loss", "dpo", "--pairs", "1", "--seq-len", "8", "--phases"],
              ("--phases", "--device cuda"))):
         one_line(b + extra, 2, *words)
-    # A value the loss takes runs.
-    run(b + ["--loss", "dpo", "--dpo-loss", "exo_pair", "--label-smoothing", "0.1", "--pairs",
-             "1", "--seq-len", "8"])
+    # A value the loss takes runs, under chunkloss-train's option name, which the case's
+    # reproducing command uses too.
+    p = run(b + ["--loss", "dpo", "--dpo-loss-type", "exo_pair", "--label-smoothing", "0.1",
+                 "--pairs", "1", "--seq-len", "8"])
+    if "--regime auto --dpo-loss-type exo_pair" not in p.stdout:
+        fail("the case's command must name --dpo-loss-type:\n" + p.stdout)
     # --device cuda with no device visible: the refusal alone, before the header line (a bench
     # built without CUDA refuses the device as a usage error).
     hidden = dict(os.environ, CUDA_VISIBLE_DEVICES="")

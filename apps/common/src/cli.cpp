@@ -184,11 +184,10 @@ void prepare_output_dir(std::string_view option, const std::string& dir) {
   ::unlink(probe.c_str());
 }
 
-std::string label_smoothing_error(std::string_view loss, std::string_view dpo_loss,
-                                  std::string_view dpo_option, double eps) {
+std::string label_smoothing_error(std::string_view loss, std::string_view dpo_loss, double eps) {
   std::ostringstream os;
   os << "--label-smoothing " << eps << ": --loss " << loss;
-  if (loss == "dpo") os << " " << dpo_option << " " << dpo_loss;
+  if (loss == "dpo") os << " --dpo-loss-type " << dpo_loss;
   // The loss object's own check decides (its message gives the range); ORPO and KTO have none.
   const auto ls = static_cast<float>(eps);
   try {

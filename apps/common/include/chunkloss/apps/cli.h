@@ -68,10 +68,9 @@ std::filesystem::file_status input_status(std::string_view option, const std::st
 void prepare_output_dir(std::string_view option, const std::string& dir);
 
 /// What is wrong with --label-smoothing `eps` for `loss` ("" when nothing): what the loss object
-/// refuses (for dpo of loss type `dpo_loss`, the value of option `dpo_option`), or any value but
-/// 0 for orpo and kto, which have none. The message names --label-smoothing and the loss.
-std::string label_smoothing_error(std::string_view loss, std::string_view dpo_loss,
-                                  std::string_view dpo_option, double eps);
+/// refuses (for dpo of loss type `dpo_loss`, the value of --dpo-loss-type), or any value but 0
+/// for orpo and kto, which have none. The message names --label-smoothing and the loss.
+std::string label_smoothing_error(std::string_view loss, std::string_view dpo_loss, double eps);
 
 /// Whether `a` and `b` name the same file: the same existing file (hard links, symlinks and
 /// relative spellings included), or the same path once made absolute and normalised.
