@@ -30,7 +30,8 @@ struct GenerateResult {
 std::vector<float> logits_at(const LlamaModel& model, std::int64_t row);
 
 /// Continues `prompt` (ids, non-empty, usually starting with BOS) for up to max_new_tokens,
-/// stopping early at eos_id or when the sequence reaches max_position_embeddings. Overwrites the
+/// stopping early at eos_id or after the token predicted from a context of
+/// max_position_embeddings (so prompt and output may hold one more, never fed back). Overwrites the
 /// model's activation cache. Deterministic for a given seed. Throws chunkloss::Error for an
 /// empty or too long prompt, a negative temperature or top_k.
 GenerateResult generate(LlamaModel& model, std::span<const std::int32_t> prompt,
