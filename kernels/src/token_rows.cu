@@ -145,12 +145,14 @@ __global__ void __launch_bounds__(kStatsThreads)
   }
   RowAcc r = Reduce(tmp).Reduce(acc, MergeAcc());
   if (threadIdx.x != 0) return;
+  // No column's z > m set arg where every column here is masked (-inf) or NaN: the first column,
+  // as the CPU predicts for a masked row.
+  if (r.m == -INFINITY) r.arg = 0;
   if (!p.partials) {
     apply_row_rule(p, t, y, r);
     return;
   }
-  // INT_MAX: a row of NaNs, or of -inf (columns masked through the bias)
-  if (r.arg != INT_MAX) r.arg += static_cast<int>(p.vocab_offset);
+  r.arg += static_cast<int>(p.vocab_offset);
   p.partials[i] = r;
 }
 
@@ -175,9 +177,11 @@ struct SumTotals {
 // The totals in scalars[kLoss, kEntropy] (sums over the rows) into the reported values.
 __device__ void scale_totals(const TokenParams& p) {
   const double valid = p.scalars[kValidRows];
+  // A mean over D <= 0 (1/D stored as 0) is 0 even where a row's loss is not finite, as on the
+  // CPU.
   const double scale = p.scale == Scale::kMean ? p.scalars[kInvDenom] : 1.0;
-  p.scalars[kLoss] *= scale;
-  p.scalars[kZLoss] *= scale;
+  p.scalars[kLoss] = scale > 0 ? p.scalars[kLoss] * scale : 0.0;
+  p.scalars[kZLoss] = scale > 0 ? p.scalars[kZLoss] * scale : 0.0;
   p.scalars[kAccuracy] = valid > 0 ? p.scalars[kAccuracy] / valid : 0.0;
   p.scalars[kEntropy] = valid > 0 ? p.scalars[kEntropy] / valid : 0.0;
 }

@@ -173,16 +173,22 @@ class CpuTokenBackend final : public TokenBackend {
     for (std::int64_t t = r0; t < r1; ++t) {
       ArrMap z(tile_ + (t - r0) * v_, v_);
       if (inv_cap != 0.0f) z = cap * (z * inv_cap).tanh();
+      // The max and its first column leave NaNs out, as on CUDA; where no column is above -inf
+      // (every column masked, or NaN), m is -inf and the first column is taken.
+      constexpr float kMasked = -std::numeric_limits<float>::infinity();
       kern::RowStats st;
-      st.m = z.maxCoeff();
+      st.m = z.maxCoeff<Eigen::PropagateNumbers>();
       std::int64_t arg = 0;
-      while (z[arg] != st.m && arg + 1 < v_) ++arg;
+      if (st.m > kMasked) {
+        while (z[arg] != st.m) ++arg;
+      } else {
+        st.m = kMasked;
+      }
       st.arg = static_cast<std::int32_t>(c_.vocab_offset + arg);
       // A -inf logit (a column masked through the bias) adds nothing to s and sez; logits that
       // are all -inf here (with a vocabulary split, a whole masked shard) add nothing at all,
-      // as on CUDA, where exp(z - m) would be NaN.
-      constexpr float kMasked = -std::numeric_limits<float>::infinity();
-      const bool all_masked = st.m == kMasked;
+      // as on CUDA, where exp(z - m) would be NaN. A NaN makes s NaN.
+      const bool all_masked = st.m == kMasked && !z.isNaN().any();
       st.s = all_masked ? 0.0f : (z - st.m).exp().sum();
       st.sez = c_.entropy && !all_masked ? (z == kMasked).select(0.0f, (z - st.m).exp() * z).sum()
                                          : 0.0f;
@@ -226,15 +232,19 @@ class CpuTokenBackend final : public TokenBackend {
       const bool has_y = y >= 0 && y < cols;
       const float chain_y =
           has_y && inv_cap != 0.0f ? 1.0f - (z[y] * inv_cap) * (z[y] * inv_cap) : 1.0f;
+      // A masked column's (-inf) probability is 0, as on CUDA; Eigen's vectorised exp gives
+      // 2.9e-39 there.
+      constexpr float kMasked = -std::numeric_limits<float>::infinity();
+      const auto prob = (z == kMasked).select(0.0f, (z - lse).exp());
       if (inv_cap == 0.0f) {
         if (cw)
-          z = a * (z - lse).exp() - g * CArrMap(cw, cols);
+          z = a * prob - g * CArrMap(cw, cols);
         else
-          z = a * (z - lse).exp() - g;
+          z = a * prob - g;
       } else if (cw) {
-        z = (a * (z - lse).exp() - g * CArrMap(cw, cols)) * (1.0f - (z * inv_cap).square());
+        z = (a * prob - g * CArrMap(cw, cols)) * (1.0f - (z * inv_cap).square());
       } else {
-        z = (a * (z - lse).exp() - g) * (1.0f - (z * inv_cap).square());
+        z = (a * prob - g) * (1.0f - (z * inv_cap).square());
       }
       if (has_y) z[y] -= b * chain_y;
     }

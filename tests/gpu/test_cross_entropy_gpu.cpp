@@ -525,6 +525,76 @@ TEST_CASE("gpu: all rows ignored gives loss 0 and zero gradients; forward only")
   CHECK(f.r.loss == doctest::Approx(fb.r.loss).epsilon(1e-6));
 }
 
+TEST_CASE("gpu: a row whose columns are all masked predicts column 0, as on the CPU") {
+  if (!have_gpu()) return;
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    for (LoopOrder order : {LoopOrder::kTokenChunk, LoopOrder::kVocabBlock}) {
+      for (DType logits : {DType::kF32, DType::kBF16}) {
+        if (logits == DType::kBF16 && t == DType::kF32) continue;  // (bf16 inputs only)
+        CAPTURE(dtype_name(t));
+        CAPTURE(loop_order_name(order));
+        CAPTURE(dtype_name(logits));
+        Problem p{100, 32, 300, t, true};
+        p.masked_every = 1;  // a -inf bias on every column
+        CrossEntropyOptions o;
+        o.loop_order = order;
+        // Several chunks; the CPU stages bf16 operands as fp32 within the same budget.
+        o.memory_budget_bytes =
+            32 * 300 * 4 * 3 + (t == DType::kBF16 ? (2 * 300 + 2 * 100) * 32 * 4 : 0);
+        const HostData d = make_data(p);
+        const Outcome c = run(p, d, o, Device::kCpu, false);
+        o.logits_dtype = logits;
+        const Outcome g = run(p, d, o, Device::kCuda, false);
+        CHECK(g.plan.num_chunks > 1);
+        CHECK(std::isnan(g.r.loss));
+        CHECK(std::isnan(c.r.loss));
+        REQUIRE(g.pred.size() == c.pred.size());
+        int valid = 0;
+        for (std::size_t i = 0; i < g.pred.size(); ++i) {
+          CAPTURE(i);
+          valid += d.y[i] >= 0;
+          CHECK(c.pred[i] == (d.y[i] >= 0 ? 0 : -1));
+          CHECK(g.pred[i] == c.pred[i]);
+        }
+        CHECK(valid > 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("gpu: NaN logits predict as on the CPU; a zero divisor's mean stays 0 with them") {
+  if (!have_gpu()) return;
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    for (LoopOrder order : {LoopOrder::kTokenChunk, LoopOrder::kVocabBlock}) {
+      CAPTURE(dtype_name(t));
+      CAPTURE(loop_order_name(order));
+      Problem p{100, 32, 300, t};
+      p.class_weights = p.zero_divisor = true;  // every valid target is column 3, of weight 0
+      HostData d = make_data(p);
+      // NaN weight rows: NaN columns in every row; row 5's hidden NaN: all its logits.
+      const std::vector<unsigned char> nan_row = nan_floats(p.h, t);
+      const std::size_t row_bytes = nan_row.size();
+      for (std::int64_t j : {0, 5, 299})
+        std::memcpy(d.w.data() + j * row_bytes, nan_row.data(), row_bytes);
+      std::memcpy(d.x.data() + 5 * row_bytes, nan_row.data(), row_bytes);
+      d.y[5] = 3;
+      CrossEntropyOptions o;
+      o.loop_order = order;
+      o.z_loss = 1e-2f;
+      o.memory_budget_bytes =
+          32 * 300 * 4 * 3 + (t == DType::kBF16 ? (2 * 300 + 2 * 100) * 32 * 4 : 0);
+      const Outcome g = run(p, d, o, Device::kCuda, false), c = run(p, d, o, Device::kCpu, false);
+      CHECK(g.plan.num_chunks > 1);
+      CHECK(c.r.loss == 0.0);  // D = 0: the mean is 0, whatever the rows' losses
+      CHECK(g.r.loss == 0.0);
+      CHECK(g.r.z_loss == 0.0);
+      CHECK(std::isnan(g.lse[5]));
+      CHECK(g.pred[5] == 0);
+      CHECK(g.pred == c.pred);
+    }
+  }
+}
+
 // lse with the rows skip_ignored_rows skipped (NaN) as 0: the count of such rows.
 std::int64_t skipped_as_zero(std::vector<float>& lse) {
   std::int64_t n = 0;

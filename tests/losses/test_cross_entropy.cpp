@@ -221,11 +221,20 @@ TEST_CASE("oracle: a -inf bias masks columns (probability 0, no gradient), entro
   CrossEntropyOptions o;
   o.compute_entropy = true;
   o.z_loss = 1e-3f;
-  const reference::CeResult ref = oracle(CeData(s), o);
+  const CeData d(s);
+  const reference::CeResult ref = oracle(d, o);
   CHECK(std::isfinite(ref.loss));
   CHECK(std::isfinite(ref.entropy));
   CHECK(ref.grad_bias[0] == 0.0);
   check_option_matrix(s, o);
+  // The library's masked columns get exactly no gradient either.
+  const LibRun run = run_library(d, o, {});
+  const std::vector<double> db = run.grads.bias(), dw = run.grads.weight();
+  for (std::int64_t j = 0; j < s.v; j += s.masked_every) {
+    CAPTURE(j);
+    CHECK(db[sz(j)] == 0.0);
+    for (std::int64_t i = 0; i < s.h; ++i) REQUIRE(dw[sz(j * s.h + i)] == 0.0);
+  }
   o.softcap = 4.0f;  // softcap(-inf) = -cap: no longer masked, and still finite
   check_option_matrix(s, o);
 }
@@ -665,6 +674,45 @@ TEST_CASE("ties: predictions and accuracy use the first argmax") {
       CHECK(run.out.predictions == want);
       CHECK(run.result.accuracy == doctest::Approx(4.0 / 7.0).epsilon(1e-12));
       check_against_oracle(d, o, {}, run, oracle(d, o));
+    }
+  }
+}
+
+TEST_CASE("NaN logits: predictions leave NaNs out; a row of NaNs predicts column 0") {
+  // NaN weight rows make a few columns NaN in every row (the first, one inside a 16-byte vector,
+  // the last); row 2's hidden is NaN, so all its logits are. Every other row must predict what
+  // it predicts with those columns masked by a -inf bias instead (the other logits are the same
+  // GEMM sums), and the loss is NaN.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::int64_t nan_cols[] = {0, 3, 17, 506};
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (LoopOrder order : kOrders) {
+      CeSpec s;
+      s.n = 9;
+      s.h = 16;
+      s.dtype = dtype;
+      s.bias = true;
+      s.ignore_fraction = 0.0;
+      CeData with_nan(s), masked(s);
+      for (std::int64_t j : nan_cols) {
+        for (std::int64_t i = 0; i < s.h; ++i) {
+          with_nan.weight[sz(j * s.h + i)] = nan;
+          masked.weight[sz(j * s.h + i)] = 0.0f;
+        }
+        masked.bias[sz(j)] = -std::numeric_limits<float>::infinity();
+      }
+      for (std::int64_t i = 0; i < s.h; ++i) with_nan.hidden[sz(2 * s.h + i)] = nan;
+      with_nan.sync();
+      masked.sync();
+      CrossEntropyOptions o;
+      o.loop_order = order;
+      INFO(describe(s, o, {}));
+      const LibRun a = run_library(with_nan, o, {}), b = run_library(masked, o, {});
+      CHECK(std::isnan(a.result.loss));
+      for (std::int64_t t = 0; t < s.n; ++t) {
+        CAPTURE(t);
+        CHECK(a.out.predictions[sz(t)] == (t == 2 ? 0 : b.out.predictions[sz(t)]));
+      }
     }
   }
 }

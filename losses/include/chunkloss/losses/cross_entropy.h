@@ -137,7 +137,8 @@ struct CrossEntropyGrads {
 
 /// Optional outputs: row_loss [N] f32 (required with Reduction::kNone; ignored rows
 /// get 0), lse [N] f32 (ignored rows get their lse too, rows skip_ignored_rows skipped NaN),
-/// predictions [N] i32 (argmax, -1 for ignored rows).
+/// predictions [N] i32 (argmax: the first column of the row's largest logit, NaN logits left
+/// out, 0 when every column is masked or NaN; -1 for ignored rows).
 /// scalars [7] f32 on the inputs' device receives loss, z_loss, accuracy, entropy, valid_rows,
 /// weight_sum and the number of invalid inputs found on the device (out-of-range targets,
 /// negative or non-finite class weights and, with check_finite, non-finite values: nonzero
