@@ -85,10 +85,11 @@ struct CrossEntropyOptions {
 /// Inputs. Shapes: hidden [N, H], weight [V, H] (same float dtype), bias [V] optional (same
 /// dtype; a -inf entry masks its column: probability 0, no gradient, check_finite refuses it,
 /// label smoothing then makes the loss infinite as in PyTorch, and a row whose columns are all
-/// masked is NaN), targets [N] i32 or i64 in [0, V) or ignore_index, class_weights [V] f32
-/// optional (finite and >= 0; the mean's divisor sums them), token_weights [N] f32 optional (scale
-/// each row's loss; not part of the mean's divisor), grad_output [N] f32: the upstream gradient,
-/// required with Reduction::kNone when any gradient is requested, not allowed otherwise.
+/// masked is NaN; with softcap a -inf logit is capped to -softcap, so it masks nothing), targets
+/// [N] i32 or i64 in [0, V) or ignore_index, class_weights [V] f32 optional (finite and >= 0; the
+/// mean's divisor sums them), token_weights [N] f32 optional (scale each row's loss; not part of
+/// the mean's divisor), grad_output [N] f32: the upstream gradient, required with Reduction::kNone
+/// when any gradient is requested, not allowed otherwise.
 struct CrossEntropyInputs {
   TensorView hidden;
   TensorView weight;
