@@ -108,8 +108,14 @@ __global__ void __launch_bounds__(kStatsThreads)
         acc.m = vm;
         acc.arg = static_cast<int>(j) + vi;
       }
+      if (acc.m == -INFINITY) {  // -inf (masked or overflowed) adds nothing, NaN makes s NaN
 #pragma unroll
-      for (int k = 0; k < V; ++k) acc.s += __expf(z[k] - acc.m);
+        for (int k = 0; k < V; ++k)
+          if (z[k] != -INFINITY) acc.s += __expf(z[k] - acc.m);
+      } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) acc.s += __expf(z[k] - acc.m);
+      }
       if (p.logit_sums) {
 #pragma unroll
         for (int k = 0; k < V; ++k)

@@ -72,6 +72,14 @@ std::vector<unsigned char> random_floats(std::int64_t count, DType t, float scal
   return out;
 }
 
+// Stores `f` as element i of `raw`, which holds values of dtype `t`.
+void store(std::vector<unsigned char>& raw, std::int64_t i, float f, DType t) {
+  if (t == DType::kF32)
+    std::memcpy(raw.data() + i * 4, &f, 4);
+  else
+    reinterpret_cast<BFloat16*>(raw.data())[i] = BFloat16(f);
+}
+
 HostData make_data(const Problem& p) {
   std::mt19937_64 g(p.seed);
   HostData d;
@@ -87,13 +95,8 @@ HostData make_data(const Problem& p) {
     d.tw.push_back(static_cast<float>(u(g) * 2));
   for (std::int64_t i = 0; i < p.n; ++i) d.up.push_back(static_cast<float>(u(g) - 0.3));
   if (p.masked_every > 0) {
-    const float minus_inf = -std::numeric_limits<float>::infinity();
-    for (std::int64_t j = 0; j < p.v; j += p.masked_every) {
-      if (p.dtype == DType::kF32)
-        std::memcpy(d.b.data() + j * 4, &minus_inf, 4);
-      else
-        reinterpret_cast<BFloat16*>(d.b.data())[j] = BFloat16(minus_inf);
-    }
+    for (std::int64_t j = 0; j < p.v; j += p.masked_every)
+      store(d.b, j, -std::numeric_limits<float>::infinity(), p.dtype);
     for (std::int64_t& y : d.y)
       if (y >= 0 && y % p.masked_every == 0) y = (y + 1) % p.v;
   }
@@ -559,6 +562,27 @@ TEST_CASE("gpu: a row whose columns are all masked predicts column 0, as on the 
         CHECK(valid > 0);
       }
     }
+  }
+}
+
+TEST_CASE("gpu: -inf logits without a bias (the lean row path) add nothing, as on the CPU") {
+  if (!have_gpu()) return;
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    CAPTURE(dtype_name(t));
+    Problem p{100, 32, 300, t};
+    HostData d = make_data(p);
+    // Weight rows 0-7 hold -inf in element 0 and every hidden row 1 there: logits 0-7 are -inf,
+    // the first 16-byte vector (or two) of a row.
+    for (std::int64_t j = 0; j < 8; ++j)
+      store(d.w, j * p.h, -std::numeric_limits<float>::infinity(), t);
+    for (std::int64_t i = 0; i < p.n; ++i) store(d.x, i * p.h, 1.0f, t);
+    for (std::int64_t& y : d.y)
+      if (y >= 0 && y < 8) y += 8;
+    const Outcome g = run(p, d, {}, Device::kCuda, false), c = run(p, d, {}, Device::kCpu, false);
+    CHECK(std::isfinite(c.r.loss));
+    CHECK(std::abs(g.r.loss - c.r.loss) <= 2e-4 * (1 + std::abs(c.r.loss)));
+    CHECK(rel_err(g.lse, c.lse) <= 1e-5);
+    CHECK(g.pred == c.pred);
   }
 }
 

@@ -263,6 +263,38 @@ TEST_CASE("gpu: ORPO, SimPO, CPO and KTO match the CPU path and the oracle") {
   compare_matrix(k, KtoOptions{});
 }
 
+// The masked columns of masked_columns_data: finite losses as on the CPU (the logits metrics
+// -inf on both), and exactly no gradient on the masked columns.
+template <typename Options>
+void compare_masked(const PrefSpec& s, Options o) {
+  const PrefData d = masked_columns_data(s, -std::numeric_limits<float>::infinity());
+  for (Regime r : kRegimes) {
+    o.engine.regime = r;
+    INFO(describe(d.spec), " regime=", regime_name(r));
+    const PrefRun cpu = run_library(d, make_loss(o), {}), gpu_run = run_gpu(d, make_loss(o), {});
+    CHECK(std::isfinite(gpu_run.result.loss));
+    const PrefTol t = gpu_vs_cpu(s.dtype, DType::kF32);
+    check_runs_close(gpu_run, cpu, std::max(t.loss, t.grad));
+    const std::vector<double> dw = gpu_run.grads.weight(), db = gpu_run.grads.bias();
+    for (std::int64_t j : kMaskedColumns) {
+      CAPTURE(j);
+      CHECK(db[sz(j)] == 0.0);
+      for (std::int64_t i = 0; i < s.h; ++i) REQUIRE(dw[sz(j * s.h + i)] == 0.0);
+    }
+  }
+}
+
+TEST_CASE("gpu: a -inf bias masks columns as on the CPU: finite losses, no gradient on them") {
+  if (!have_gpu()) return;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    PrefSpec s = gpu_spec();
+    s.dtype = dtype;
+    compare_masked(s, DpoOptions{});
+    s.ref = RefMode::kNone;
+    compare_masked(s, OrpoOptions{});
+  }
+}
+
 TEST_CASE("gpu: P = 1, odd shapes, variable lengths") {
   if (!have_gpu()) return;
   struct Shape {

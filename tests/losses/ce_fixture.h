@@ -14,12 +14,10 @@
 #include <vector>
 
 #include "reference/cross_entropy_ref.h"
+#include "support/compare.h"
 #include "support/grad_buffers.h"
 
 namespace chunkloss::test {
-
-/// An index or size as a vector's size_t.
-inline std::size_t sz(std::int64_t x) { return static_cast<std::size_t>(x); }
 
 /// Shape and contents of a generated problem.
 struct CeSpec {

@@ -20,8 +20,6 @@
 namespace chunkloss::test {
 namespace {
 
-std::size_t sz(std::int64_t x) { return static_cast<std::size_t>(x); }
-
 // Targets [s, t]: per sequence a prompt, a completion of at least one valid token, padding.
 std::vector<std::int64_t> sequence_targets(std::int64_t s, std::int64_t t, std::int64_t v,
                                            bool full, double max_prompt_frac,
@@ -449,6 +447,23 @@ void check_split_runs(const PrefData& d, const PrefRun& full, const std::vector<
   if (!dw.empty())
     check_close("grad_weight summed over the ranks", dw, full.grads.weight(), tol.grad);
   if (!db.empty()) check_close("grad_bias summed over the ranks", db, full.grads.bias(), tol.grad);
+}
+
+PrefData masked_columns_data(PrefSpec s, float bias) {
+  s.bias = true;
+  PrefData d(s);
+  for (std::int64_t j : kMaskedColumns) {
+    d.bias[sz(j)] = bias;
+    if (!d.ref_bias.empty()) d.ref_bias[sz(j)] = bias;
+  }
+  for (std::int64_t r = 0; r < d.rows(); ++r) {
+    const std::int64_t y = d.targets64[sz(r)];
+    if (std::find(std::begin(kMaskedColumns), std::end(kMaskedColumns), y) !=
+        std::end(kMaskedColumns))
+      d.set_target(r, y + 1);
+  }
+  d.sync();
+  return d;
 }
 
 void check_runs_close(const PrefRun& a, const PrefRun& b, double tol) {

@@ -180,6 +180,13 @@ struct SplitTol {
 void check_split_runs(const PrefData& d, const PrefRun& full, const std::vector<PrefRun>& runs,
                       const DataSplit& s, const SplitTol& tol, bool reduced);
 
+/// The columns masked_columns_data masks.
+inline constexpr std::int64_t kMaskedColumns[] = {0, 7};
+
+/// A problem of `s` with a bias (both heads) whose kMaskedColumns entries are `bias` (-inf: a
+/// vocabulary mask), and targets moved off those columns.
+PrefData masked_columns_data(PrefSpec s, float bias);
+
 /// Two runs of one problem agree to `tol` (relative): loss, per-sequence vectors, gradients.
 void check_runs_close(const PrefRun& a, const PrefRun& b, double tol);
 

@@ -961,6 +961,48 @@ TEST_CASE("P = 1: one pair of every loss type, and KTO with one sequence") {
   check_matrix(k, KtoOptions{});
 }
 
+// Columns masked in both heads by a -inf bias (a vocabulary mask): every regime's loss and
+// gradients equal, to rounding, those with a bias of -1e4 there (probability 0 in fp32 as well),
+// and the masked columns get no gradient. The logit sums, and so the logits metrics, are -inf.
+template <typename Options>
+void check_masked_columns(const PrefSpec& s, const Options& base) {
+  const PrefData masked = masked_columns_data(s, -std::numeric_limits<float>::infinity());
+  const PrefData finite = masked_columns_data(s, -1e4f);
+  for (Regime regime : regimes_for(base, masked.spec)) {
+    Options o = base;
+    o.engine.regime = regime;
+    INFO(describe(masked.spec), " | ", describe(o));
+    const PrefRun a = run_library(masked, make_loss(o), {}),
+                  b = run_library(finite, make_loss(o), {});
+    CHECK(std::isfinite(a.result.loss));
+    check_scalar("loss", a.result.loss, b.result.loss, 1e-6);
+    for (const auto& [name, value] : a.result.metrics)
+      if (name.starts_with("logits/")) CHECK(value == -std::numeric_limits<double>::infinity());
+    check_close("dH", a.grads.hidden(), b.grads.hidden(), 1e-6);
+    check_close("dW", a.grads.weight(), b.grads.weight(), 1e-6);
+    check_close("db", a.grads.bias(), b.grads.bias(), 1e-6);
+    const std::vector<double> dw = a.grads.weight(), db = a.grads.bias();
+    for (std::int64_t j : kMaskedColumns) {
+      CAPTURE(j);
+      CHECK(db[sz(j)] == 0.0);
+      for (std::int64_t i = 0; i < s.h; ++i) REQUIRE(dw[sz(j * s.h + i)] == 0.0);
+    }
+  }
+}
+
+TEST_CASE("a -inf bias masks columns: finite losses, no gradient on them, every loss") {
+  PrefSpec s;
+  s.ref = RefMode::kHead;
+  check_masked_columns(s, dpo(DpoLoss::kSigmoid));
+  s.ref = RefMode::kNone;
+  check_masked_columns(s, OrpoOptions{});
+  check_masked_columns(s, SimpoOptions{});
+  check_masked_columns(s, CpoOptions{});
+  PrefSpec k = kto_spec();
+  k.ref = RefMode::kHead;
+  check_masked_columns(k, KtoOptions{});
+}
+
 TEST_CASE("KTO with sequences of one label: that label's metrics alone, and no margin") {
   for (std::int32_t label : {0, 1}) {
     CAPTURE(label);

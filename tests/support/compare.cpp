@@ -83,7 +83,7 @@ double check_close_scaled(std::string_view what, const std::vector<double>& got,
 
 void check_scalar(std::string_view what, double got, double want, double tol) {
   const double bound = tol * std::max(std::abs(want), 1.0);
-  const bool ok = std::abs(got - want) <= bound;
+  const bool ok = got == want || std::abs(got - want) <= bound;  // (infinities of one sign)
   if (!ok) {
     std::ostringstream os;
     os.precision(12);

@@ -4,6 +4,7 @@
 
 #include <chunkloss/core/dtype.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -11,6 +12,9 @@
 #include <vector>
 
 namespace chunkloss::test {
+
+/// An index or size as a vector's size_t.
+inline std::size_t sz(std::int64_t x) { return static_cast<std::size_t>(x); }
 
 inline double as_double(double x) { return x; }
 inline double as_double(float x) { return x; }
@@ -49,7 +53,8 @@ double check_close(std::string_view what, const std::vector<T>& got, const std::
 double check_close_scaled(std::string_view what, const std::vector<double>& got,
                           const std::vector<double>& want, double scale, double tol);
 
-/// CHECKs |got - want| <= tol * max(|want|, 1): relative for large values, absolute near zero.
+/// CHECKs |got - want| <= tol * max(|want|, 1): relative for large values, absolute near zero;
+/// equal infinities pass.
 void check_scalar(std::string_view what, double got, double want, double tol);
 
 /// CHECKs every element equals `value` exactly (e.g. zero gradients); reports the first offender.

@@ -8,11 +8,6 @@
 #include "support/random.h"
 
 namespace chunkloss::test {
-namespace {
-
-std::size_t sz(std::int64_t x) { return static_cast<std::size_t>(x); }
-
-}  // namespace
 
 GradStorage::GradStorage(DType dtype, bool hidden, bool weight, bool bias, std::int64_t n,
                          std::int64_t h, std::int64_t v, float fill)

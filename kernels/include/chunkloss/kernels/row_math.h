@@ -36,7 +36,8 @@ struct RowTerms {
 CHUNKLOSS_HD RowTerms row_terms(const RowRule& r, float lse, float z_y, float cw_y, float sum_wz) {
   RowTerms t;
   t.beta = r.one_minus_ls * cw_y;
-  t.ce = t.beta * (lse - z_y) + r.eps * (r.cw_sum * lse - sum_wz);
+  // Without smoothing the logit sum takes no part: a masked (-inf) column would make it 0 * inf.
+  t.ce = t.beta * (lse - z_y) + (r.eps != 0.0f ? r.eps * (r.cw_sum * lse - sum_wz) : 0.0f);
   t.zloss = r.z_loss * lse * lse;
   t.alpha = t.beta + r.eps * r.cw_sum + 2.0f * r.z_loss * lse;
   t.gamma = r.eps;
