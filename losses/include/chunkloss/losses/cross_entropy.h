@@ -89,7 +89,9 @@ struct CrossEntropyOptions {
 /// [N] i32 or i64 in [0, V) or ignore_index, class_weights [V] f32 optional (finite and >= 0; the
 /// mean's divisor sums them), token_weights [N] f32 optional (scale each row's loss; not part of
 /// the mean's divisor), grad_output [N] f32: the upstream gradient, required with Reduction::kNone
-/// when any gradient is requested, not allowed otherwise.
+/// when any gradient is requested, not allowed otherwise. Ignored rows' hidden must be finite
+/// too (as in PyTorch, their zero gradient still meets them in dW: 0 * NaN is NaN), unless
+/// skip_ignored_rows skips them.
 struct CrossEntropyInputs {
   TensorView hidden;
   TensorView weight;

@@ -27,7 +27,9 @@
 namespace chunkloss {
 
 /// A linear head: logits = hidden @ weight^T + bias. hidden [N, H] (or [S, T, H]), weight
-/// [V, H], bias [V] optional, all of one float dtype on one device.
+/// [V, H], bias [V] optional, all of one float dtype on one device. The hidden rows of ignored
+/// targets (prompts, padding) must be finite too: a computed row's zero gradient still meets
+/// them in dW (0 * NaN is NaN), and which ignored rows a call computes depends on its plan.
 struct Head {
   TensorView hidden;
   TensorView weight;
