@@ -466,6 +466,15 @@ PrefData masked_columns_data(PrefSpec s, float bias) {
   return d;
 }
 
+void check_masked_columns_untouched(const PrefRun& run, std::int64_t h) {
+  const std::vector<double> dw = run.grads.weight(), db = run.grads.bias();
+  for (std::int64_t j : kMaskedColumns) {
+    CAPTURE(j);
+    CHECK(db[sz(j)] == 0.0);
+    for (std::int64_t i = 0; i < h; ++i) REQUIRE(dw[sz(j * h + i)] == 0.0);
+  }
+}
+
 void check_runs_close(const PrefRun& a, const PrefRun& b, double tol) {
   check_scalar("loss (two plans)", a.result.loss, b.result.loss, tol);
   check_close("logps (two plans)", a.result.logps, b.result.logps, tol);

@@ -187,6 +187,9 @@ inline constexpr std::int64_t kMaskedColumns[] = {0, 7};
 /// vocabulary mask), and targets moved off those columns.
 PrefData masked_columns_data(PrefSpec s, float bias);
 
+/// A run of masked_columns_data (-inf) gave kMaskedColumns exactly no weight or bias gradient.
+void check_masked_columns_untouched(const PrefRun& run, std::int64_t h);
+
 /// Two runs of one problem agree to `tol` (relative): loss, per-sequence vectors, gradients.
 void check_runs_close(const PrefRun& a, const PrefRun& b, double tol);
 
