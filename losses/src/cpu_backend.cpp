@@ -99,6 +99,11 @@ class CpuTokenBackend final : public TokenBackend {
       dh_pack_rows_ = c;
     }
     if (call.class_weights.defined()) cw_ = call.class_weights.data_as<const float>();
+    // A -inf bias entry masks its column (with softcap it is capped instead).
+    if (c_.bias.defined() && !(c_.softcap > 0.0f)) {
+      for (std::int64_t j = 0; j < v_ && !masked_bias_; ++j)
+        masked_bias_ = bias_value(j) == -std::numeric_limits<float>::infinity();
+    }
     // Eigen's GEMMs take their threads from the calling thread's OpenMP setting (not from
     // Eigen::setNbThreads, a process-wide value other threads' calls would race on); the
     // caller's setting is restored when the call ends.
@@ -140,6 +145,13 @@ class CpuTokenBackend final : public TokenBackend {
     }
     select_tile(0);
     logits_of(x_pack_, row_count(ranges), 0, v_);
+  }
+
+  // The bias of this call's column j.
+  float bias_value(std::int64_t j) const {
+    return c_.bias.dtype() == DType::kF32
+               ? c_.bias.data_as<const float>()[j]
+               : static_cast<float>(c_.bias.data_as<const BFloat16>()[j]);
   }
 
   // tile [rows, v1 - v0] = x w[v0:v1]^T (+ bias[v0:v1]) for `rows` fp32 X rows `x`.
@@ -232,19 +244,22 @@ class CpuTokenBackend final : public TokenBackend {
       const bool has_y = y >= 0 && y < cols;
       const float chain_y =
           has_y && inv_cap != 0.0f ? 1.0f - (z[y] * inv_cap) * (z[y] * inv_cap) : 1.0f;
-      // A masked column's (-inf) probability is 0, as on CUDA; Eigen's vectorised exp gives
-      // 2.9e-39 there.
-      constexpr float kMasked = -std::numeric_limits<float>::infinity();
-      const auto prob = (z == kMasked).select(0.0f, (z - lse).exp());
       if (inv_cap == 0.0f) {
         if (cw)
-          z = a * prob - g * CArrMap(cw, cols);
+          z = a * (z - lse).exp() - g * CArrMap(cw, cols);
         else
-          z = a * prob - g;
+          z = a * (z - lse).exp() - g;
       } else if (cw) {
-        z = (a * prob - g * CArrMap(cw, cols)) * (1.0f - (z * inv_cap).square());
+        z = (a * (z - lse).exp() - g * CArrMap(cw, cols)) * (1.0f - (z * inv_cap).square());
       } else {
-        z = (a * prob - g) * (1.0f - (z * inv_cap).square());
+        z = (a * (z - lse).exp() - g) * (1.0f - (z * inv_cap).square());
+      }
+      // Eigen's vectorised exp gives 2.9e-39, not 0, at -inf: a masked column's probability is
+      // made exactly 0, as on CUDA (a select in the expression above would not vectorise).
+      if (masked_bias_) {
+        for (std::int64_t j = 0; j < cols; ++j)
+          if (bias_value(v0 + j) == -std::numeric_limits<float>::infinity())
+            z[j] = -g * (cw ? cw[j] : 1.0f);
       }
       if (has_y) z[y] -= b * chain_y;
     }
@@ -529,6 +544,7 @@ class CpuTokenBackend final : public TokenBackend {
   std::vector<RowRange> packed_;  // the ranges whose X rows x_pack_ holds
   std::int64_t x32_r0_ = -1, x32_r1_ = -1;
   const float* cw_ = nullptr;
+  bool masked_bias_ = false;  // the bias masks a column
   std::int64_t valid_ = 0;
   double denom_ = 0;
   float inv_denom_ = 0;
