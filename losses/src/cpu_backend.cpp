@@ -46,6 +46,9 @@ void store_f32(const TensorView& dst, std::int64_t offset, std::int64_t count, c
   }
 }
 
+// The logit of a column masked through the bias.
+constexpr float kMasked = -std::numeric_limits<float>::infinity();
+
 class CpuTokenBackend final : public TokenBackend {
  public:
   CpuTokenBackend(const CpuContext& ctx, const TokenCall& call, const Plan& plan,
@@ -102,7 +105,7 @@ class CpuTokenBackend final : public TokenBackend {
     // A -inf bias entry masks its column (with softcap it is capped instead).
     if (c_.bias.defined() && !(c_.softcap > 0.0f)) {
       for (std::int64_t j = 0; j < v_ && !masked_bias_; ++j)
-        masked_bias_ = bias_value(j) == -std::numeric_limits<float>::infinity();
+        masked_bias_ = bias_value(j) == kMasked;
     }
     // Eigen's GEMMs take their threads from the calling thread's OpenMP setting (not from
     // Eigen::setNbThreads, a process-wide value other threads' calls would race on); the
@@ -187,7 +190,6 @@ class CpuTokenBackend final : public TokenBackend {
       if (inv_cap != 0.0f) z = cap * (z * inv_cap).tanh();
       // The max and its first column leave NaNs out, as on CUDA; where no column is above -inf
       // (every column masked, or NaN), m is -inf and the first column is taken.
-      constexpr float kMasked = -std::numeric_limits<float>::infinity();
       kern::RowStats st;
       st.m = z.maxCoeff<Eigen::PropagateNumbers>();
       std::int64_t arg = 0;
@@ -258,8 +260,7 @@ class CpuTokenBackend final : public TokenBackend {
       // made exactly 0, as on CUDA (a select in the expression above would not vectorise).
       if (masked_bias_) {
         for (std::int64_t j = 0; j < cols; ++j)
-          if (bias_value(v0 + j) == -std::numeric_limits<float>::infinity())
-            z[j] = -g * (cw ? cw[j] : 1.0f);
+          if (bias_value(v0 + j) == kMasked) z[j] = -g * (cw ? cw[j] : 1.0f);
       }
       if (has_y) z[y] -= b * chain_y;
     }
