@@ -474,49 +474,38 @@ std::unique_ptr<Trainer> make_trainer(const Settings& s, const DataSettings& dat
 }
 
 // The metrics file of a run, which follows the atomic rule of every output: the records go to
-// PATH.partial as they come (where a run can be watched), and PATH is replaced by it atomically at
-// each checkpoint save and at the end, so a run that fails leaves the previous PATH as it was,
-// beside the checkpoint it belongs to. A new run starts afresh; a resumed one from PATH's records
-// up to the step it resumes at (those of a later, abandoned part of the run are dropped).
+// PATH.partial as they come (where a run can be watched), and PATH is replaced by all of them
+// atomically at the end, so a run that fails leaves the previous PATH as it was, beside the
+// checkpoint it belongs to. Each checkpoint saves the records up to its step in its trainer
+// state (log_history); a resumed run starts from those of the checkpoint it resumes, a new run
+// from none.
 class MetricsLog {
  public:
   MetricsLog() = default;
-  MetricsLog(std::string path, std::optional<std::int64_t> resumed_at)
-      : path_(std::move(path)), partial_(path_ + ".partial") {
-    std::string kept;
-    if (resumed_at) {
-      std::ifstream old(path_);
-      for (std::string line; std::getline(old, line);) {
-        const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-        if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
-            j["step"].get<std::int64_t>() <= *resumed_at)
-          kept += line + "\n";
-      }
-    }
+  MetricsLog(std::string path, std::vector<std::string> kept)
+      : path_(std::move(path)), partial_(path_ + ".partial"), records_(std::move(kept)) {
     out_.open(partial_, std::ios::trunc | std::ios::binary);
-    out_ << kept;
+    for (const std::string& r : records_) out_ << r << "\n";
     out_.flush();
     CHUNKLOSS_CHECK(out_.good(), "--metrics: cannot write ", partial_);
   }
   bool enabled() const { return !path_.empty(); }
+  /// The records so far, one JSON object text each.
+  const std::vector<std::string>& records() const { return records_; }
 
   void append(const nlohmann::json& record) {
     if (!enabled()) return;
-    out_ << record.dump() << "\n";
+    records_.push_back(record.dump());
+    out_ << records_.back() << "\n";
     out_.flush();
     CHUNKLOSS_CHECK(out_.good(), "--metrics: cannot write ", partial_);
-    published_ = false;
   }
-  /// PATH becomes the records so far (write, fsync, rename), unless it already is.
-  void publish() {
-    if (!enabled() || published_) return;
-    model::write_file_atomically(path_, data::read_text_file(partial_));
-    published_ = true;
-  }
-  /// The last publish(): the in-progress file is removed.
+  /// PATH becomes the records (write, fsync, rename), and the in-progress file is removed.
   void finish() {
     if (!enabled()) return;
-    publish();
+    std::string text;
+    for (const std::string& r : records_) text += r + "\n";
+    model::write_file_atomically(path_, text);
     out_.close();
     std::error_code ec;
     std::filesystem::remove(partial_, ec);
@@ -525,7 +514,7 @@ class MetricsLog {
  private:
   std::string path_, partial_;
   std::ofstream out_;
-  bool published_ = false;
+  std::vector<std::string> records_;
 };
 
 // The chart's curves from every line of the metrics file (the last record of each step wins,
@@ -610,12 +599,31 @@ class Ranks {
   std::vector<std::unique_ptr<dist::InProcessGroup>> vocab_groups_, data_groups_;
 };
 
+// The checkpoint directories this run will save into that exist already (SAVE, and the
+// SAVE/checkpoint-N of --save-every after step `start`), checked before the first step: a save
+// that fails on what is there would lose the run's work.
+void check_save_targets(const Settings& s, std::int64_t start) {
+  model::check_save_target(s.save);
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(s.save, ec)) {
+    const std::string name = e.path().filename().string();
+    constexpr std::string_view kPrefix = "checkpoint-";
+    if (s.save_every == 0 || !name.starts_with(kPrefix)) continue;
+    std::int64_t n = 0;
+    const char* digits = name.data() + kPrefix.size();
+    const auto [end, err] = std::from_chars(digits, name.data() + name.size(), n);
+    if (err == std::errc() && end == name.data() + name.size() && n > start && n < s.steps &&
+        n % s.save_every == 0)
+      model::check_save_target(e.path().string());
+  }
+}
+
 // Checks every output before any work (and makes their directories): --save, --metrics and
 // --chart must be writable, files where files go, and must not overwrite an input (the training
 // data, the --config file, the --init checkpoint `init`: --init's, or the one a resumed run
 // records) or a file of a checkpoint the run reads or writes (--resume, --init, --save and its
 // checkpoint-N).
-void prepare_outputs(const Settings& s, const std::string& init) {
+void prepare_outputs(const Settings& s, const std::string& init, std::int64_t start) {
   if (!s.save.empty() && !init.empty()) {
     const bool holds = apps::path_within(init, s.save), inside = apps::path_within(s.save, init);
     const char* relation = holds && inside ? "it is" : holds ? "it holds" : "it lies inside";
@@ -626,7 +634,10 @@ void prepare_outputs(const Settings& s, const std::string& init) {
           ", which this run starts from and its saves (SAVE and SAVE/checkpoint-N) must stay "
           "apart from: save elsewhere");
   }
-  if (!s.save.empty()) apps::prepare_output_dir("save", s.save);
+  if (!s.save.empty()) {
+    apps::prepare_output_dir("save", s.save);
+    check_save_targets(s, start);
+  }
   const std::vector<std::string> checkpoints = {s.resume, s.init, s.save};
   std::vector<std::pair<std::string, std::string>> inputs = {{"--train-file", s.data.file},
                                                              {"--config", s.config_file}};
@@ -680,7 +691,7 @@ int run(const Settings& s, const std::string& invocation) {
     if (init.empty() && resumed->strings.count("init")) init = resumed->strings.at("init");
     start = resumed->global_step;
   }
-  prepare_outputs(s, init);  // (a resumed run's --init is known now)
+  prepare_outputs(s, init, start);  // (a resumed run's --init is known now)
   if (!policy)
     policy.emplace(init.empty() ? model::LlamaModel(s.config, s.seed) : model::load_model(init));
   check_architecture(s, policy->config());
@@ -745,7 +756,7 @@ int run(const Settings& s, const std::string& invocation) {
   const std::int64_t per_epoch = static_cast<std::int64_t>(sampler.batches_per_epoch());
   MetricsLog metrics;
   if (!s.metrics.empty())
-    metrics = MetricsLog(s.metrics, resumed ? std::optional(start) : std::nullopt);
+    metrics = MetricsLog(s.metrics, resumed ? resumed->log_history : std::vector<std::string>{});
 
   // Everything a run can be refused for before its first step has been checked: a refused run
   // prints its error line alone.
@@ -764,8 +775,8 @@ int run(const Settings& s, const std::string& invocation) {
   if (!init.empty()) state.strings["init"] = absolute_path(init);
   const auto save = [&](std::int64_t step, const std::string& dir) {
     state.global_step = step;
+    state.log_history = metrics.records();
     model::save_checkpoint(dir, *policy, opt_ptr, &state);
-    metrics.publish();  // the records up to this checkpoint
   };
 
   const auto [acc_key, acc_label] = trainer->accuracy_metric();

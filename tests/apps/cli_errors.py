@@ -190,6 +190,11 @@ def steps_of(path):
         return [json.loads(line)["step"] for line in f if line.strip()]
 
 
+def log_history_steps(checkpoint):
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        return [r["step"] for r in json.load(f)["log_history"]]
+
+
 def metrics_case(train, work):
     d = os.path.join(work, "d")
     m = os.path.join(d, "metrics.jsonl")
@@ -197,32 +202,42 @@ def metrics_case(train, work):
     run(base + ["--steps", "3"])
     with open(m) as f:
         first = f.read()
-    # A checkpoint directory that cannot be made (a file in its place) fails the run there.
+    # A checkpoint directory a save could not write (a file in its place) fails the run before
+    # its first step.
     blocker = os.path.join(d, "checkpoint-2")
     with open(blocker, "w") as f:
         f.write("not a directory")
-    one_line(base + ["--steps", "4", "--save-every", "2"], 1, "checkpoint-2")
+    one_line(base + ["--steps", "4", "--save-every", "2"], 1, "checkpoint-2", alone=True)
+    os.remove(blocker)
     with open(m) as f:
-        if f.read() != first:
-            fail("a run that failed before its first checkpoint changed " + m)
-    if steps_of(m + ".partial") != [1, 2]:
-        fail("the failed run's records must be in metrics.jsonl.partial")
-    os.remove(blocker)
-    blocker = os.path.join(d, "checkpoint-4")
-    with open(blocker, "w") as f:
-        f.write("not a directory")
-    one_line(base + ["--steps", "6", "--save-every", "2"], 1, "checkpoint-4")
-    if steps_of(m) != [1, 2]:
-        fail("a run that failed after its checkpoint at step 2 must leave steps 1-2 in " + m)
-    os.remove(blocker)
+        if f.read() != first or os.path.exists(m + ".partial"):
+            fail("a run refused before its first step changed " + m + " or wrote its .partial")
+    # Run A: each checkpoint holds the records up to its step.
     run(base + ["--steps", "6", "--save-every", "2"])
     if steps_of(m) != [1, 2, 3, 4, 5, 6] or os.path.exists(m + ".partial"):
         fail("a finished run must leave steps 1-6 in %s and no .partial" % m)
-    # A resume from step 2 into the same directory: steps 1-2 kept, 3-6 again, once each.
+    with open(m) as f:
+        a_records = f.read().splitlines()
+    for n in (2, 4):
+        if log_history_steps(os.path.join(d, "checkpoint-%d" % n)) != list(range(1, n + 1)):
+            fail("checkpoint-%d must hold the records of steps 1-%d" % (n, n))
+    # Run B, new, into the same directory: it saves checkpoint-2, then diverges at step 3. The
+    # metrics file stays A's (as SAVE's checkpoint does), B's records are in the .partial.
+    one_line(base + ["--steps", "6", "--save-every", "2", "--lr", "10", "--weight-decay", "10"],
+             1, "step 3", "not finite")
+    with open(m) as f:
+        if f.read().splitlines() != a_records:
+            fail("a run that failed after a checkpoint changed " + m)
+    if steps_of(m + ".partial") != [1, 2]:
+        fail("the failed run's records must be in metrics.jsonl.partial")
+    # A resume of A from its checkpoint-4 into the same directory: A's steps 1-4 (not B's),
+    # then 5-6 again.
     run(base[:1] + ["--warmup-steps", "0", "--save", d, "--steps", "6", "--resume",
-                    os.path.join(d, "checkpoint-2"), "--batch-size", "2", "--threads", "1"])
-    if steps_of(m) != [1, 2, 3, 4, 5, 6]:
-        fail("a resume from step 2 must leave steps 1-6 once each, got %s" % steps_of(m))
+                    os.path.join(d, "checkpoint-4"), "--batch-size", "2", "--threads", "1"])
+    with open(m) as f:
+        got = f.read().splitlines()
+    if steps_of(m) != [1, 2, 3, 4, 5, 6] or got[:4] != a_records[:4]:
+        fail("a resume from step 4 must keep A's records of steps 1-4, got steps %s" % steps_of(m))
 
 
 def outputs_case(train, evaluate, bench, work):

@@ -109,6 +109,11 @@ TEST_CASE("jsonl: malformed SFT lines name the file, the line and the problem") 
   CHECK(contains(m, "sft.jsonl:2: bad JSON: key \"prompt\" appears twice in one object"));
   m = sft_error(std::string("{\"prompt\": \"a\", \"completion\": \"b\"}\0garbage\n", 43));
   CHECK(contains(m, "sft.jsonl:1: bad JSON: a NUL byte at offset 34"));
+  // nlohmann's message quotes what it last read, here 50000 characters: the error is cut.
+  m = sft_error("{\"prompt\": \"" + std::string(50000, 'a') + "\n");
+  CHECK(contains(m, "sft.jsonl:1: bad JSON: [json.exception.parse_error.101]"));
+  CHECK(contains(m, " characters in all)"));
+  CHECK(m.size() < 400);
   m = sft_error("");
   CHECK(contains(m, "sft.jsonl: no examples"));
   m = sft_error("\n  \n\r\n");

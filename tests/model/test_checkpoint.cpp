@@ -16,6 +16,9 @@
 #include <random>
 #include <set>
 #include <sstream>
+#include <vector>
+
+#include <sys/stat.h>
 
 #include "data/expect_error.h"
 #include "data/temp_dir.h"
@@ -170,6 +173,7 @@ TEST_CASE("checkpoint: k steps == j steps, save, load, k - j steps (bitwise)") {
     st.counters["seed"] = 5;
     st.scalars["last_loss"] = 0.25;
     st.strings["loss"] = "quadratic";
+    st.log_history = {R"({"loss":0.5,"step":1})", R"({"loss":0.25,"note":"x","step":2})"};
     save_checkpoint(dir.path(), first, &opt, &st);
   }
   CHECK(has_training_state(dir.path()));
@@ -181,6 +185,8 @@ TEST_CASE("checkpoint: k steps == j steps, save, load, k - j steps (bitwise)") {
   CHECK(st.counters.at("seed") == 5);
   CHECK(st.scalars.at("last_loss") == 0.25);
   CHECK(st.strings.at("loss") == "quadratic");
+  CHECK(st.log_history == std::vector<std::string>{R"({"loss":0.5,"step":1})",
+                                                   R"({"loss":0.25,"note":"x","step":2})"});
   for (std::int64_t s = st.global_step; s < k; ++s) train_step(resumed, opt, s);
 
   CHECK(same_params(straight, resumed));
@@ -222,6 +228,59 @@ TEST_CASE("checkpoint errors: truncated files") {
   CHECK(contains(s.load_error(), "truncated file: 0 bytes"));
   fs::remove(s.model_path());
   CHECK(contains(s.load_error(), "cannot open " + s.model_path()));
+}
+
+TEST_CASE("checkpoint errors: a file that is not regular or too large is refused unread") {
+  // Each would be read whole before: /dev/zero and a pipe without a writer never end, and the
+  // sparse files' bytes (zeros) would be read before the first check.
+  Saved s;
+  const std::string good = slurp(s.model_path());
+  fs::remove(s.model_path());
+  fs::create_symlink("/dev/zero", s.model_path());
+  CHECK(contains(s.load_error(), s.model_path() + " is not a regular file"));
+  fs::remove(s.model_path());
+  REQUIRE(::mkfifo(s.model_path().c_str(), 0600) == 0);
+  CHECK(contains(s.load_error(), s.model_path() + " is not a regular file"));
+  fs::remove(s.model_path());
+  // A header length of 2^40 at the start of 64 GiB (sparse): refused by its first bytes.
+  const std::uint64_t huge = std::uint64_t{1} << 40;
+  spit(s.model_path(), std::string(reinterpret_cast<const char*>(&huge), 8));
+  fs::resize_file(s.model_path(), std::uint64_t{64} << 30);
+  CHECK(contains(s.load_error(), "header length 1099511627776 exceeds the 100 MB limit"));
+  spit(s.model_path(), good);
+  CHECK(s.load_error().empty());
+  // A config.json of more than 1 GiB (sparse): refused by its size.
+  const std::string config = s.dir.file("config.json");
+  fs::resize_file(config, (std::uint64_t{1} << 30) + 1);
+  CHECK(contains(s.load_error(), config + ": 1073741825 bytes, more than the 1073741824-byte "
+                                          "limit of a checkpoint's JSON file"));
+}
+
+TEST_CASE("checkpoint: check_save_target refuses what a save would fail on, before it") {
+  const TempDir dir;
+  const std::string d = dir.file("ck");
+  CHECK(error_message([&] { check_save_target(d); }).empty());  // (missing: made by the save)
+  const LlamaModel m(tiny_config(false, false), 3);
+  save_checkpoint(d, m);
+  CHECK(error_message([&] { check_save_target(d); }).empty());
+  const std::string a_file = dir.write("a_file", "x");
+  CHECK(
+      contains(error_message([&] { check_save_target(a_file); }), a_file + " is not a directory"));
+  for (const char* name : {"model.safetensors.tmp", "trainer_state.json", ".chunkloss-commit"}) {
+    const std::string p = (fs::path(d) / name).string();
+    fs::remove(p);
+    fs::create_directory(p);
+    CHECK(
+        contains(error_message([&] { check_save_target(d); }),
+                 p + " is not a regular file: a checkpoint saved into " + d + " would fail on it"));
+    fs::remove(p);
+  }
+  const std::string commit = (fs::path(d) / ".chunkloss-commit").string();
+  spit(commit, "junk");
+  CHECK(contains(error_message([&] { check_save_target(d); }), commit + ": bad JSON"));
+  fs::remove(commit);
+  CHECK(error_message([&] { check_save_target(d); }).empty());
+  save_checkpoint(d, m);  // (and the directory is still a checkpoint a save can replace)
 }
 
 TEST_CASE("checkpoint errors: symbolic-link loops are chunkloss::Error naming the path") {
@@ -613,8 +672,17 @@ TEST_CASE("checkpoint errors: optimizer state, trainer state and mixed saves") {
   state.replace(state.find("\"global_step\": 1"), 16, "\"global_step\": 0, \"global_step\": 1");
   spit(state_path, state);
   CHECK(contains(err(), state_path + ": bad JSON: key \"global_step\" appears twice"));
+  state = good_state;
+  state.replace(state.find("\"log_history\": []"), 17, "\"log_history\": [1]");
+  spit(state_path, state);
+  CHECK(contains(err(), state_path + ": field \"log_history\" must be an array of objects"));
   spit(state_path, good_state);
   CHECK(err().empty());
+  TrainerState bad_log = st;
+  bad_log.log_history = {"[1]"};
+  CHECK(contains(error_message([&] { save_checkpoint(dir.path(), m, &opt, &bad_log); }),
+                 "save_checkpoint: a log_history record is not a JSON object: [1]"));
+  CHECK(slurp(state_path) == good_state);  // (nothing written)
 
   // Files from two different saves are rejected.
   save_checkpoint(dir.path(), m, &opt, &st);

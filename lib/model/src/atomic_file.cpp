@@ -1,11 +1,12 @@
 // POSIX atomic file replacement: open/write/fsync/close a temporary, rename, fsync the directory;
-// and a file's type without std::filesystem's exceptions.
+// a file's type without std::filesystem's exceptions; reading a regular file whole.
 #include "atomic_file.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -74,6 +75,42 @@ void sync_parent_dir(const std::string& path) {
   const int err = errno;
   ::close(fd);
   CHUNKLOSS_CHECK(rc == 0, "cannot fsync directory ", dir.string(), ": ", std::strerror(err));
+}
+
+std::string read_regular_file(const std::string& path, std::size_t start_bytes,
+                              const StartCheck& check) {
+  // (O_NONBLOCK: a pipe without a writer would block the open; it is refused below)
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  CHUNKLOSS_CHECK(fd >= 0, "cannot open ", path, ": ", std::strerror(errno));
+  std::string bytes;
+  try {
+    struct stat st;
+    CHUNKLOSS_CHECK(::fstat(fd, &st) == 0, "cannot read ", path, ": fstat: ", std::strerror(errno));
+    CHUNKLOSS_CHECK(S_ISREG(st.st_mode), path, " is not a regular file");
+    const auto size = static_cast<std::uint64_t>(st.st_size);
+    // Reads until `want` bytes are held or the file ends (it may have changed since fstat).
+    const auto read_to = [&](std::uint64_t want) {
+      char buf[1 << 16];
+      while (bytes.size() < want) {
+        const std::size_t n = std::min<std::uint64_t>(sizeof buf, want - bytes.size());
+        const ssize_t got = ::read(fd, buf, n);
+        if (got < 0 && errno == EINTR) continue;
+        CHUNKLOSS_CHECK(got >= 0, "error while reading ", path, ": ", std::strerror(errno));
+        if (got == 0) return;
+        bytes.append(buf, static_cast<std::size_t>(got));
+      }
+    };
+    if (check) {
+      read_to(std::min<std::uint64_t>(size, start_bytes));
+      check(bytes, size);
+    }
+    read_to(size);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  return bytes;
 }
 
 }  // namespace chunkloss::model::detail

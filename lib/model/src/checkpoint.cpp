@@ -3,7 +3,6 @@
 #include "chunkloss/model/checkpoint.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -15,6 +14,7 @@
 #include <random>
 #include <set>
 #include <sstream>
+#include <vector>
 
 #include "atomic_file.h"
 #include "chunkloss/core/error.h"
@@ -29,6 +29,9 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 constexpr const char* kSaveIdKey = "chunkloss_save_id";
+// A checkpoint's JSON files are read whole: a larger one is refused before it is read. (The
+// trainer state's log history of a long run is the largest: about 0.5 KB a step.)
+constexpr std::uint64_t kMaxJsonBytes = std::uint64_t{1} << 30;
 
 std::string in_dir(const std::string& dir, const char* file) {
   return (fs::path(dir) / file).string();
@@ -176,26 +179,16 @@ void copy_parameters(const SafetensorsFile& f, LlamaModel& model) {
   std::copy(values.begin(), values.end(), model.params().begin());
 }
 
+// A checkpoint's JSON file (config, trainer state, commit record), at most kMaxJsonBytes.
 std::string read_text(const std::string& path) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  CHUNKLOSS_CHECK(f != nullptr, "cannot open ", path, ": ", std::strerror(errno));
-  std::string text;
-  char buf[1 << 14];
-  std::size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
-  const bool failed = std::ferror(f) != 0;
-  std::fclose(f);
-  CHUNKLOSS_CHECK(!failed, "error while reading ", path);
-  return text;
+  return detail::read_regular_file(path, 0, [&](std::string_view, std::uint64_t size) {
+    CHUNKLOSS_CHECK(size <= kMaxJsonBytes, path, ": ", size, " bytes, more than the ",
+                    kMaxJsonBytes, "-byte limit of a checkpoint's JSON file");
+  });
 }
 
 json parse_json_file(const std::string& path) {
-  const std::string text = read_text(path);
-  try {
-    return chunkloss::detail::parse_strict_json(text, path + ": bad JSON");
-  } catch (const json::exception& e) {
-    CHUNKLOSS_FAIL(path, ": bad JSON: ", e.what());
-  }
+  return chunkloss::detail::parse_strict_json(read_text(path), path + ": bad JSON");
 }
 
 // The save id recorded in a JSON object, or "" when absent.
@@ -349,6 +342,13 @@ void save_checkpoint(const std::string& dir, const LlamaModel& model, const Adam
     }
     j["scalars"] = state->scalars;
     j["strings"] = state->strings;
+    j["log_history"] = json::array();
+    for (const std::string& record : state->log_history) {
+      json r = json::parse(record, nullptr, false);
+      CHUNKLOSS_CHECK(r.is_object(), "save_checkpoint: a log_history record is not a JSON object: ",
+                      record.substr(0, 80));
+      j["log_history"].push_back(std::move(r));
+    }
     state_text = j.dump(2) + "\n";
   }
 
@@ -379,6 +379,21 @@ void save_checkpoint(const std::string& dir, const LlamaModel& model, const Adam
   }
   staging.keep();
   finish_commit(dir);  // the renames and removals the record names, then the record's removal
+}
+
+void check_save_target(const std::string& dir) {
+  const fs::file_type t = detail::file_type_of(dir);
+  if (t == fs::file_type::not_found) return;
+  CHUNKLOSS_CHECK(t == fs::file_type::directory, dir, " is not a directory");
+  std::vector<const char*> files = {kCommitFile};
+  for (const std::string& f : kCheckpointFiles) files.push_back(f.c_str());
+  for (const char* f : files)
+    for (const std::string& p : {in_dir(dir, f), detail::temp_path(in_dir(dir, f))}) {
+      const fs::file_type ft = detail::file_type_of(p);
+      CHUNKLOSS_CHECK(ft == fs::file_type::not_found || ft == fs::file_type::regular, p,
+                      " is not a regular file: a checkpoint saved into ", dir, " would fail on it");
+    }
+  read_commit(dir);  // (a save completes it first)
 }
 
 LlamaConfig load_config(const std::string& dir) {
@@ -478,6 +493,13 @@ TrainerState load_training_state(const std::string& dir, const LlamaModel& model
       "scalars", st.scalars, [](const json& v) { return v.is_number(); }, "an object of numbers");
   read_map(
       "strings", st.strings, [](const json& v) { return v.is_string(); }, "an object of strings");
+  if (const auto lh = j.find("log_history"); lh != j.end()) {
+    if (!lh->is_array()) fail_field(state_path, "log_history", "an array of objects");
+    for (const json& r : *lh) {
+      if (!r.is_object()) fail_field(state_path, "log_history", "an array of objects");
+      st.log_history.push_back(r.dump());
+    }
+  }
 
   optimizer.load_state(read_parameters(f, model, ".exp_avg"),
                        read_parameters(f, model, ".exp_avg_sq", true), step);

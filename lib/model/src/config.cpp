@@ -190,12 +190,7 @@ struct Reader {
 }  // namespace
 
 LlamaConfig config_from_json(std::string_view text, std::string_view source) {
-  json j;
-  try {
-    j = chunkloss::detail::parse_strict_json(text, std::string(source) + ": bad JSON");
-  } catch (const json::exception& e) {
-    CHUNKLOSS_FAIL(source, ": bad JSON: ", e.what());
-  }
+  const json j = chunkloss::detail::parse_strict_json(text, std::string(source) + ": bad JSON");
   CHUNKLOSS_CHECK(j.is_object(), source, ": expected a JSON object, got ", j.type_name());
   const Reader r{j, source};
   r.require_string("model_type", "llama", false);

@@ -58,6 +58,22 @@ std::uint64_t index_value(const json& v, const std::string& src, const std::stri
   return u;
 }
 
+// The header length from a file's first bytes (at least 9 of them, or all), checked against the
+// file's size and the limit, the header's first byte a '{'.
+std::uint64_t header_length(std::string_view first, std::uint64_t size, const std::string& src) {
+  CHUNKLOSS_CHECK(size >= 8, src, ": truncated file: ", size,
+                  " bytes, shorter than the 8-byte header length");
+  std::uint64_t header_len = 0;
+  std::memcpy(&header_len, first.data(), 8);
+  CHUNKLOSS_CHECK(header_len <= kMaxHeaderBytes, src, ": header length ", header_len,
+                  " exceeds the 100 MB limit (not a safetensors file?)");
+  CHUNKLOSS_CHECK(header_len <= size - 8, src, ": truncated file: the header length says ",
+                  header_len, " bytes but only ", size - 8, " follow");
+  CHUNKLOSS_CHECK(header_len > 0 && first[8] == '{', src,
+                  ": bad header JSON: the header must start with '{'");
+  return header_len;
+}
+
 }  // namespace
 
 std::size_t safetensors_dtype_size(std::string_view d) {
@@ -69,15 +85,10 @@ std::size_t safetensors_dtype_size(std::string_view d) {
 }
 
 SafetensorsFile SafetensorsFile::read(const std::string& path) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  CHUNKLOSS_CHECK(f != nullptr, "cannot open ", path, ": ", std::strerror(errno));
-  std::string bytes;
-  char buf[1 << 16];
-  std::size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) bytes.append(buf, n);
-  const bool failed = std::ferror(f) != 0;
-  std::fclose(f);
-  CHUNKLOSS_CHECK(!failed, "error while reading ", path);
+  // The header's length against the file's size before the rest is read.
+  std::string bytes = detail::read_regular_file(
+      path, 9,
+      [&](std::string_view first, std::uint64_t size) { header_length(first, size, path); });
   return parse(std::move(bytes), path);
 }
 
@@ -87,27 +98,13 @@ SafetensorsFile SafetensorsFile::parse(std::string bytes, std::string source) {
   file.bytes_ = std::move(bytes);
   const std::string& src = file.source_;
   const std::size_t size = file.bytes_.size();
-  CHUNKLOSS_CHECK(size >= 8, src, ": truncated file: ", size,
-                  " bytes, shorter than the 8-byte header length");
-  std::uint64_t header_len = 0;
-  std::memcpy(&header_len, file.bytes_.data(), 8);
-  CHUNKLOSS_CHECK(header_len <= kMaxHeaderBytes, src, ": header length ", header_len,
-                  " exceeds the 100 MB limit (not a safetensors file?)");
-  CHUNKLOSS_CHECK(header_len <= size - 8, src, ": truncated file: the header length says ",
-                  header_len, " bytes but only ", size - 8, " follow");
-  CHUNKLOSS_CHECK(header_len > 0 && file.bytes_[8] == '{', src,
-                  ": bad header JSON: the header must start with '{'");
+  const std::uint64_t header_len = header_length(file.bytes_, size, src);
   file.data_start_ = 8 + static_cast<std::size_t>(header_len);
   const std::size_t data_size = size - file.data_start_;
 
-  json header;
-  try {
-    header = chunkloss::detail::parse_strict_json(
-        std::string_view(file.bytes_).substr(8, static_cast<std::size_t>(header_len)),
-        src + ": bad header JSON");
-  } catch (const json::exception& e) {
-    CHUNKLOSS_FAIL(src, ": bad header JSON: ", e.what());
-  }
+  const json header = chunkloss::detail::parse_strict_json(
+      std::string_view(file.bytes_).substr(8, static_cast<std::size_t>(header_len)),
+      src + ": bad header JSON");
   CHUNKLOSS_CHECK(header.is_object(), src, ": bad header JSON: expected an object, got ",
                   header.type_name());
 

@@ -14,25 +14,33 @@
 namespace chunkloss::detail {
 
 /// Parses JSON `text` as nlohmann::json::parse does. Throws chunkloss::Error "WHAT: MESSAGE"
-/// (e.g. WHAT "data.jsonl:3: bad JSON") naming the first NUL byte's offset or the first key
-/// that appears twice in one object, and nlohmann::json::parse_error for a syntax error.
+/// (e.g. WHAT "data.jsonl:3: bad JSON") naming the first NUL byte's offset, the first key that
+/// appears twice in one object, or the syntax error (nlohmann's message, which quotes the text
+/// it last read: cut to its first 200 characters, so that a long line gives a short error).
 inline nlohmann::json parse_strict_json(std::string_view text, std::string_view what) {
   using Json = nlohmann::json;
   if (const std::size_t nul = text.find('\0'); nul != std::string_view::npos)
     CHUNKLOSS_FAIL(what, ": a NUL byte at offset ", nul, " (JSON text holds none)");
   std::vector<std::set<std::string>> keys;  // of each object open
-  return Json::parse(text.begin(), text.end(), [&](int, Json::parse_event_t event, Json& value) {
-    if (event == Json::parse_event_t::object_start) {
-      keys.emplace_back();
-    } else if (event == Json::parse_event_t::object_end) {
-      keys.pop_back();
-    } else if (event == Json::parse_event_t::key) {
-      CHUNKLOSS_CHECK(keys.back().insert(value.get<std::string>()).second, what, ": key \"",
-                      value.get<std::string>(),
-                      "\" appears twice in one object (a reader would take the last)");
-    }
-    return true;
-  });
+  try {
+    return Json::parse(text.begin(), text.end(), [&](int, Json::parse_event_t event, Json& value) {
+      if (event == Json::parse_event_t::object_start) {
+        keys.emplace_back();
+      } else if (event == Json::parse_event_t::object_end) {
+        keys.pop_back();
+      } else if (event == Json::parse_event_t::key) {
+        CHUNKLOSS_CHECK(keys.back().insert(value.get<std::string>()).second, what, ": key \"",
+                        value.get<std::string>(),
+                        "\" appears twice in one object (a reader would take the last)");
+      }
+      return true;
+    });
+  } catch (const Json::exception& e) {
+    constexpr std::size_t kShown = 200;
+    const std::string_view m = e.what();
+    if (m.size() <= kShown) CHUNKLOSS_FAIL(what, ": ", m);
+    CHUNKLOSS_FAIL(what, ": ", m.substr(0, kShown), "... (", m.size(), " characters in all)");
+  }
 }
 
 }  // namespace chunkloss::detail

@@ -8,6 +8,7 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "chunkloss/model/config.h"
 #include "chunkloss/model/model.h"
@@ -33,6 +34,9 @@ struct TrainerState {
   std::map<std::string, std::int64_t> counters;  ///< e.g. "epoch", "batch_in_epoch", "seed"
   std::map<std::string, double> scalars;         ///< finite values, e.g. "last_loss"
   std::map<std::string, std::string> strings;    ///< e.g. "loss": "dpo"
+  /// The run's records up to global_step (Hugging Face's log_history), each the text of one
+  /// JSON object: saved as an array, so the records travel with the checkpoint they lead to.
+  std::vector<std::string> log_history;
 };
 
 /// Saves into `dir` (created when missing):
@@ -41,7 +45,8 @@ struct TrainerState {
 ///   F32, metadata {"format": "pt", "chunkloss_save_id"};
 /// - with `optimizer`: optimizer.safetensors holding "<name>.exp_avg" and "<name>.exp_avg_sq"
 ///   per parameter, metadata {"step", "chunkloss_save_id"};
-/// - with `state`: trainer_state.json with global_step, the maps, the AdamW options and the id.
+/// - with `state`: trainer_state.json with global_step, the maps, the log history, the AdamW
+///   options and the id.
 /// All files are first written to "<file>.tmp" and fsynced. Then a commit record
 /// (dir/.chunkloss-commit, written atomically) names them, they are renamed over the old files,
 /// and the record is removed (the directory is fsynced after each step). A failure while
@@ -56,6 +61,12 @@ struct TrainerState {
 /// refuse the save: a diverged run).
 void save_checkpoint(const std::string& dir, const LlamaModel& model,
                      const AdamW* optimizer = nullptr, const TrainerState* state = nullptr);
+
+/// Throws chunkloss::Error naming the path for what in `dir` would make a save there fail, so a
+/// trainer can refuse its --save before training: `dir` not a directory, a commit record that
+/// cannot be read, or a checkpoint file, its temporary or the record not a regular file (a
+/// directory of that name, say). A missing `dir` passes.
+void check_save_target(const std::string& dir);
 
 /// Parses dir/config.json (config_from_json).
 LlamaConfig load_config(const std::string& dir);
