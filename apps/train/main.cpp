@@ -17,6 +17,7 @@
 #include <chunkloss/model/optim.h>
 #include <chunkloss/model/safetensors.h>
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <boost/program_options.hpp>
@@ -668,6 +669,28 @@ model::LlamaModel load_reference(const std::string& init, const Settings& s) {
   }
 }
 
+// Refuses a model whose host buffers exceed the machine's memory before they are allocated
+// (their zeros would be written page by page, until the kernel killed the process without a
+// word): 4 bytes a parameter for each of the policy's weights, gradients and AdamW's two
+// moments, DPO's and KTO's reference (weights and gradients), and each further rank's replica.
+void check_host_memory(const Settings& s, const model::LlamaConfig& c, const std::string& what) {
+  const double params = model::parameter_count(c);
+  const double per_param = 4.0 * (4 + (s.loss.loss == "dpo" || s.loss.loss == "kto" ? 2 : 0) +
+                                  2.0 * (s.data_parallel * s.vocab_parallel - 1));
+  const double host = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) *
+                      static_cast<double>(::sysconf(_SC_PAGE_SIZE));
+  const auto gib = [](double bytes) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.1f GiB", bytes / (1024.0 * 1024 * 1024));
+    return std::string(b);
+  };
+  CHUNKLOSS_CHECK(host <= 0 || params * per_param <= host, what, ": ",
+                  static_cast<long long>(params), " parameters need ", gib(params * per_param),
+                  " of host memory for the weights, gradients and optimizer state of this run, "
+                  "more than this machine's ",
+                  gib(host));
+}
+
 int run(const Settings& s, const std::string& invocation) {
   if (s.threads > 0) omp_set_num_threads(s.threads);
   // The paths the checkpoints record, made absolute (the working directory or a symlink's target
@@ -683,6 +706,12 @@ int run(const Settings& s, const std::string& invocation) {
   std::optional<model::AdamW> opt;
   std::int64_t start = 0;
   std::optional<model::TrainerState> resumed;
+  if (!s.resume.empty())
+    check_host_memory(s, model::load_config(s.resume), "--resume " + s.resume);
+  else if (!s.init.empty())
+    check_host_memory(s, model::load_config(s.init), "--init " + s.init);
+  else
+    check_host_memory(s, s.config, "the model options");
   if (!s.resume.empty()) {
     std::string save_id;  // (the state must come from the same save as the weights)
     policy.emplace(model::load_model(s.resume, &save_id));

@@ -589,6 +589,12 @@ def before_work_case(train, work):
             (["--loss", "kto", "--train-file", one_kto], (one_kto, "1 example", "--batch-size 2")),
             (["--metrics", metrics], ("--metrics", metrics + ".partial"))):
         one_line(t + extra, 1, *words, alone=True)
+    # About 5.2e10 parameters, within the model layer's 2^36: 16 bytes each (weights, gradients,
+    # AdamW's moments) exceed any test machine's memory, which the run names before allocating.
+    huge = [train, "--steps", "2", "--hidden-size", "65536", "--intermediate-size", "1",
+            "--layers", "3", "--heads", "1", "--kv-heads", "1", "--threads", "1"]
+    one_line(huge, 1, "the model options", "GiB of host memory", "more than this machine's",
+             alone=True)
 
 
 def utf8_case(train, evaluate, work):

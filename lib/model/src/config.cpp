@@ -13,6 +13,15 @@ namespace chunkloss::model {
 
 using nlohmann::json;
 
+double parameter_count(const LlamaConfig& c) {
+  const double h = static_cast<double>(c.hidden_size);
+  const double per_layer = 2 * h + 2 * h * h +
+                           2 * static_cast<double>(c.num_key_value_heads * c.head_dim()) * h +
+                           3 * static_cast<double>(c.intermediate_size) * h;
+  return static_cast<double>(c.vocab_size) * h * (c.tie_word_embeddings ? 1 : 2) +
+         static_cast<double>(c.num_hidden_layers) * per_layer + h;
+}
+
 void validate(const LlamaConfig& c) {
   const auto positive = [](const char* name, std::int64_t v) {
     CHUNKLOSS_CHECK(v > 0 && v <= std::numeric_limits<std::int32_t>::max(), "LlamaConfig: ", name,
@@ -40,12 +49,7 @@ void validate(const LlamaConfig& c) {
                   " (hidden_size / num_attention_heads) must be even for rotary embeddings");
   // Parameters, gradients and AdamW's moments are float vectors on the host: 2^36 parameters
   // would take 1 TiB; the bound also keeps every size product below 2^63.
-  const double h = static_cast<double>(c.hidden_size);
-  const double per_layer = 2 * h + 2 * h * h +
-                           2 * static_cast<double>(c.num_key_value_heads * c.head_dim()) * h +
-                           3 * static_cast<double>(c.intermediate_size) * h;
-  const double params = static_cast<double>(c.vocab_size) * h * (c.tie_word_embeddings ? 1 : 2) +
-                        static_cast<double>(c.num_hidden_layers) * per_layer + h;
+  const double params = parameter_count(c);
   CHUNKLOSS_CHECK(params <= 0x1p36, "LlamaConfig: vocab_size=", c.vocab_size,
                   ", hidden_size=", c.hidden_size, ", intermediate_size=", c.intermediate_size,
                   ", num_hidden_layers=", c.num_hidden_layers, " give ", params,

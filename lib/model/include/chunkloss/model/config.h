@@ -35,6 +35,10 @@ struct LlamaConfig {
 /// The most num_hidden_layers validate() takes (each layer is nine parameter records).
 inline constexpr std::int64_t kMaxLayers = 4096;
 
+/// The number of parameters `config` gives (a tied lm_head counted once), in double so that any
+/// sizes can be asked about before validate() bounds them.
+double parameter_count(const LlamaConfig& config);
+
 /// Throws chunkloss::Error naming the field when a size is not in [1, 2^31 - 1],
 /// num_hidden_layers is above kMaxLayers, the parameters number more than 2^36, hidden_size is
 /// not a multiple of num_attention_heads, num_attention_heads not a multiple of
