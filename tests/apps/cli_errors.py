@@ -410,6 +410,11 @@ def messages_case(train, evaluate, work):
 
     good = os.path.join(work, "good")
     run([train, "--steps", "1", "--warmup-steps", "0", "--save", good] + TINY)
+    # An empty path would name the working directory (or no file at all).
+    for cmd, option in (([evaluate, "--model", ""], "--model"),
+                        ([evaluate, "--model", good, "--sft-file", ""], "--sft-file"),
+                        ([evaluate, "--model", good, "--pref-file", ""], "--pref-file")):
+        one_line(cmd, 2, option + ": the path is empty")
     # A checkpoint whose BOS or EOS is not the byte tokenizer's (made for another tokenizer, as
     # Llama's 1 and 2) is refused when loaded, naming its config.json and the field.
     for field, value, words in (("bos_token_id", 1, "bos_token_id 1, not the byte tokenizer's "

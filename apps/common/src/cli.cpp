@@ -159,6 +159,7 @@ void check_utf8(std::string_view option, std::string_view value) {
 }
 
 std::filesystem::file_status input_status(std::string_view option, const std::string& path) {
+  if (path.empty()) throw UsageError("--" + std::string(option) + ": the path is empty");
   std::error_code ec;
   const std::filesystem::file_status st = std::filesystem::status(path, ec);
   if (ec && ec != std::errc::no_such_file_or_directory)

@@ -59,7 +59,8 @@ void check_utf8(std::string_view option, std::string_view value);
 /// The status of input `path` of option `option` (e.g. "config"; file_type::not_found when it
 /// does not exist, left to the reader to report). Throws UsageError "--OPTION: cannot open PATH:
 /// REASON" when the file system refuses the path (a symlink loop, a name too long, a parent that
-/// is a file, no permission, ...), rather than letting a std::filesystem error escape later.
+/// is a file, no permission, ...), rather than letting a std::filesystem error escape later, and
+/// "--OPTION: the path is empty" for an empty path (which would name the working directory).
 std::filesystem::file_status input_status(std::string_view option, const std::string& path);
 
 /// Creates directory `dir` of option `option` (e.g. "save") when missing and checks that files
