@@ -483,6 +483,12 @@ TEST_CASE("checkpoint errors: config.json") {
   CHECK(contains(with("\"hidden_size\": 12,", ""), path + ": missing field \"hidden_size\""));
   CHECK(contains(with("\"hidden_size\": 12", "\"hidden_size\": \"12\""),
                  "field \"hidden_size\" must be an integer, got string"));
+  // A save id that is not a string would have skipped the check against the weights' id.
+  const std::size_t id_at = good.find("\"chunkloss_save_id\": \"");
+  REQUIRE(id_at != std::string::npos);
+  const std::size_t id_end = good.find('"', id_at + 22) + 1;  // (after the id's closing quote)
+  CHECK(contains(with(good.substr(id_at, id_end - id_at), "\"chunkloss_save_id\": 5"),
+                 path + ": field \"chunkloss_save_id\" must be a string"));
   CHECK(contains(with("\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\""),
                  "field \"hidden_act\" is \"gelu\""));
   CHECK(contains(with("\"model_type\": \"llama\"", "\"model_type\": \"gpt2\""), "model_type"));

@@ -192,10 +192,6 @@ json parse_json_file(const std::string& path) {
 }
 
 // The save id recorded in a JSON object, or "" when absent.
-std::string json_save_id(const json& j) {
-  const auto it = j.find(kSaveIdKey);
-  return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
-}
 
 std::string meta_save_id(const SafetensorsFile& f) {
   const auto it = f.metadata().find(kSaveIdKey);
@@ -210,6 +206,14 @@ void check_same_save(const std::string& a_name, const std::string& a, const std:
 
 [[noreturn]] void fail_field(const std::string& path, const char* field, const char* want) {
   CHUNKLOSS_FAIL(path, ": field \"", field, "\" must be ", want);
+}
+
+// The save id of JSON file `path` (j), empty when it has none (a file another program wrote).
+std::string json_save_id(const json& j, const std::string& path) {
+  const auto it = j.find(kSaveIdKey);
+  if (it == j.end()) return {};
+  if (!it->is_string()) fail_field(path, kSaveIdKey, "a string");
+  return it->get<std::string>();
 }
 
 // The commit record of a save (dir/.chunkloss-commit): written atomically once every file of
@@ -414,7 +418,7 @@ LlamaModel load_model(const std::string& dir, std::string* save_id) {
   const std::string model_path = files.path(kModelFile);
   const SafetensorsFile f = SafetensorsFile::read(model_path);
   const std::string id = meta_save_id(f);
-  check_same_save(config_path, json_save_id(json::parse(config_text)), model_path, id);
+  check_same_save(config_path, json_save_id(json::parse(config_text), config_path), model_path, id);
   // The tensors against the config's layout before a model of its size is allocated: a
   // config.json of another model (or a hostile one) fails in one line, not out of memory.
   check_tensor_set(f, model_tensors(detail::parameter_layout(config)), config, config_path);
@@ -457,14 +461,14 @@ TrainerState load_training_state(const std::string& dir, const LlamaModel& model
 
   const json j = parse_json_file(state_path);
   CHUNKLOSS_CHECK(j.is_object(), state_path, ": expected a JSON object, got ", j.type_name());
-  check_same_save(opt_path, meta_save_id(f), state_path, json_save_id(j));
-  CHUNKLOSS_CHECK(model_save_id.empty() || json_save_id(j) == model_save_id, state_path,
-                  " (save id ", json_save_id(j),
-                  ") is not from the save the model was loaded from ", "(save id ", model_save_id,
-                  "): ", dir, " was saved again in between; load the model again");
+  const std::string state_id = json_save_id(j, state_path);
+  check_same_save(opt_path, meta_save_id(f), state_path, state_id);
+  CHUNKLOSS_CHECK(model_save_id.empty() || state_id == model_save_id, state_path, " (save id ",
+                  state_id, ") is not from the save the model was loaded from ", "(save id ",
+                  model_save_id, "): ", dir, " was saved again in between; load the model again");
   if (detail::file_type_of(config_path) == fs::file_type::regular) {
-    check_same_save(config_path, json_save_id(parse_json_file(config_path)), state_path,
-                    json_save_id(j));
+    check_same_save(config_path, json_save_id(parse_json_file(config_path), config_path),
+                    state_path, state_id);
   }
   TrainerState st;
   // (nlohmann takes 2^64 - 1 as an integer, which int64 reads as -1.)
