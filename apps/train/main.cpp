@@ -167,7 +167,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   output.add_options()
     ("save", po::value<std::string>()->default_value("", "none"), "save the checkpoint (HF layout + optimizer state) into this directory at the end")
     ("save-every", po::value<std::int64_t>()->default_value(0, "0 = only at the end"), "also save every this many steps, into SAVE/checkpoint-STEP")
-    ("metrics", po::value<std::string>()->default_value("", "SAVE/metrics.jsonl"), "one JSON object per step in this file, replaced atomically at each checkpoint save and at the end (a new run starts it afresh; --resume keeps its records up to the resumed step and appends); during the run the records go to FILE.partial")
+    ("metrics", po::value<std::string>()->default_value("", "SAVE/metrics.jsonl"), "one JSON object per step in this file, replaced atomically at the end (a new run starts it afresh; --resume starts from the records saved in the checkpoint it resumes, and appends); during the run the records go to FILE.partial, and each checkpoint saves those up to its step (trainer_state.json's log_history)")
     ("chart", po::value<std::string>()->default_value("", "SAVE/training.svg"), "write the SVG chart of loss and accuracy here at the end (drawn from --metrics, so it needs --metrics or --save)")
     ("log-every", po::value<std::int64_t>()->default_value(25), "plain progress line every this many steps when stderr is not a terminal");
   // clang-format on
@@ -476,15 +476,26 @@ std::unique_ptr<Trainer> make_trainer(const Settings& s, const DataSettings& dat
 
 // The metrics file of a run, which follows the atomic rule of every output: the records go to
 // PATH.partial as they come (where a run can be watched), and PATH is replaced by all of them
-// atomically at the end, so a run that fails leaves the previous PATH as it was, beside the
-// checkpoint it belongs to. Each checkpoint saves the records up to its step in its trainer
-// state (log_history); a resumed run starts from those of the checkpoint it resumes, a new run
-// from none.
+// atomically at the end, so a run that fails leaves the previous PATH as it was. Each checkpoint
+// saves the records up to its step in its trainer state (log_history); a resumed run starts
+// from those of the checkpoint it resumes (from a checkpoint saved without them, from PATH's
+// records up to the step it resumes at), a new run from none.
 class MetricsLog {
  public:
   MetricsLog() = default;
-  MetricsLog(std::string path, std::vector<std::string> kept)
-      : path_(std::move(path)), partial_(path_ + ".partial"), records_(std::move(kept)) {
+  MetricsLog(std::string path, const std::optional<model::TrainerState>& resumed)
+      : path_(std::move(path)), partial_(path_ + ".partial") {
+    if (resumed && resumed->log_history) {
+      records_ = *resumed->log_history;
+    } else if (resumed) {
+      std::ifstream old(path_);
+      for (std::string line; std::getline(old, line);) {
+        const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+        if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+            j["step"].get<std::int64_t>() <= resumed->global_step)
+          records_.push_back(line);
+      }
+    }
     out_.open(partial_, std::ios::trunc | std::ios::binary);
     for (const std::string& r : records_) out_ << r << "\n";
     out_.flush();
@@ -605,17 +616,20 @@ class Ranks {
 // that fails on what is there would lose the run's work.
 void check_save_targets(const Settings& s, std::int64_t start) {
   model::check_save_target(s.save);
+  if (s.save_every == 0) return;
+  constexpr std::string_view kPrefix = "checkpoint-";
   std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(s.save, ec)) {
-    const std::string name = e.path().filename().string();
-    constexpr std::string_view kPrefix = "checkpoint-";
-    if (s.save_every == 0 || !name.starts_with(kPrefix)) continue;
+  for (std::filesystem::directory_iterator it(s.save, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
     std::int64_t n = 0;
-    const char* digits = name.data() + kPrefix.size();
-    const auto [end, err] = std::from_chars(digits, name.data() + name.size(), n);
-    if (err == std::errc() && end == name.data() + name.size() && n > start && n < s.steps &&
+    if (!name.starts_with(kPrefix) ||
+        std::from_chars(name.data() + kPrefix.size(), name.data() + name.size(), n).ec !=
+            std::errc())
+      continue;
+    if (name == std::string(kPrefix) + std::to_string(n) && n > start && n < s.steps &&
         n % s.save_every == 0)
-      model::check_save_target(e.path().string());
+      model::check_save_target(it->path().string());
   }
 }
 
@@ -669,26 +683,41 @@ model::LlamaModel load_reference(const std::string& init, const Settings& s) {
   }
 }
 
-// Refuses a model whose host buffers exceed the machine's memory before they are allocated
-// (their zeros would be written page by page, until the kernel killed the process without a
-// word): 4 bytes a parameter for each of the policy's weights, gradients and AdamW's two
-// moments, DPO's and KTO's reference (weights and gradients), and each further rank's replica.
+// The memory this process may use: the machine's, or its cgroup's limit when lower (cgroup v2's
+// memory.max, v1's memory.limit_in_bytes); 0 when unknown.
+double usable_memory() {
+  double bytes = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) *
+                 static_cast<double>(::sysconf(_SC_PAGE_SIZE));
+  for (const char* f :
+       {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(f);
+    double limit = 0;
+    if (in >> limit && limit > 0 && (bytes <= 0 || limit < bytes)) bytes = limit;  // ("max": none)
+  }
+  return bytes;
+}
+
+// Refuses a model whose host buffers exceed the memory this process may use before they are
+// allocated (their zeros would be written page by page, until the kernel killed the process
+// without a word): 4 bytes a parameter for each of the policy's weights, gradients and AdamW's
+// two moments, DPO's and KTO's reference (weights and gradients), and each further rank's
+// replica.
 void check_host_memory(const Settings& s, const model::LlamaConfig& c, const std::string& what) {
   const double params = model::parameter_count(c);
   const double per_param = 4.0 * (4 + (s.loss.loss == "dpo" || s.loss.loss == "kto" ? 2 : 0) +
                                   2.0 * (s.data_parallel * s.vocab_parallel - 1));
-  const double host = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) *
-                      static_cast<double>(::sysconf(_SC_PAGE_SIZE));
+  const double usable = usable_memory();
   const auto gib = [](double bytes) {
     char b[32];
     std::snprintf(b, sizeof b, "%.1f GiB", bytes / (1024.0 * 1024 * 1024));
     return std::string(b);
   };
-  CHUNKLOSS_CHECK(host <= 0 || params * per_param <= host, what, ": ",
+  CHUNKLOSS_CHECK(usable <= 0 || params * per_param <= usable, what, ": ",
                   static_cast<long long>(params), " parameters need ", gib(params * per_param),
                   " of host memory for the weights, gradients and optimizer state of this run, "
-                  "more than this machine's ",
-                  gib(host));
+                  "more than the ",
+                  gib(usable),
+                  " this process may use (the machine's memory or its cgroup's limit)");
 }
 
 int run(const Settings& s, const std::string& invocation) {
@@ -784,8 +813,7 @@ int run(const Settings& s, const std::string& invocation) {
                                    true, drop_last);
   const std::int64_t per_epoch = static_cast<std::int64_t>(sampler.batches_per_epoch());
   MetricsLog metrics;
-  if (!s.metrics.empty())
-    metrics = MetricsLog(s.metrics, resumed ? resumed->log_history : std::vector<std::string>{});
+  if (!s.metrics.empty()) metrics = MetricsLog(s.metrics, resumed);
 
   // Everything a run can be refused for before its first step has been checked: a refused run
   // prints its error line alone.
@@ -804,7 +832,7 @@ int run(const Settings& s, const std::string& invocation) {
   if (!init.empty()) state.strings["init"] = absolute_path(init);
   const auto save = [&](std::int64_t step, const std::string& dir) {
     state.global_step = step;
-    state.log_history = metrics.records();
+    if (metrics.enabled()) state.log_history = metrics.records();
     model::save_checkpoint(dir, *policy, opt_ptr, &state);
   };
 

@@ -112,7 +112,7 @@ TEST_CASE("jsonl: malformed SFT lines name the file, the line and the problem") 
   // nlohmann's message quotes what it last read, here 50000 characters: the error is cut.
   m = sft_error("{\"prompt\": \"" + std::string(50000, 'a') + "\n");
   CHECK(contains(m, "sft.jsonl:1: bad JSON: [json.exception.parse_error.101]"));
-  CHECK(contains(m, " characters in all)"));
+  CHECK(contains(m, " bytes in all)"));
   CHECK(m.size() < 400);
   m = sft_error("");
   CHECK(contains(m, "sft.jsonl: no examples"));

@@ -79,16 +79,22 @@ void sync_parent_dir(const std::string& path) {
 
 std::string read_regular_file(const std::string& path, std::size_t start_bytes,
                               const StartCheck& check) {
-  // (O_NONBLOCK: a pipe without a writer would block the open; it is refused below)
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  // Only a regular file is opened (opening a device may act on it). O_NONBLOCK in case that
+  // changed since (a pipe without a writer would block the open); cleared once it is checked.
+  struct stat st;
+  CHUNKLOSS_CHECK(::stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode), path,
+                  " is not a regular file");  // (a failed stat: open names the reason below)
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
   CHUNKLOSS_CHECK(fd >= 0, "cannot open ", path, ": ", std::strerror(errno));
   std::string bytes;
   try {
-    struct stat st;
     CHUNKLOSS_CHECK(::fstat(fd, &st) == 0, "cannot read ", path, ": fstat: ", std::strerror(errno));
     CHUNKLOSS_CHECK(S_ISREG(st.st_mode), path, " is not a regular file");
+    const int flags = ::fcntl(fd, F_GETFL);
+    CHUNKLOSS_CHECK(flags >= 0 && ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) == 0, "cannot read ",
+                    path, ": fcntl: ", std::strerror(errno));
     const auto size = static_cast<std::uint64_t>(st.st_size);
-    // Reads until `want` bytes are held or the file ends (it may have changed since fstat).
+    // Reads until `want` bytes are held or the file ends.
     const auto read_to = [&](std::uint64_t want) {
       char buf[1 << 16];
       while (bytes.size() < want) {
@@ -101,7 +107,10 @@ std::string read_regular_file(const std::string& path, std::size_t start_bytes,
       }
     };
     if (check) {
-      read_to(std::min<std::uint64_t>(size, start_bytes));
+      const std::uint64_t first = std::min<std::uint64_t>(size, start_bytes);
+      read_to(first);
+      CHUNKLOSS_CHECK(bytes.size() == first, path, " changed while it was read (", size,
+                      " bytes by fstat, ", bytes.size(), " read)");
       check(bytes, size);
     }
     read_to(size);

@@ -29,8 +29,9 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 constexpr const char* kSaveIdKey = "chunkloss_save_id";
-// A checkpoint's JSON files are read whole: a larger one is refused before it is read. (The
-// trainer state's log history of a long run is the largest: about 0.5 KB a step.)
+// A checkpoint's JSON files are read whole: a larger one is refused before it is read, and the
+// save refuses to write one. (The trainer state's log history of a long run is the largest: a
+// step's record is 0.3-0.5 KB, so about 2 million steps fit.)
 constexpr std::uint64_t kMaxJsonBytes = std::uint64_t{1} << 30;
 
 std::string in_dir(const std::string& dir, const char* file) {
@@ -346,14 +347,24 @@ void save_checkpoint(const std::string& dir, const LlamaModel& model, const Adam
     }
     j["scalars"] = state->scalars;
     j["strings"] = state->strings;
-    j["log_history"] = json::array();
-    for (const std::string& record : state->log_history) {
-      json r = json::parse(record, nullptr, false);
-      CHUNKLOSS_CHECK(r.is_object(), "save_checkpoint: a log_history record is not a JSON object: ",
-                      record.substr(0, 80));
-      j["log_history"].push_back(std::move(r));
+    state_text = j.dump(2);
+    if (state->log_history) {  // last, compact, one record a line: "log_history": [{..}, ..]
+      std::string records;
+      for (const std::string& record : *state->log_history) {
+        const json r = json::parse(record, nullptr, false);
+        CHUNKLOSS_CHECK(
+            r.is_object(),
+            "save_checkpoint: a log_history record is not a JSON object: ", record.substr(0, 80));
+        records += (records.empty() ? "\n    " : ",\n    ") + r.dump();
+      }
+      state_text.insert(state_text.size() - 2,
+                        ",\n  \"log_history\": [" + records + (records.empty() ? "]" : "\n  ]"));
     }
-    state_text = j.dump(2) + "\n";
+    state_text += "\n";
+    CHUNKLOSS_CHECK(state_text.size() <= kMaxJsonBytes, "save_checkpoint: the trainer state is ",
+                    state_text.size(), " bytes, more than the ", kMaxJsonBytes,
+                    "-byte limit of a checkpoint's JSON file (its log_history: ",
+                    state->log_history ? state->log_history->size() : 0, " records)");
   }
 
   const std::string config_path = in_dir(dir, kConfigFile);
@@ -391,12 +402,18 @@ void check_save_target(const std::string& dir) {
   CHUNKLOSS_CHECK(t == fs::file_type::directory, dir, " is not a directory");
   std::vector<const char*> files = {kCommitFile};
   for (const std::string& f : kCheckpointFiles) files.push_back(f.c_str());
-  for (const char* f : files)
-    for (const std::string& p : {in_dir(dir, f), detail::temp_path(in_dir(dir, f))}) {
-      const fs::file_type ft = detail::file_type_of(p);
-      CHUNKLOSS_CHECK(ft == fs::file_type::not_found || ft == fs::file_type::regular, p,
+  for (const char* f : files) {
+    const std::string p = in_dir(dir, f), tmp = detail::temp_path(p);
+    for (const std::string& q : {p, tmp}) {
+      const fs::file_type ft = detail::file_type_of(q);
+      CHUNKLOSS_CHECK(ft == fs::file_type::not_found || ft == fs::file_type::regular, q,
                       " is not a regular file: a checkpoint saved into ", dir, " would fail on it");
     }
+    // (a save writes its temporaries with O_NOFOLLOW: never through a link, even a dangling one)
+    std::error_code ec;
+    CHUNKLOSS_CHECK(!fs::is_symlink(fs::symlink_status(tmp, ec)), tmp,
+                    " is a symbolic link: a checkpoint saved into ", dir, " would fail on it");
+  }
   read_commit(dir);  // (a save completes it first)
 }
 
@@ -499,9 +516,10 @@ TrainerState load_training_state(const std::string& dir, const LlamaModel& model
       "strings", st.strings, [](const json& v) { return v.is_string(); }, "an object of strings");
   if (const auto lh = j.find("log_history"); lh != j.end()) {
     if (!lh->is_array()) fail_field(state_path, "log_history", "an array of objects");
+    st.log_history.emplace();
     for (const json& r : *lh) {
       if (!r.is_object()) fail_field(state_path, "log_history", "an array of objects");
-      st.log_history.push_back(r.dump());
+      st.log_history->push_back(r.dump());
     }
   }
 

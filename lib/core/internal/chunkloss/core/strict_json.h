@@ -16,7 +16,8 @@ namespace chunkloss::detail {
 /// Parses JSON `text` as nlohmann::json::parse does. Throws chunkloss::Error "WHAT: MESSAGE"
 /// (e.g. WHAT "data.jsonl:3: bad JSON") naming the first NUL byte's offset, the first key that
 /// appears twice in one object, or the syntax error (nlohmann's message, which quotes the text
-/// it last read: cut to its first 200 characters, so that a long line gives a short error).
+/// it last read: cut to its first 200 bytes, at a UTF-8 character's start, so that a long line
+/// gives a short error).
 inline nlohmann::json parse_strict_json(std::string_view text, std::string_view what) {
   using Json = nlohmann::json;
   if (const std::size_t nul = text.find('\0'); nul != std::string_view::npos)
@@ -36,10 +37,11 @@ inline nlohmann::json parse_strict_json(std::string_view text, std::string_view 
       return true;
     });
   } catch (const Json::exception& e) {
-    constexpr std::size_t kShown = 200;
     const std::string_view m = e.what();
-    if (m.size() <= kShown) CHUNKLOSS_FAIL(what, ": ", m);
-    CHUNKLOSS_FAIL(what, ": ", m.substr(0, kShown), "... (", m.size(), " characters in all)");
+    std::size_t shown = 200;
+    if (m.size() <= shown) CHUNKLOSS_FAIL(what, ": ", m);
+    while (shown > 0 && (static_cast<unsigned char>(m[shown]) & 0xC0) == 0x80) --shown;  // (UTF-8)
+    CHUNKLOSS_FAIL(what, ": ", m.substr(0, shown), "... (", m.size(), " bytes in all)");
   }
 }
 

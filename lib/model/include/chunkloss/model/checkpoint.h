@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -36,7 +37,8 @@ struct TrainerState {
   std::map<std::string, std::string> strings;    ///< e.g. "loss": "dpo"
   /// The run's records up to global_step (Hugging Face's log_history), each the text of one
   /// JSON object: saved as an array, so the records travel with the checkpoint they lead to.
-  std::vector<std::string> log_history;
+  /// None: not saved (a trainer that keeps no records, or a checkpoint saved without them).
+  std::optional<std::vector<std::string>> log_history;
 };
 
 /// Saves into `dir` (created when missing):
