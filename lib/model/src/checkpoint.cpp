@@ -192,8 +192,7 @@ json parse_json_file(const std::string& path) {
   return chunkloss::detail::parse_strict_json(read_text(path), path + ": bad JSON");
 }
 
-// The save id recorded in a JSON object, or "" when absent.
-
+// The save id in a safetensors file's metadata, or "" when absent.
 std::string meta_save_id(const SafetensorsFile& f) {
   const auto it = f.metadata().find(kSaveIdKey);
   return it != f.metadata().end() ? it->second : std::string();
