@@ -135,7 +135,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("heads", po::value<std::int64_t>()->default_value(4), "attention heads")
     ("kv-heads", po::value<std::int64_t>()->default_value(4), "key/value heads (< heads: grouped-query attention)")
     ("max-positions", po::value<std::int64_t>()->default_value(64), "max_position_embeddings")
-    ("tie-embeddings", po::value<bool>()->default_value(false), "tie lm_head to the token embedding")
+    ("tie-embeddings", po::value<std::string>()->default_value("0"), "tie lm_head to the token embedding")
     ("init", po::value<std::string>()->default_value("", "none"), "start from this checkpoint directory (the SFT model): the policy, and for dpo/kto also the frozen reference (not with --resume, which takes the --init its run was saved with)")
     ("resume", po::value<std::string>()->default_value("", "none"), "continue the run saved in this directory (model, optimizer, step) exactly");
   po::options_description optim("Optimiser");
@@ -154,7 +154,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   loss_opts.add_options()
     ("beta", po::value<double>()->default_value(0, "0 = the loss's default: 0.1, simpo 2.0"), "beta of dpo, orpo, simpo, cpo, kto")
     ("label-smoothing", po::value<double>()->default_value(0), "ce: label smoothing; dpo, simpo, cpo: the conservative eps")
-    ("skip-ignored-rows", po::value<bool>()->default_value(true), "ce: leave the rows of long runs of ignored targets (prompts, padding) out of the loss's GEMMs (CrossEntropyOptions::skip_ignored_rows); the results agree to rounding")
+    ("skip-ignored-rows", po::value<std::string>()->default_value("1"), "ce: leave the rows of long runs of ignored targets (prompts, padding) out of the loss's GEMMs (CrossEntropyOptions::skip_ignored_rows); the results agree to rounding")
     ("dpo-loss-type", po::value<std::string>()->default_value("sigmoid"), "dpo: sigmoid, hinge, ipo, robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop")
     ("rpo-alpha", po::value<double>()->default_value(0, "0 = off"), "dpo: weight of the NLL term on chosen tokens (RPO)")
     ("gamma", po::value<double>()->default_value(0.5), "simpo: target margin in reward units")
@@ -240,7 +240,8 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.config.num_attention_heads = in_range<std::int64_t>(vm, "heads", 1, 1024);
   s.config.num_key_value_heads = in_range<std::int64_t>(vm, "kv-heads", 1, 1024);
   s.config.max_position_embeddings = in_range<std::int64_t>(vm, "max-positions", 2, 1 << 20);
-  s.config.tie_word_embeddings = vm["tie-embeddings"].as<bool>();
+  s.config.tie_word_embeddings =
+      apps::parse_bool("tie-embeddings", vm["tie-embeddings"].as<std::string>());
   if (s.init.empty() && s.resume.empty()) {
     try {
       model::validate(s.config);
@@ -274,7 +275,8 @@ std::optional<Settings> parse(int argc, char** argv) {
   }
   s.loss.beta = in_range<double>(vm, "beta", 0, 1e6);
   s.loss.label_smoothing = in_range<double>(vm, "label-smoothing", 0, 1);
-  s.loss.skip_ignored_rows = vm["skip-ignored-rows"].as<bool>();
+  s.loss.skip_ignored_rows =
+      apps::parse_bool("skip-ignored-rows", vm["skip-ignored-rows"].as<std::string>());
   s.loss.dpo_loss_type = vm["dpo-loss-type"].as<std::string>();
   try {
     parse_dpo_loss(s.loss.dpo_loss_type);

@@ -533,6 +533,15 @@ def config_case(train, evaluate, work):
         f.write("threads = 1\n")
     with open(outer, "w") as f:
         f.write("threads = 1\nconfig = " + inner + "\n")
+    # A boolean option left empty (Boost's bool reads it as true) or misspelled is refused.
+    empty = os.path.join(work, "empty-bool.ini")
+    with open(empty, "w") as f:
+        f.write("tie-embeddings =\n")
+    one_line([train, "--config", empty], 2, "--tie-embeddings: '' is not a boolean", alone=True)
+    for option in ("--tie-embeddings", "--skip-ignored-rows"):
+        for value in ("", "maybe", "2"):
+            one_line([train, option, value], 2, option + ": '" + value + "' is not a boolean",
+                     alone=True)
     for app in (train, evaluate):
         one_line([app, "--config", loop], 2, "--config", loop)
         one_line([app, "--config", long_name], 2, "--config", "name too long")

@@ -86,6 +86,15 @@ std::vector<double> parse_number_list(std::string_view option, std::string_view 
   return out;
 }
 
+bool parse_bool(std::string_view option, std::string_view text) {
+  for (const std::string_view yes : {"true", "1", "yes", "on"})
+    if (text == yes) return true;
+  for (const std::string_view no : {"false", "0", "no", "off"})
+    if (text == no) return false;
+  throw UsageError("--" + std::string(option) + ": '" + one_line(text) +
+                   "' is not a boolean (true, false, 1, 0, yes, no, on or off)");
+}
+
 std::string shell_quote(std::string_view word) {
   constexpr std::string_view kSafe =
       "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-+./=:,@%";

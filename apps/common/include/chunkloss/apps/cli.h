@@ -40,6 +40,11 @@ std::vector<std::int64_t> parse_int_list(std::string_view option, std::string_vi
 std::vector<double> parse_number_list(std::string_view option, std::string_view text, double lo,
                                       double hi);
 
+/// Parses a boolean option value: true, 1, yes or on; false, 0, no or off. Throws UsageError
+/// naming `option` for anything else, the empty value included (which Boost's bool reads as
+/// true, so `--tie-embeddings ''` or `tie-embeddings =` in a config file would tie).
+bool parse_bool(std::string_view option, std::string_view text);
+
 /// Quotes one word for a POSIX shell (unchanged when it needs no quoting).
 std::string shell_quote(std::string_view word);
 
