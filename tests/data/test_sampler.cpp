@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -80,6 +81,10 @@ TEST_CASE("BatchSampler: drop_last, no shuffle, and argument errors") {
   REQUIRE(e.size() == 3);
   CHECK(e[0] == std::vector<std::size_t>{0, 1, 2});
   CHECK(e[2] == std::vector<std::size_t>{6});
+  // A batch size near the largest size_t is one batch of all the examples.
+  const BatchSampler huge(3, std::numeric_limits<std::size_t>::max(), 1, false);
+  REQUIRE(huge.batches_per_epoch() == 1);
+  CHECK(huge.epoch(0) == std::vector<std::vector<std::size_t>>{{0, 1, 2}});
   CHECK(contains(error_message([] { BatchSampler(0, 1, 0); }), "no examples"));
   CHECK(contains(error_message([] { BatchSampler(3, 0, 0); }), "batch_size"));
   CHECK(contains(error_message([] { BatchSampler(3, 4, 0, true, true); }), "leaves no batch"));

@@ -47,7 +47,8 @@ BatchSampler::BatchSampler(std::size_t n, std::size_t batch_size, std::uint64_t 
 }
 
 std::size_t BatchSampler::batches_per_epoch() const {
-  return drop_last_ ? n_ / batch_size_ : (n_ + batch_size_ - 1) / batch_size_;
+  // (not (n + b - 1) / b, which wraps for a batch size near the largest size_t)
+  return n_ / batch_size_ + (!drop_last_ && n_ % batch_size_ != 0 ? 1 : 0);
 }
 
 std::uint64_t BatchSampler::epoch_seed(std::uint64_t seed, std::uint64_t epoch) {
