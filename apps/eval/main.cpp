@@ -55,9 +55,9 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("beta", po::value<double>()->default_value(0.1), "beta of the implicit rewards")
     ("sft-file", po::value<std::string>()->default_value(apps::bundled_data("sft_eval.jsonl")), "held-out {prompt, completion} JSONL: loss, perplexity, exact match")
     ("pref-file", po::value<std::string>()->default_value(apps::bundled_data("pref_eval.jsonl")), "held-out {prompt, chosen, rejected} JSONL: preference accuracy and margins")
-    ("max-new-tokens", po::value<std::int64_t>()->default_value(8), "greedy decoding length limit (stops at EOS)")
+    ("max-new-tokens", po::value<std::int64_t>()->default_value(8), "greedy decoding length limit, EOS included (stops at EOS): an answer of N bytes needs N + 1")
     ("limit", po::value<std::int64_t>()->default_value(0, "0 = all"), "evaluate only the first this many examples of each file")
-    ("batch-size", po::value<std::int64_t>()->default_value(64), "sequences per forward pass")
+    ("batch-size", po::value<std::int64_t>()->default_value(64), "examples per forward pass (of the preference file, pairs: twice as many sequences)")
     ("threads", po::value<int>()->default_value(1), "CPU threads (0: all cores)")
     ("device", po::value<std::string>()->default_value("cpu"), "where the loss passes run: cpu | cuda (CUDA device 0; the model runs on the CPU)")
     ("budget-mib", po::value<double>()->default_value(0, "0 = the library's default: 256 on the CPU, 1024 on CUDA"), "the losses' workspace budget in MiB")
@@ -131,10 +131,19 @@ std::vector<std::vector<std::size_t>> batches(std::size_t n, std::int64_t size) 
   return out;
 }
 
+// The targets a sequence's log-prob sums over (its completion and EOS).
+double completion_tokens(const data::Sequence& seq) {
+  const data::EncodeOptions defaults;
+  return static_cast<double>(
+      std::count_if(seq.targets.begin(), seq.targets.end(),
+                    [&](std::int32_t t) { return t != defaults.ignore_index; }));
+}
+
 struct Data {
   std::vector<data::SftExample> sft;
   std::vector<data::Sequence> sft_seqs;
   std::vector<data::PreferenceSequences> pairs;
+  std::vector<std::pair<double, double>> target_counts;  ///< [pair] -> (chosen, rejected)
   apps::Longest longest_sft, longest_pair;
 
   // Throws when a sequence is longer than the positions of a model of `config`.
@@ -171,18 +180,22 @@ nlohmann::json evaluate(apps::LossDevice& dev, model::LlamaModel& m, const Data&
     rows += n;
   }
   r["eval_loss"] = loss_sum / rows;
-  r["perplexity"] = std::exp(loss_sum / rows);
+  // (left out where it overflows a double, at a loss above about 709.78: JSON has no inf)
+  if (const double ppl = std::exp(loss_sum / rows); std::isfinite(ppl)) r["perplexity"] = ppl;
   r["token_accuracy"] = acc_sum / rows;
 
   const auto lp = pair_logps(dev, m, d, s);
-  double logp_acc = 0, logp_margin = 0;
-  for (const auto& [c, rj] : lp) {
+  double logp_acc = 0, logp_margin = 0, avg_acc = 0;
+  for (std::size_t i = 0; i < lp.size(); ++i) {
+    const auto [c, rj] = lp[i];
     logp_acc += c > rj ? 1 : 0;
     logp_margin += c - rj;
+    avg_acc += c / d.target_counts[i].first > rj / d.target_counts[i].second ? 1 : 0;
   }
   const auto np = static_cast<double>(lp.size());
   r["logps/accuracy"] = logp_acc / np;
   r["logps/margin"] = logp_margin / np;
+  r["logps/avg_accuracy"] = avg_acc / np;
   if (ref) {
     double acc = 0, margin = 0, chosen = 0, rejected = 0;
     for (std::size_t i = 0; i < lp.size(); ++i) {
@@ -219,18 +232,20 @@ nlohmann::json evaluate(apps::LossDevice& dev, model::LlamaModel& m, const Data&
 
 std::string cell(const nlohmann::json& r, const char* key, const char* fmt) {
   if (!r.contains(key)) return "-";
-  char buf[32];
-  std::snprintf(buf, sizeof buf, fmt, r[key].get<double>());
-  return buf;
+  const double v = r[key].get<double>();
+  std::string out(static_cast<std::size_t>(std::snprintf(nullptr, 0, fmt, v)), '\0');
+  std::snprintf(out.data(), out.size() + 1, fmt, v);
+  return out;
 }
 
 void print_table(const std::vector<nlohmann::json>& rows, const Settings& s) {
   const std::vector<std::pair<const char*, const char*>> cols = {
-      {"eval_loss", "%.4f"},      {"perplexity", "%.3f"},     {"token_accuracy", "%.3f"},
-      {"exact_match", "%.3f"},    {"logps/accuracy", "%.3f"}, {"rewards/accuracies", "%.3f"},
-      {"rewards/margins", "%.3f"}};
-  const std::vector<std::string> heads = {"model",       "loss",     "ppl",        "token acc",
-                                          "exact match", "pref acc", "reward acc", "margin"};
+      {"eval_loss", "%.4f"},          {"perplexity", "%#.4g"},    {"token_accuracy", "%.3f"},
+      {"exact_match", "%.3f"},        {"logps/accuracy", "%.3f"}, {"logps/avg_accuracy", "%.3f"},
+      {"rewards/accuracies", "%.3f"}, {"rewards/margins", "%.3f"}};
+  const std::vector<std::string> heads = {"model",        "loss",        "ppl",
+                                          "token acc",    "exact match", "pref acc",
+                                          "avg pref acc", "reward acc",  "margin"};
   std::vector<std::vector<std::string>> table = {heads};
   for (const nlohmann::json& r : rows) {
     std::vector<std::string> line = {r["name"].get<std::string>()};
@@ -255,9 +270,11 @@ void print_table(const std::vector<nlohmann::json>& rows, const Settings& s) {
     }
   }
   std::printf(
-      "\nloss/ppl/token acc: %s (completion tokens); exact match: greedy decoding of its prompts; "
-      "pref acc: logp(chosen) > logp(rejected) on %s; reward acc, margin: beta=%g implicit "
-      "rewards against %s\n",
+      "\nloss/ppl/token acc: %s (completion tokens; ppl '-' where exp(loss) overflows); exact "
+      "match: greedy decoding of its prompts; "
+      "pref acc: logp(chosen) > logp(rejected) on %s (avg: per completion token, the "
+      "ordering of ORPO's and SimPO's rewards); reward acc, margin: beta=%g implicit rewards "
+      "against %s\n",
       s.sft_file.c_str(), s.pref_file.c_str(), s.beta,
       s.reference.empty() ? "(no --reference)" : s.reference.c_str());
 }
@@ -280,9 +297,26 @@ int run(const Settings& s) {
   const std::vector<data::PreferenceExample> pref =
       first(data::read_preference_jsonl(s.pref_file), s.limit);
   d.pairs = data::encode_preference(tok, pref);
+  for (const data::PreferenceSequences& p : d.pairs)
+    d.target_counts.emplace_back(completion_tokens(p.chosen), completion_tokens(p.rejected));
   for (std::size_t i = 0; i < d.sft_seqs.size(); ++i)
     d.longest_sft.take(d.sft_seqs[i], d.sft[i].line);
   for (std::size_t i = 0; i < d.pairs.size(); ++i) d.longest_pair.take(d.pairs[i], pref[i].line);
+  // Exact match needs a completion's bytes and its EOS within --max-new-tokens.
+  std::size_t too_long = 0, longest = 0;
+  for (std::size_t i = 0; i < d.sft_seqs.size(); ++i) {
+    const double need = completion_tokens(d.sft_seqs[i]);
+    if (need > static_cast<double>(s.max_new_tokens)) ++too_long;
+    if (need > completion_tokens(d.sft_seqs[longest])) longest = i;
+  }
+  if (too_long > 0)
+    std::fprintf(stderr,
+                 "%s: note: %zu of %zu completions in %s need more than --max-new-tokens %lld "
+                 "(their bytes and EOS; line %lld needs %.0f), so they cannot match exactly\n",
+                 kProg, too_long, d.sft_seqs.size(), s.sft_file.c_str(),
+                 static_cast<long long>(s.max_new_tokens),
+                 static_cast<long long>(d.sft[longest].line),
+                 completion_tokens(d.sft_seqs[longest]));
 
   // Every checkpoint read in full (config, weights, their save id and finite values), and its
   // vocabulary and positions checked against the data, before any pass runs: a bad later

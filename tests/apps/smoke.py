@@ -8,7 +8,9 @@ one line per step, the chart is written), dpo|orpo|simpo|cpo|kto (a few steps fr
 case's checkpoint: on the training pairs, the implicit reward margin against the sft model is
 positive and most pairs rank chosen first), resume (12 steps straight == 7 steps, save, resume, 5
 more; bitwise; a resume with another option, from a finished run or with a global_step other than
-the optimizer's is refused; a new run into a used directory starts its metrics afresh), eval (chunkloss-eval --json on the sft checkpoint), data_parallel (SFT, DPO
+the optimizer's is refused; a new run into a used directory starts its metrics afresh), eval (chunkloss-eval --json on the sft checkpoint; its pref acc and avg pref acc against CPO's
+and SimPO's/ORPO's rewards/accuracies on pairs of unequal lengths; a perplexity that overflows
+is left out), data_parallel (SFT, DPO
 and KTO over 1 and 3 ranks of --data-parallel agree step by step, KTO's counts are the whole
 micro-batch's, and a rank that fails alone ends the run with one line), vocab_parallel (SFT, with
 a tied lm_head too, DPO and KTO over 1 and 2 ranks of --vocab-parallel, and grids with
@@ -195,7 +197,7 @@ def main():
             rows = json.load(f)
         r = rows[0]
         for k in ("eval_loss", "perplexity", "token_accuracy", "exact_match", "logps/accuracy",
-                  "rewards/accuracies", "rewards/margins"):
+                  "logps/avg_accuracy", "rewards/accuracies", "rewards/margins"):
             if k not in r:
                 fail("eval JSON has no " + k)
         if not (0 <= r["exact_match"] <= 1 and r["perplexity"] >= 1):
@@ -204,6 +206,8 @@ def main():
             fail("a model against itself must have zero rewards: %s" % r)
         if "| sft " not in p.stdout:
             fail("the table has no sft row:\n" + p.stdout)
+        eval_orderings_case(train, evaluate, work, sft)
+        eval_overflow_case(evaluate, work, sft)
     elif case == "data_parallel":
         data_parallel_case(train, work, sft)
     elif case == "vocab_parallel":
@@ -323,6 +327,64 @@ def check_same_curves(a, b, what, tol, skip=()):
     if worst > tol:
         fail("%s: the curves differ by %.2e at %s" % (what, worst, where))
     return worst
+
+
+def eval_orderings_case(train, evaluate, work, sft):
+    """The eval's pref acc orders pairs by summed log-probs, as CPO's rewards do, and its avg
+    pref acc by log-probs per completion token, as SimPO's and ORPO's do: on held-out pairs whose
+    answers differ in length, each equals the trainer's rewards/accuracies of its first step
+    (measured before the step's update) on the same pairs in one batch."""
+    pairs = os.path.join(work, "pref-lengths.jsonl")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "apps", "data",
+                       "pref_eval.jsonl")
+    with open(src) as f, open(pairs, "w") as out:
+        rows = [json.loads(line) for line in f if line.strip()]
+        rows = [r for r in rows if len(r["chosen"]) != len(r["rejected"])][:24]
+        for r in rows:
+            out.write(json.dumps(r) + "\n")
+    out = os.path.join(work, "eval-lengths.json")
+    run([evaluate, "--model", sft, "--pref-file", pairs, "--json", out])
+    with open(out) as f:
+        r = json.load(f)[0]
+    for loss, key in (("cpo", "logps/accuracy"), ("simpo", "logps/avg_accuracy"),
+                      ("orpo", "logps/avg_accuracy")):
+        metrics = os.path.join(work, "orderings-%s.jsonl" % loss)
+        run([train, "--loss", loss, "--init", sft, "--train-file", pairs, "--batch-size",
+             str(len(rows)), "--steps", "1", "--max-length", "0", "--metrics", metrics,
+             "--chart", os.path.join(work, "orderings.svg")])
+        with open(metrics) as f:
+            acc = json.loads(f.readline())["rewards/accuracies"]
+        if abs(acc - r[key]) > 1e-12:
+            fail("%s's rewards/accuracies %s on %d pairs, but the eval's %s is %s" %
+                 (loss, acc, len(rows), key, r[key]))
+    print("eval orderings: pref acc %.3f (cpo), avg pref acc %.3f (simpo, orpo) on %d pairs" %
+          (r["logps/accuracy"], r["logps/avg_accuracy"], len(rows)))
+
+
+def eval_overflow_case(evaluate, work, sft):
+    """A model whose held-out loss is finite but above about 709.78 (its lm_head scaled up) is
+    evaluated with its perplexity left out, not failed: exp(loss) overflows a double."""
+    big = os.path.join(work, "sft-scaled")
+    shutil.rmtree(big, ignore_errors=True)
+    shutil.copytree(sft, big)
+    path = os.path.join(big, "model.safetensors")
+    with open(path, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        begin, end = json.loads(f.read(n))["lm_head.weight"]["data_offsets"]
+        f.seek(8 + n + begin)
+        values = struct.unpack("<%df" % ((end - begin) // 4), f.read(end - begin))
+        f.seek(8 + n + begin)
+        f.write(struct.pack("<%df" % len(values), *[v * 1e4 for v in values]))
+    out = os.path.join(work, "eval-scaled.json")
+    p = run([evaluate, "--model", sft, "--model", big, "--limit", "8", "--json", out])
+    with open(out) as f:
+        rows = json.load(f)
+    if not ("perplexity" in rows[0] and "perplexity" not in rows[1] and
+            709.78 < rows[1]["eval_loss"] < float("inf")):
+        fail("a loss above 709.78 must leave out only that model's perplexity: %s" % rows)
+    if not any(line.startswith("| sft-scaled ") and " - |" in line
+               for line in p.stdout.splitlines()):
+        fail("the table must show '-' for the overflowed perplexity:\n" + p.stdout)
 
 
 def data_parallel_case(train, work, sft):
