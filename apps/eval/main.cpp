@@ -302,21 +302,6 @@ int run(const Settings& s) {
   for (std::size_t i = 0; i < d.sft_seqs.size(); ++i)
     d.longest_sft.take(d.sft_seqs[i], d.sft[i].line);
   for (std::size_t i = 0; i < d.pairs.size(); ++i) d.longest_pair.take(d.pairs[i], pref[i].line);
-  // Exact match needs a completion's bytes and its EOS within --max-new-tokens.
-  std::size_t too_long = 0, longest = 0;
-  for (std::size_t i = 0; i < d.sft_seqs.size(); ++i) {
-    const double need = completion_tokens(d.sft_seqs[i]);
-    if (need > static_cast<double>(s.max_new_tokens)) ++too_long;
-    if (need > completion_tokens(d.sft_seqs[longest])) longest = i;
-  }
-  if (too_long > 0)
-    std::fprintf(stderr,
-                 "%s: note: %zu of %zu completions in %s need more than --max-new-tokens %lld "
-                 "(their bytes and EOS; line %lld needs %.0f), so they cannot match exactly\n",
-                 kProg, too_long, d.sft_seqs.size(), s.sft_file.c_str(),
-                 static_cast<long long>(s.max_new_tokens),
-                 static_cast<long long>(d.sft[longest].line),
-                 completion_tokens(d.sft_seqs[longest]));
 
   // Every checkpoint read in full (config, weights, their save id and finite values), and its
   // vocabulary and positions checked against the data, before any pass runs: a bad later
@@ -332,6 +317,23 @@ int run(const Settings& s) {
     apps::check_tokenizer(config, "--reference " + s.reference);
     d.check_fits(config, s);
   }
+
+  // Exact match needs a completion's bytes and its EOS within --max-new-tokens (noted after the
+  // checks, so that a refused run prints its error alone).
+  std::size_t too_long = 0, longest = 0;
+  for (std::size_t i = 0; i < d.sft_seqs.size(); ++i) {
+    const double need = completion_tokens(d.sft_seqs[i]);
+    if (need > static_cast<double>(s.max_new_tokens)) ++too_long;
+    if (need > completion_tokens(d.sft_seqs[longest])) longest = i;
+  }
+  if (too_long > 0)
+    std::fprintf(stderr,
+                 "%s: note: %zu of %zu completions in %s need more than --max-new-tokens %lld "
+                 "(their bytes and EOS; line %lld needs %.0f), so they cannot match exactly\n",
+                 kProg, too_long, d.sft_seqs.size(), s.sft_file.c_str(),
+                 static_cast<long long>(s.max_new_tokens),
+                 static_cast<long long>(d.sft[longest].line),
+                 completion_tokens(d.sft_seqs[longest]));
 
   std::optional<std::vector<std::pair<double, double>>> ref;
   if (!s.reference.empty()) {
