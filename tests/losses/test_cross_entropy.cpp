@@ -178,6 +178,49 @@ TEST_CASE("oracle: z-loss") {
   check_option_matrix(s, o);
 }
 
+TEST_CASE("oracle: z-loss with class weights is weighted as the row's cross-entropy") {
+  // The mean divides by the class weights' sum, so a row's z-loss carries its class weight as its
+  // cross-entropy does: scaling every class weight changes nothing (an unweighted z-loss over the
+  // weights' sum shrank eightfold with weights eight times larger), and a class of weight 0 adds no
+  // z-loss, as it adds no cross-entropy.
+  CeSpec s;
+  s.class_weights = true;
+  s.logit_scale = 2.0f;
+  CrossEntropyOptions o;
+  o.z_loss = 0.05f;
+  check_option_matrix(s, o);
+  const CeData d(s);
+  CeData scaled = d;
+  for (float& w : scaled.class_weights) w *= 8.0f;  // (a power of 2: the weights scale exactly)
+  const reference::CeResult a = oracle(d, o), b = oracle(scaled, o);
+  CHECK(a.z_loss > 0.1);
+  check_scalar("loss", b.loss, a.loss, 1e-12);
+  check_scalar("z_loss", b.z_loss, a.z_loss, 1e-12);
+  check_close("grad_hidden", b.grad_hidden, a.grad_hidden, 1e-12);
+  check_close("grad_weight", b.grad_weight, a.grad_weight, 1e-12);
+  GradRequest g;
+  check_against_oracle(scaled, o, g, run_library(scaled, o, g), b);
+  // Only the class of the first valid row's target has weight (1): the z-loss is the mean over
+  // its rows alone.
+  CeData zero = d;
+  const auto valid = std::find_if(zero.targets32.begin(), zero.targets32.end(),
+                                  [&](std::int32_t y) { return y != o.ignore_index; });
+  REQUIRE(valid != zero.targets32.end());
+  const std::int32_t kept = *valid;
+  for (float& w : zero.class_weights) w = 0.0f;
+  zero.class_weights[sz(kept)] = 1.0f;
+  const reference::CeResult z = oracle(zero, o);
+  double only = 0, rows = 0;
+  for (std::int64_t t = 0; t < s.n; ++t) {
+    if (zero.targets32[sz(t)] != kept) continue;
+    only += o.z_loss * z.lse[sz(t)] * z.lse[sz(t)];
+    rows += 1;
+  }
+  CHECK(only > 0.0);
+  check_scalar("z_loss", z.z_loss, only / rows, 1e-12);
+  check_against_oracle(zero, o, g, run_library(zero, o, g), z);
+}
+
 TEST_CASE("oracle: softcap") {
   // Logits up to ~12 against a cap of 4: the cap bends the large logits strongly but stays out of
   // tanh's flat end, where fp32 rounds neighbouring logits to ties and the argmax is ill-posed.

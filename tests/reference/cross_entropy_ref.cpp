@@ -89,7 +89,7 @@ CeResult compute(const CeProblem& p, const CeConfig& c, bool gradients) {
     // (without smoothing, a masked column's infinite lse - z_k must not reach the loss as 0 * inf)
     const double ce =
         (1 - ls) * cw(y) * (lse - zt[y]) + (ls != 0 ? ls / static_cast<double>(v) * smooth : 0.0);
-    const double zl = c.z_loss * lse * lse;
+    const double zl = c.z_loss * cw(y) * lse * lse;
     r.row_loss[sz(t)] = tw * (ce + zl);
     loss_sum += tw * (ce + zl);
     zloss_sum += tw * zl;
@@ -124,7 +124,8 @@ CeResult compute(const CeProblem& p, const CeConfig& c, bool gradients) {
     for (std::int64_t k = 0; k < v; ++k) {
       const double pk = prob[sz(t * v + k)];
       double d = (1 - ls) * cw(y) * (pk - (k == y ? 1.0 : 0.0)) +
-                 ls / static_cast<double>(v) * (cw_sum * pk - cw(k)) + 2 * c.z_loss * lse * pk;
+                 ls / static_cast<double>(v) * (cw_sum * pk - cw(k)) +
+                 2 * c.z_loss * cw(y) * lse * pk;
       if (c.softcap > 0) {
         const double th = std::tanh(raw[sz(t * v + k)] / c.softcap);
         d *= 1 - th * th;

@@ -25,8 +25,8 @@ struct RowRule {
 /// A row's loss parts and unscaled gradient coefficients: dz = c (alpha p - beta e_y - gamma u).
 struct RowTerms {
   float ce;     ///< (1-ls) cw_y (lse - z_y) + eps (cw_sum lse - sum_j cw_j z_j)
-  float zloss;  ///< zl lse^2
-  float alpha;  ///< (1-ls) cw_y + eps cw_sum + 2 zl lse
+  float zloss;  ///< zl cw_y lse^2
+  float alpha;  ///< (1-ls) cw_y + eps cw_sum + 2 zl cw_y lse
   float beta;   ///< (1-ls) cw_y
   float gamma;  ///< eps
 };
@@ -38,8 +38,10 @@ CHUNKLOSS_HD RowTerms row_terms(const RowRule& r, float lse, float z_y, float cw
   t.beta = r.one_minus_ls * cw_y;
   // Without smoothing the logit sum takes no part: a masked (-inf) column would make it 0 * inf.
   t.ce = t.beta * (lse - z_y) + (r.eps != 0.0f ? r.eps * (r.cw_sum * lse - sum_wz) : 0.0f);
-  t.zloss = r.z_loss * lse * lse;
-  t.alpha = t.beta + r.eps * r.cw_sum + 2.0f * r.z_loss * lse;
+  // The z-loss is weighted by the row's class weight as its cross-entropy is, so that the mean
+  // (over the class weights' sum) does not change when every class weight is scaled.
+  t.zloss = r.z_loss * cw_y * lse * lse;
+  t.alpha = t.beta + r.eps * r.cw_sum + 2.0f * r.z_loss * cw_y * lse;
   t.gamma = r.eps;
   return t;
 }

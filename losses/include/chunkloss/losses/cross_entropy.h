@@ -28,12 +28,14 @@ std::string_view reduction_name(Reduction r);
 
 /// Options of LinearCrossEntropy. Defaults follow PyTorch's cross_entropy. The loss of a valid
 /// row with target y is (1 - ls)(lse - z_y) + (ls / V) sum_j (lse - z_j) (class-weighted as in
-/// PyTorch), plus z_loss * lse^2; ignored rows contribute nothing.
+/// PyTorch), plus z_loss * lse^2 (times cw_y with class weights, as the cross-entropy term: the
+/// mean divides by their sum, so scaling every class weight changes nothing, and a class of weight
+/// 0 adds no z-loss either); ignored rows contribute nothing.
 struct CrossEntropyOptions {
   std::int64_t ignore_index = -100;  ///< rows with this target contribute nothing
   Reduction reduction = Reduction::kMean;
   float label_smoothing = 0.0f;  ///< ls in [0, 1]; eps = ls / V spread over all classes
-  float z_loss = 0.0f;           ///< adds z_loss * lse^2 per valid row (>= 0)
+  float z_loss = 0.0f;           ///< adds z_loss * lse^2 per valid row (>= 0; x cw_y, see above)
   std::optional<float> softcap;  ///< logits z -> c * tanh(z / c), c > 0
   bool compute_entropy = false;  ///< also report the mean softmax entropy over valid rows
   /// Bound on the workspace in bytes (logits chunk, row statistics, scratch). 0 picks the
