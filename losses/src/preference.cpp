@@ -84,7 +84,8 @@ class DpoObjective final : public SequenceObjective {
         break;
       case DpoLoss::kExoPair:
         CHUNKLOSS_CHECK(std::isfinite(eps) && eps > 0.0f && eps < 1.0f, kWho,
-                        ": exo_pair needs label_smoothing in (0, 1), got ", eps);
+                        ": exo_pair needs label_smoothing in (0, 1), got ", eps,
+                        " (TRL takes 1e-3 where it is 0)");
         break;
       default:
         CHUNKLOSS_CHECK(eps == 0.0f, kWho, ": label_smoothing ", eps,

@@ -416,6 +416,38 @@ TEST_CASE("orpo: beta, with and without bias") {
   }
 }
 
+TEST_CASE("orpo: chosen answers the model is certain of keep a finite loss and gradients") {
+  // Each chosen target the argmax of logits of std 5000: an averaged log-prob above -1e-6, where
+  // log(1 - exp(.)) is taken at -1e-6 (the oracle's unclamped form is infinite there).
+  PrefSpec s;
+  s.logit_scale = 5000.0f;
+  PrefData d(s);
+  const std::int64_t h = s.h, v = s.v, chosen_rows = s.s / 2 * s.t;
+  for (std::int64_t row = 0; row < chosen_rows; ++row) {
+    if (d.targets64[sz(row)] == s.ignore_index) continue;
+    std::int64_t best = 0;
+    double best_z = -INFINITY;
+    for (std::int64_t j = 0; j < v; ++j) {
+      double z = 0;
+      for (std::int64_t k = 0; k < h; ++k)
+        z += double{d.hidden[sz(row * h + k)]} * d.weight[sz(j * h + k)];
+      if (z > best_z) best_z = z, best = j;
+    }
+    d.set_target(row, best);
+  }
+  d.sync();
+  const PrefRun run = run_library(d, Orpo(OrpoOptions{}), PrefGradRequest{});
+  for (std::int64_t k = 0; k < s.s / 2; ++k)
+    CHECK(run.result.logps[sz(k)] / static_cast<double>(run.result.tokens[sz(k)]) > -1e-6);
+  CHECK(std::isfinite(run.result.loss));
+  for (const auto& [name, value] : run.result.metrics) {
+    CAPTURE(name);
+    CHECK(std::isfinite(value));
+  }
+  for (const std::vector<double>& g : {run.grads.hidden(), run.grads.weight()})
+    CHECK(std::all_of(g.begin(), g.end(), [](double x) { return std::isfinite(x); }));
+}
+
 TEST_CASE("simpo: defaults, gamma, label smoothing, the NLL term") {
   PrefSpec s;
   SimpoOptions def;

@@ -22,7 +22,8 @@ enum class DpoLoss : std::uint8_t {
   kRobust,    ///< (-(1 - eps) logsig(d) + eps logsig(-d)) / (1 - 2 eps)
   kExoPair,   ///< sigma(d) (logsig(d) - log(1 - eps)) + sigma(-d) (logsig(-d) - log eps)
   kNcaPair,   ///< -logsig(beta dc) - logsig(-beta dc) / 2 - logsig(-beta dr) / 2
-  kBcoPair,   ///< -logsig(beta dc) - logsig(-beta dr)
+  kBcoPair,   ///< -logsig(beta dc) - logsig(-beta dr) (TRL also subtracts a running mean of
+              ///< the rewards, state kept across steps; this per-call loss leaves it out)
   kSppoHard,  ///< (dc - 1 / (2 beta))^2 + (dr + 1 / (2 beta))^2
   kApoZero,   ///< (1 - sigma(beta dc)) + sigma(beta dr)
   kApoDown,   ///< sigma(beta dc) + (1 - sigma(d))
@@ -51,6 +52,9 @@ struct DpoOptions {
 
 /// ORPO (Hong et al. 2024): NLL(chosen) - beta * mean logsig(log odds ratio), on averages.
 /// Reference-free. Extra metrics: log_odds_ratio (mean logsig), log_odds_chosen (mean log odds).
+/// An averaged log-prob above -1e-6 (a sequence the model is all but certain of) counts as
+/// -1e-6 in log(1 - exp(.)), value and derivative, so that the log odds and the gradient stay
+/// finite (TRL's log1p(-exp(.)) has none at 0).
 struct OrpoOptions {
   float beta = 0.1f;
   SequenceOptions engine;
