@@ -31,6 +31,7 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <optional>
 #include <span>
 #include <thread>
@@ -149,7 +150,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("beta2", po::value<double>()->default_value(0.999), "AdamW beta2")
     ("adam-eps", po::value<double>()->default_value(1e-8), "AdamW epsilon")
     ("max-grad-norm", po::value<double>()->default_value(1.0), "clip the global gradient norm (0: off)")
-    ("grad-accum", po::value<std::int64_t>()->default_value(1), "micro-batches per optimizer step");
+    ("grad-accum", po::value<std::int64_t>()->default_value(1), "micro-batches per optimizer step (ce: the step is the mean over all their tokens; the preference losses' micro-batch means count equally, as in TRL)");
   po::options_description loss_opts("Loss (the formulas are in chunkloss/losses/preference.h; an option another --loss takes is refused)");
   loss_opts.add_options()
     ("beta", po::value<double>()->default_value(0, "0 = the loss's default: 0.1, simpo 2.0"), "beta of dpo, orpo, simpo, cpo, kto")
@@ -338,6 +339,52 @@ void check_architecture(const Settings& s, const model::LlamaConfig& checkpoint)
   }
 }
 
+// A step's metrics from its micro-batches' own (stats[i], of weight weights[i]: see
+// Trainer::step_weight), each the value of the one micro-batch that reports it, or else:
+// - an unpaired loss's (KTO's: it reports count/chosen and count/rejected) per-label means
+//   weighted by the micro-batch's sequences of that label, the counts summed, and the margin the
+//   difference of the step's reward means, as TRL's KTO logs them;
+// - any other metric's weighted mean over the micro-batches that report it.
+std::map<std::string, double> step_metrics(const std::vector<MicroStats>& stats,
+                                           const std::vector<double>& weights) {
+  std::map<std::string, std::vector<std::pair<double, double>>> parts;  // (value, weight)
+  for (std::size_t i = 0; i < stats.size(); ++i) {
+    const auto& m = stats[i].metrics;
+    const auto count = [&](const std::string& label) {
+      const auto it = std::find_if(m.begin(), m.end(),
+                                   [&](const auto& kv) { return kv.first == "count/" + label; });
+      return it == m.end() ? std::optional<double>() : it->second;
+    };
+    const bool unpaired = count("chosen").has_value();
+    for (const auto& [k, v] : m) {
+      const bool chosen = k.ends_with("/chosen"), rejected = k.ends_with("/rejected");
+      const bool per_label = unpaired && (chosen || rejected) && !k.starts_with("count/");
+      const double w = per_label ? *count(chosen ? "chosen" : "rejected") : weights[i];
+      parts[k].emplace_back(v, w);
+    }
+  }
+  std::map<std::string, double> out;
+  for (const auto& [k, p] : parts) {
+    double sum = 0, weighted = 0, weight = 0;
+    for (const auto& [v, w] : p) {
+      sum += v;
+      weighted += w * v;
+      weight += w;
+    }
+    out[k] = p.size() == 1             ? p[0].first
+             : k.starts_with("count/") ? sum
+             : weight > 0              ? weighted / weight
+                                       : 0.0;
+  }
+  const bool unpaired = out.contains("count/chosen");
+  if (unpaired && stats.size() > 1) {
+    out.erase("rewards/margins");
+    if (out.contains("rewards/chosen") && out.contains("rewards/rejected"))
+      out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"];
+  }
+  return out;
+}
+
 // FNV-1a, 64 bits, in hex: the identity of a file's or a model's bytes.
 std::string digest(std::string_view bytes) {
   std::uint64_t x = 0xcbf29ce484222325ull;
@@ -415,20 +462,24 @@ std::map<std::string, std::string> run_options(const Settings& s, const std::str
         {"desirable_weight", num(l.desirable_weight)},
         {"undesirable_weight", num(l.undesirable_weight)}}}};
   o.merge(std::map(by_loss.at(l.loss)));
+  // How the micro-batches of a step weigh (Trainer::step_weight): a build before this key
+  // weighed cross-entropy's equally.
+  if (l.loss == "ce" && s.grad_accum > 1) o["grad_accum_weights"] = "valid_targets";
   return o;
 }
 
 // Refuses to resume `st` (saved in `dir`) with other options than it was saved with, or from a
 // step the run cannot continue from. A value the save lacks was not recorded by the build that
-// saved it: those below were implied (builds before skip_ignored_rows computed every row), the
-// rest cannot be compared. Builds before
-// 2026-12-05 saved the default budget as 0: it is the saved device's default.
+// saved it: those below were implied (builds before skip_ignored_rows computed every row, and
+// before grad_accum_weights weighed micro-batches equally), the rest cannot be compared. Builds
+// before 2026-12-05 saved the default budget as 0: it is the saved device's default.
 void check_resume(const Settings& s, const std::string& dir, const model::TrainerState& st,
                   const std::map<std::string, std::string>& now, std::int64_t optimizer_step) {
   static const std::map<std::string, std::string> kImplied = {{"device", "cpu"},
                                                               {"data_parallel", "1"},
                                                               {"vocab_parallel", "1"},
-                                                              {"skip_ignored_rows", "false"}};
+                                                              {"skip_ignored_rows", "false"},
+                                                              {"grad_accum_weights", "equal"}};
   const auto saved_value = [&](const std::string& key) -> std::optional<std::string> {
     if (const auto it = st.strings.find(key); it != st.strings.end()) return it->second;
     if (const auto it = kImplied.find(key); it != kImplied.end()) return it->second;
@@ -853,6 +904,15 @@ int run(const Settings& s, const std::string& invocation) {
       }
       micro_batches.push_back(epoch_batches[static_cast<std::size_t>(m % per_epoch)]);
     }
+    // Each micro-batch's weight relative to an equal share (1 but for a token-mean loss over
+    // several micro-batches: its share of the step's valid targets, times their number; the
+    // step's gradient is scaled by 1 / --grad-accum below).
+    std::vector<double> weights;
+    for (const std::vector<std::size_t>& b : micro_batches)
+      weights.push_back(trainer->step_weight(b));
+    const double weight_sum = std::accumulate(weights.begin(), weights.end(), 0.0);
+    for (double& w : weights)
+      w = s.grad_accum == 1 ? 1.0 : w * static_cast<double>(s.grad_accum) / weight_sum;
     // Each rank steps on its part of every micro-batch; the ranks' gradients are summed over
     // the grid before the optimizer step (each is its share of the whole's).
     std::vector<std::vector<MicroStats>> stats(static_cast<std::size_t>(ranks));
@@ -860,25 +920,19 @@ int run(const Settings& s, const std::string& invocation) {
       if (ranks > 1) omp_set_num_threads(rank_threads);
       model::LlamaModel& m = model_of(r);
       m.zero_grad();
-      for (const std::vector<std::size_t>& b : micro_batches)
+      for (std::size_t i = 0; i < micro_batches.size(); ++i)
         stats[static_cast<std::size_t>(r)].push_back(
-            trainers[static_cast<std::size_t>(r)]->step(m, b));
+            trainers[static_cast<std::size_t>(r)]->step(m, micro_batches[i], weights[i]));
       for (dist::Communicator* g : {grid.data_group(r), grid.vocab_group(r)})
         if (g)
           g->all_reduce_sum(CpuContext(rank_threads), m.grads().data(),
                             static_cast<std::int64_t>(m.grads().size()));
     });
     MicroStats sum;
-    // Each metric's mean over the micro-batches that report it (KTO's of one label lack the
-    // other label's).
-    std::map<std::string, std::pair<double, int>> metric_sum;
+    const std::map<std::string, double> step_metric = step_metrics(stats[0], weights);
     for (std::size_t i = 0; i < micro_batches.size(); ++i) {
-      sum.loss += stats[0][i].loss;  // the group's, on every rank
-      for (const auto& [k, v] : stats[0][i].metrics) {
-        metric_sum[k].first += v;
-        ++metric_sum[k].second;
-      }
-      for (int r = 0; r < ranks; ++r)  // each part's tokens once
+      sum.loss += weights[i] * stats[0][i].loss;  // the group's, on every rank
+      for (int r = 0; r < ranks; ++r)             // each part's tokens once
         if (grid.first_of_vocab_group(r))
           sum.tokens += stats[static_cast<std::size_t>(r)][i].tokens;
     }
@@ -902,12 +956,11 @@ int run(const Settings& s, const std::string& invocation) {
         {"lr", lr},
         {"grad_norm", norm},
         {"tokens", sum.tokens}};
-    for (const auto& [k, v] : metric_sum) rec[k] = v.first / v.second;
+    for (const auto& [k, v] : step_metric) rec[k] = v;
     metrics.append(rec);
-    const auto acc = metric_sum.find(acc_key);
-    progress.update({step + 1, last_loss,
-                     acc == metric_sum.end() ? NAN : acc->second.first / acc->second.second,
-                     acc_label, sum.tokens});
+    const auto acc = step_metric.find(acc_key);
+    progress.update(
+        {step + 1, last_loss, acc == step_metric.end() ? NAN : acc->second, acc_label, sum.tokens});
     if (s.save_every > 0 && (step + 1) % s.save_every == 0 && step + 1 < s.steps)
       save(step + 1,
            (std::filesystem::path(s.save) / ("checkpoint-" + std::to_string(step + 1))).string());

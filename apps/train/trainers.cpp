@@ -52,7 +52,17 @@ class CeTrainer final : public Trainer {
     return {"token_accuracy", "token acc"};
   }
 
-  MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples) override {
+  double step_weight(std::span<const std::size_t> examples) const override {
+    double targets = 0;
+    for (const std::size_t i : examples)
+      targets += static_cast<double>(
+          std::count_if(seqs_[i].targets.begin(), seqs_[i].targets.end(),
+                        [](std::int32_t t) { return t != data::EncodeOptions{}.ignore_index; }));
+    return targets;
+  }
+
+  MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples,
+                  double weight) override {
     const data::Batch batch = data::collate_sft(seqs_, own(examples));
     const TensorView hidden = model.forward(batch.tokens_view());
     const TensorView d_hidden = dh_.view(hidden);
@@ -64,6 +74,11 @@ class CeTrainer final : public Trainer {
     in.targets = dev_.in(batch.targets_view());
     in.vocab_shard = sh;
     in.data_group = data_group_;
+    if (weight != 1.0) {  // (every row's loss scaled; not part of the mean's divisor)
+      weights_.assign(static_cast<std::size_t>(batch.targets_view().numel()),
+                      static_cast<float>(weight));
+      in.token_weights = dev_.in(TensorView::of(weights_.data(), {batch.targets_view().numel()}));
+    }
     CrossEntropyGrads g;
     g.hidden = dev_.inout(d_hidden);
     g.weight = dev_.inout(apps::lm_head_rows(model.lm_head_weight_grad(), sh));
@@ -72,12 +87,13 @@ class CeTrainer final : public Trainer {
         ce_.forward_backward(dev_.context(), in, g, {}, dev_.workspace(ce_.workspace_bytes(in, g)));
     dev_.end();
     if (runs_backward()) model.backward(d_hidden);
-    return {r.loss, {{"token_accuracy", r.accuracy}}, input_tokens(batch)};
+    return {r.loss / weight, {{"token_accuracy", r.accuracy}}, input_tokens(batch)};
   }
 
  private:
   LossDevice& dev_;
   std::vector<data::Sequence> seqs_;
+  std::vector<float> weights_;      // token weights of a micro-batch of weight != 1
   std::vector<std::size_t> lines_;  // each example's line in the file
   LinearCrossEntropy ce_;
   HiddenGrad dh_;
@@ -198,7 +214,8 @@ class PairTrainer final : public Trainer {
     return {"rewards/accuracies", "reward acc"};
   }
 
-  MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples) override {
+  MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples,
+                  double /*weight: 1, as step_weight gives*/) override {
     const data::Batch batch = data::collate_preference(pairs_, own(examples));
     PreferenceInputs in;
     in.data_group = data_group_;
@@ -267,7 +284,8 @@ class KtoTrainer final : public Trainer {
     return {"rewards/margins", "reward margin"};
   }
 
-  MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples) override {
+  MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples,
+                  double /*weight: 1, as step_weight gives*/) override {
     CHUNKLOSS_CHECK(examples.size() >= 2, "kto: a micro-batch of ", examples.size(),
                     " example has no mismatched pairs for the KL estimate; use --batch-size >= 2");
     // The rank's examples, and their mismatched pairs: prompt i with completion i + 1 over the

@@ -52,8 +52,19 @@ class Trainer {
   virtual ~Trainer() = default;
   /// Number of examples (pairs for the paired losses) an epoch draws from.
   virtual std::size_t size() const = 0;
-  /// Adds the gradients of the mean loss over `examples` (a micro-batch) into model.grads().
-  virtual MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples) = 0;
+  /// Adds `weight` times the gradients of the mean loss over `examples` (a micro-batch) into
+  /// model.grads(); MicroStats holds the micro-batch's own loss and metrics (unweighted). Only a
+  /// token-mean loss gets a weight other than 1 (see step_weight).
+  virtual MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples,
+                          double weight) = 0;
+  /// The micro-batch's weight in a step of several (--grad-accum): its valid targets for a loss
+  /// that is a mean over tokens (cross-entropy), so that the step's loss is the mean over all of
+  /// its tokens, as one micro-batch as large would give (transformers' num_items_in_batch);
+  /// 1 for the preference losses, whose micro-batch means count equally, as in TRL.
+  virtual double step_weight(std::span<const std::size_t> examples) const {
+    (void)examples;
+    return 1.0;
+  }
   /// The longest sequence step() can give the model (KTO: its mismatched pairs too).
   virtual apps::Longest longest() const = 0;
   /// The metric shown as the progress line's accuracy, and its short label.

@@ -127,6 +127,23 @@ def resume_state_case(train, work):
         if os.path.exists(os.path.join(out, "model.safetensors")):
             fail("a resume from a bad optimizer state (%s = %g) saved a checkpoint" %
                  (tensor, value))
+    # A cross-entropy run over several micro-batches a step saved by a build that weighed them
+    # equally (no grad_accum_weights in its state) cannot be continued exactly.
+    g = os.path.join(work, "ga")
+    shutil.rmtree(g, ignore_errors=True)
+    ga = ["--steps", "3", "--warmup-steps", "0", "--grad-accum", "2"] + TINY
+    run([train, "--save", g, "--save-every", "2"] + ga)
+    ck = os.path.join(work, "ga-old")
+    shutil.rmtree(ck, ignore_errors=True)
+    shutil.copytree(os.path.join(g, "checkpoint-2"), ck)
+    with open(os.path.join(ck, "trainer_state.json")) as f:
+        state = json.load(f)
+    if state["strings"].pop("grad_accum_weights") != "valid_targets":
+        fail("a ce run with --grad-accum 2 must save grad_accum_weights valid_targets")
+    with open(os.path.join(ck, "trainer_state.json"), "w") as f:
+        json.dump(state, f)
+    one_line([train, "--resume", ck] + ga, 1, "grad_accum_weights = equal",
+             "this one has valid_targets", alone=True)
 
 
 def stdin_case(train, work):

@@ -387,6 +387,41 @@ def eval_overflow_case(evaluate, work, sft):
         fail("the table must show '-' for the overflowed perplexity:\n" + p.stdout)
 
 
+def grad_accum_case(train, work, sft):
+    """--grad-accum: an SFT step is the mean over all of its tokens, so micro-batches of 16 + 4
+    (an epoch's short last one) or 10 + 10 give the steps of one micro-batch of all 20 examples
+    (transformers' num_items_in_batch); KTO's per-label metrics are weighted by the micro-batches'
+    sequences of that label, its counts summed and its margin the difference of the means."""
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "apps", "data",
+                       "sft_train.jsonl")
+    twenty = os.path.join(work, "ga-20.jsonl")
+    with open(src) as f, open(twenty, "w") as out:
+        out.writelines([line for line in f if line.strip()][:20])
+    paths = []
+    for split in (["--batch-size", "20"], ["--batch-size", "16", "--grad-accum", "2"],
+                  ["--batch-size", "10", "--grad-accum", "2"]):
+        m = os.path.join(work, "ga-ce-%s.jsonl" % "-".join(split[1::2]))
+        if os.path.exists(m):
+            os.remove(m)
+        run([train, "--loss", "ce", "--train-file", twenty, "--steps", "4", "--warmup-steps", "0",
+             "--lr", "3e-3", "--hidden-size", "32", "--intermediate-size", "64", "--metrics", m] +
+            split)
+        paths.append(m)
+    check_same_curves(paths[0], paths[1], "ce: micro-batches of 20 and of 16 + 4", 1e-4)
+    check_same_curves(paths[0], paths[2], "ce: micro-batches of 20 and of 10 + 10", 1e-4)
+    m = os.path.join(work, "ga-kto.jsonl")
+    if os.path.exists(m):
+        os.remove(m)
+    run([train, "--loss", "kto", "--init", sft, "--steps", "6", "--warmup-steps", "0",
+         "--batch-size", "4", "--grad-accum", "3", "--metrics", m])
+    for r in records(m):
+        if r["count/chosen"] + r["count/rejected"] != 12:
+            fail("kto over 3 micro-batches of 4: the counts are not the step's 12: %s" % r)
+        if "rewards/margins" in r and \
+                abs(r["rewards/margins"] - (r["rewards/chosen"] - r["rewards/rejected"])) > 1e-12:
+            fail("kto's margin is not the difference of its reward means: %s" % r)
+
+
 def data_parallel_case(train, work, sft):
     """--data-parallel K: the ranks' loss calls share the library's data group, so a run over K
     ranks computes the same steps as over one, up to the order of sums."""
@@ -404,6 +439,7 @@ def data_parallel_case(train, work, sft):
     for r in records(os.path.join(work, "dp-kto-3.jsonl")):
         if r["count/chosen"] + r["count/rejected"] != 16:
             fail("kto over 3 ranks: the counts are not the micro-batch's 16: %s" % r)
+    grad_accum_case(train, work, sft)
     # One pair longer than the model's positions: the rank that gets it fails in the model, the
     # other, waiting in a collective, is released, and the run ends with that rank's error.
     bad = os.path.join(work, "dp-one-long.jsonl")
@@ -463,9 +499,10 @@ def cuda_case(train, evaluate, work, small):
         d = os.path.join(work, "cuda-check-" + dev)
         shutil.rmtree(d, ignore_errors=True)
         sft = os.path.join(d, "sft")
+        # (two micro-batches a step: their token weights, on the device with cuda)
         p = subprocess.run([train, "--device", dev, "--loss", "ce", "--steps", "40",
-                            "--warmup-steps", "4", "--lr", "1e-2", "--seed", "3", "--save", sft] +
-                           small, capture_output=True, text=True)
+                            "--warmup-steps", "4", "--lr", "1e-2", "--seed", "3", "--grad-accum",
+                            "2", "--save", sft] + small, capture_output=True, text=True)
         if dev == "cuda" and p.returncode != 0 and (
                 "no CUDA backend" in p.stderr or "no CUDA device" in p.stderr):
             print("SKIP: " + p.stderr.strip())
