@@ -492,17 +492,16 @@ def vocab_parallel_case(train, work, sft):
 
 
 def cuda_case(train, evaluate, work, small):
-    """The same runs with the loss on the CPU and on the GPU: the curves agree to rounding; so do
-    chunkloss-eval's numbers."""
+    """The same runs with the loss on the CPU and on the GPU (SFT, DPO, DPO over ranks, SFT over
+    accumulated micro-batches): the curves agree to rounding; so do chunkloss-eval's numbers."""
     runs = {}
     for dev in ("cuda", "cpu"):  # cuda first: a build or machine without it skips at once
         d = os.path.join(work, "cuda-check-" + dev)
         shutil.rmtree(d, ignore_errors=True)
         sft = os.path.join(d, "sft")
-        # (two micro-batches a step: their token weights, on the device with cuda)
         p = subprocess.run([train, "--device", dev, "--loss", "ce", "--steps", "40",
-                            "--warmup-steps", "4", "--lr", "1e-2", "--seed", "3", "--grad-accum",
-                            "2", "--save", sft] + small, capture_output=True, text=True)
+                            "--warmup-steps", "4", "--lr", "1e-2", "--seed", "3", "--save", sft] +
+                           small, capture_output=True, text=True)
         if dev == "cuda" and p.returncode != 0 and (
                 "no CUDA backend" in p.stderr or "no CUDA device" in p.stderr):
             print("SKIP: " + p.stderr.strip())
@@ -550,6 +549,18 @@ def cuda_case(train, evaluate, work, small):
               (stage, len(cpu), cpu[0], gpu[0], worst))
         if worst > 1e-4:
             fail("%s: the cpu and cuda curves differ by %.2e" % (stage, worst))
+    # SFT steps of three micro-batches each (their token weights in the loss on the device).
+    ga = {}
+    for dev in ("cuda", "cpu"):
+        d = os.path.join(work, "cuda-check-ga-" + dev)
+        shutil.rmtree(d, ignore_errors=True)
+        run([train, "--device", dev, "--loss", "ce", "--steps", "8", "--warmup-steps", "0",
+             "--lr", "1e-2", "--grad-accum", "3", "--save", d] + small)
+        ga[dev] = losses(os.path.join(d, "metrics.jsonl"))
+    worst = max(abs(a - b) / max(abs(a), 1e-3) for a, b in zip(ga["cpu"], ga["cuda"]))
+    print("sft --grad-accum 3: %d steps, worst relative difference %.2e" % (len(ga["cpu"]), worst))
+    if worst > 1e-4:
+        fail("sft --grad-accum 3: the cpu and cuda curves differ by %.2e" % worst)
     sft, dpo = (os.path.join(work, "cuda-check-cpu", x) for x in ("sft", "dpo"))
     rows = {}
     for dev in ("cuda", "cpu"):
