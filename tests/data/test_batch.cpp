@@ -110,7 +110,7 @@ TEST_CASE("collate_sft: right padding with PAD and ignore_index, lengths and tar
   CHECK(contains(error_message([&] { collate_sft(seqs, {}); }), "no rows"));
 }
 
-TEST_CASE("collate_preference: [2P, T] with chosen rows first; pair i is rows (i, i + P)") {
+TEST_CASE("collate_preference: [2P, T] with chosen rows first, pair i is rows (i, i + P)") {
   const ByteTokenizer tok;
   std::vector<PreferenceExample> ex = {
       {"1+1=", "2", "3"}, {"10+5=", "15", "25"}, {"9+9=", "18", "108"}};

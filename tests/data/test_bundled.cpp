@@ -22,7 +22,7 @@ int answer_of(const std::string& prompt) {
   return std::stoi(prompt.substr(0, plus)) + std::stoi(prompt.substr(plus + 1));
 }
 
-TEST_CASE("bundled data: SFT answers are right; eval prompts are held out") {
+TEST_CASE("bundled data: SFT answers are right, eval prompts are held out") {
   const auto train = read_sft_jsonl(kDir + "/sft_train.jsonl");
   const auto eval = read_sft_jsonl(kDir + "/sft_eval.jsonl");
   CHECK(train.size() >= 500);

@@ -27,6 +27,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "skip.h"
 #include "support/compare.h"
 #include "support/threads.h"
 #include "support/workspace.h"
@@ -314,12 +315,6 @@ std::string describe(const Case& c) {
          " skip=" + std::to_string(c.skip);
 }
 
-bool have_gpu() {
-  if (gpu::device_count() > 0) return true;
-  MESSAGE("no CUDA device: GPU test skipped");
-  return false;
-}
-
 double grad_tolerance(const Case& c) { return c.dtype == DType::kBF16 ? 4e-3 : 2e-5; }
 
 }  // namespace
@@ -342,11 +337,8 @@ TEST_CASE(
 TEST_CASE(
     "vocab parallel on CUDA over NCCL: every device a rank, against the unsplit call, "
     "bitwise run to run") {
+  if (!have_devices(2, "the NCCL test")) return;
   const int devices = gpu::device_count();
-  if (devices < 2) {
-    MESSAGE("fewer than 2 CUDA devices (", devices, "): NCCL test skipped");
-    return;
-  }
   std::vector<int> ids;  // V = 1003 does not divide by 2, 4 or 8: uneven shards
   for (int i = 0; i < devices; ++i) ids.push_back(i);
   auto comms = dist::NcclCommunicator::create_all(ids);

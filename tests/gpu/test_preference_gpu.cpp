@@ -24,6 +24,7 @@
 
 #include "losses/preference_fixture.h"
 #include "reference/preference_ref.h"
+#include "skip.h"
 #include "support/compare.h"
 #include "support/threads.h"
 #include "support/tolerance.h"
@@ -33,12 +34,6 @@ namespace chunkloss::test {
 namespace {
 
 using reference::PrefConfig;
-
-bool have_gpu() {
-  if (gpu::device_count() > 0) return true;
-  MESSAGE("no CUDA device: GPU test skipped");
-  return false;
-}
 
 constexpr DpoLoss kDpoLosses[] = {DpoLoss::kSigmoid, DpoLoss::kHinge,    DpoLoss::kIpo,
                                   DpoLoss::kRobust,  DpoLoss::kExoPair,  DpoLoss::kNcaPair,

@@ -123,7 +123,7 @@ GradBuffers::GradBuffers(const CeData& d, const GradRequest& r, float fill)
 
 OutBuffers::OutBuffers(std::int64_t n)
     : row_loss(sz(n), std::numeric_limits<float>::quiet_NaN()),
-      lse(sz(n), std::numeric_limits<float>::quiet_NaN()),
+      lse(sz(n), 12345.0f),  // (finite: rows the library skips must be written NaN)
       predictions(sz(n), 12345) {}
 
 CrossEntropyOutputs OutBuffers::views() {

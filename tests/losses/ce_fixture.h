@@ -82,7 +82,8 @@ class GradBuffers : public GradStorage {
   }
 };
 
-/// Per-row output buffers, pre-filled with sentinels (NaN, 12345) to catch unwritten rows.
+/// Per-row output buffers, pre-filled with sentinels (row_loss NaN, lse and predictions 12345) to
+/// catch unwritten rows (a skipped row's lse is written NaN).
 struct OutBuffers {
   explicit OutBuffers(std::int64_t n);
   CrossEntropyOutputs views();

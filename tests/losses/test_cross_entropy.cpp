@@ -721,7 +721,7 @@ TEST_CASE("ties: predictions and accuracy use the first argmax") {
   }
 }
 
-TEST_CASE("NaN logits: predictions leave NaNs out; a row of NaNs predicts column 0") {
+TEST_CASE("NaN logits: predictions leave NaNs out, a row of NaNs predicts column 0") {
   // NaN weight rows make a few columns NaN in every row (the first, one inside a 16-byte vector,
   // the last); row 2's hidden is NaN, so all its logits are. Every other row must predict what
   // it predicts with those columns masked by a -inf bias instead (the other logits are the same
@@ -1079,7 +1079,7 @@ TEST_CASE("skip_ignored_rows: short completions share chunks, cut anywhere") {
   }
 }
 
-TEST_CASE("skip_ignored_rows: skipped dH rows zero, or kept with accumulate; forward only") {
+TEST_CASE("skip_ignored_rows: skipped dH rows zero, or kept with accumulate, forward only") {
   for (DType dtype : {DType::kF32, DType::kBF16}) {
     CeSpec s;
     s.dtype = dtype;
@@ -1771,7 +1771,7 @@ TEST_CASE("a failed call leaves gradients and outputs untouched") {
   }
 }
 
-TEST_CASE("outputs.scalars holds the results; copy_results_to_host = false returns NaN") {
+TEST_CASE("outputs.scalars holds the results, copy_results_to_host = false returns NaN") {
   const CeData d(CeSpec{});
   const GradRequest g;
   CrossEntropyOptions o;

@@ -16,6 +16,7 @@
 
 #include "data/expect_error.h"
 #include "reference_decoder.h"
+#include "support/compare.h"
 
 namespace chunkloss::test {
 namespace {
@@ -32,7 +33,7 @@ std::vector<std::int32_t> random_tokens(std::int64_t n, std::int64_t v, std::uin
 
 double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
   double m = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+  for (std::size_t i = 0; i < a.size(); ++i) m = max_or_nan(m, std::abs(a[i] - b[i]));
   return m;
 }
 
@@ -97,7 +98,7 @@ TEST_CASE("forward: causal (later tokens never change earlier rows) and batch-in
   const float* alone = m.forward(TensorView::of(tokens.data() + t, {1, t})).data_as<const float>();
   double worst = 0;
   for (std::int64_t j = 0; j < t * h; ++j)
-    worst = std::max(worst, std::abs(double(alone[j]) - first[t * h + j]));
+    worst = max_or_nan(worst, std::abs(double(alone[j]) - first[t * h + j]));
   CHECK(worst < 1e-5);
 }
 
@@ -132,7 +133,7 @@ TEST_CASE("forward: query head h reads kv head h / (heads / kv_heads), as HF rep
   const double* ha = a.forward(tokens.data(), 2, 6);
   const double* hb = b.forward(tokens.data(), 2, 6);
   double worst = 0;
-  for (std::int64_t j = 0; j < 12 * hsz; ++j) worst = std::max(worst, std::abs(ha[j] - hb[j]));
+  for (std::int64_t j = 0; j < 12 * hsz; ++j) worst = max_or_nan(worst, std::abs(ha[j] - hb[j]));
   CHECK(worst < 1e-12);
 }
 

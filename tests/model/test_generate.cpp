@@ -69,7 +69,7 @@ TEST_CASE("generate: sampling is seeded, varies with the seed, top_k 1 is greedy
   CHECK(generate(m, prompt, o).tokens == generate(m, prompt, greedy).tokens);
 }
 
-TEST_CASE("generate: stops at the context limit; option errors") {
+TEST_CASE("generate: stops at the context limit, option errors") {
   const LlamaConfig c = tiny_config(false, false);  // max_position_embeddings 16
   LlamaModel m(c, 1);
   GenerateOptions o;

@@ -4,9 +4,12 @@
 
 #include <chunkloss/core/dtype.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -15,6 +18,13 @@ namespace chunkloss::test {
 
 /// An index or size as a vector's size_t.
 inline std::size_t sz(std::int64_t x) { return static_cast<std::size_t>(x); }
+
+/// max(worst, d) that keeps a NaN: once either is NaN the result is NaN, so a later
+/// `worst <= tol` fails (std::max(worst, NaN) returns worst, which would hide a NaN result).
+inline double max_or_nan(double worst, double d) {
+  return std::isnan(worst) || std::isnan(d) ? std::numeric_limits<double>::quiet_NaN()
+                                            : std::max(worst, d);
+}
 
 inline double as_double(double x) { return x; }
 inline double as_double(float x) { return x; }
