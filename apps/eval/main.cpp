@@ -131,14 +131,6 @@ std::vector<std::vector<std::size_t>> batches(std::size_t n, std::int64_t size) 
   return out;
 }
 
-// The targets a sequence's log-prob sums over (its completion and EOS).
-double completion_tokens(const data::Sequence& seq) {
-  const data::EncodeOptions defaults;
-  return static_cast<double>(
-      std::count_if(seq.targets.begin(), seq.targets.end(),
-                    [&](std::int32_t t) { return t != defaults.ignore_index; }));
-}
-
 struct Data {
   std::vector<data::SftExample> sft;
   std::vector<data::Sequence> sft_seqs;
@@ -298,7 +290,8 @@ int run(const Settings& s) {
       first(data::read_preference_jsonl(s.pref_file), s.limit);
   d.pairs = data::encode_preference(tok, pref);
   for (const data::PreferenceSequences& p : d.pairs)
-    d.target_counts.emplace_back(completion_tokens(p.chosen), completion_tokens(p.rejected));
+    d.target_counts.emplace_back(static_cast<double>(p.chosen.count_targets()),
+                                 static_cast<double>(p.rejected.count_targets()));
   for (std::size_t i = 0; i < d.sft_seqs.size(); ++i)
     d.longest_sft.take(d.sft_seqs[i], d.sft[i].line);
   for (std::size_t i = 0; i < d.pairs.size(); ++i) d.longest_pair.take(d.pairs[i], pref[i].line);
@@ -322,18 +315,18 @@ int run(const Settings& s) {
   // checks, so that a refused run prints its error alone).
   std::size_t too_long = 0, longest = 0;
   for (std::size_t i = 0; i < d.sft_seqs.size(); ++i) {
-    const double need = completion_tokens(d.sft_seqs[i]);
-    if (need > static_cast<double>(s.max_new_tokens)) ++too_long;
-    if (need > completion_tokens(d.sft_seqs[longest])) longest = i;
+    const std::int64_t need = d.sft_seqs[i].count_targets();
+    if (need > s.max_new_tokens) ++too_long;
+    if (need > d.sft_seqs[longest].count_targets()) longest = i;
   }
   if (too_long > 0)
     std::fprintf(stderr,
                  "%s: note: %zu of %zu completions in %s need more than --max-new-tokens %lld "
-                 "(their bytes and EOS; line %lld needs %.0f), so they cannot match exactly\n",
+                 "(their bytes and EOS; line %lld needs %lld), so they cannot match exactly\n",
                  kProg, too_long, d.sft_seqs.size(), s.sft_file.c_str(),
                  static_cast<long long>(s.max_new_tokens),
                  static_cast<long long>(d.sft[longest].line),
-                 completion_tokens(d.sft_seqs[longest]));
+                 static_cast<long long>(d.sft_seqs[longest].count_targets()));
 
   std::optional<std::vector<std::pair<double, double>>> ref;
   if (!s.reference.empty()) {

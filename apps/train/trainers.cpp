@@ -54,10 +54,7 @@ class CeTrainer final : public Trainer {
 
   double step_weight(std::span<const std::size_t> examples) const override {
     double targets = 0;
-    for (const std::size_t i : examples)
-      targets += static_cast<double>(
-          std::count_if(seqs_[i].targets.begin(), seqs_[i].targets.end(),
-                        [](std::int32_t t) { return t != data::EncodeOptions{}.ignore_index; }));
+    for (const std::size_t i : examples) targets += static_cast<double>(seqs_[i].count_targets());
     return targets;
   }
 

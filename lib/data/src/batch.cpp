@@ -80,9 +80,21 @@ TensorView Batch::tokens_view() const { return TensorView::of(tokens.data(), {ro
 
 TensorView Batch::targets_view() const { return TensorView::of(targets.data(), {rows * length}); }
 
-std::int64_t Batch::count_targets(std::int32_t ignore_index) const {
+namespace {
+
+std::int64_t count_not(const std::vector<std::int32_t>& targets, std::int32_t ignore_index) {
   return static_cast<std::int64_t>(std::count_if(
       targets.begin(), targets.end(), [&](std::int32_t t) { return t != ignore_index; }));
+}
+
+}  // namespace
+
+std::int64_t Sequence::count_targets(std::int32_t ignore_index) const {
+  return count_not(targets, ignore_index);
+}
+
+std::int64_t Batch::count_targets(std::int32_t ignore_index) const {
+  return count_not(targets, ignore_index);
 }
 
 namespace {

@@ -26,6 +26,8 @@ namespace chunkloss::data {
 struct Sequence {
   std::vector<std::int32_t> tokens;
   std::vector<std::int32_t> targets;
+  /// Number of targets that are not ignore_index (the trained ones: the completion and EOS).
+  std::int64_t count_targets(std::int32_t ignore_index = -100) const;
 };
 
 /// A paired preference example: both sequences share the prompt.
