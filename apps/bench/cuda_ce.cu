@@ -228,6 +228,12 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
   res.time_ms = median(res.times_ms);
   res.ratio = res.time_ms / res.floor_ms;
   z.reset();
+  // The checks below read one more full call's gradients, written into buffers of NaN: the
+  // rounds' floors and --phases' dX-only and dW-only calls also wrote there, and would otherwise
+  // hide a full call that skipped a write.
+  for (gpu::DeviceBuffer* g : {&dx, &dw})
+    BENCH_CHECK(cudaMemsetAsync(g->data(), 0xFF, g->bytes(), s));
+  if (ce.forward_backward(ctx, in, gr, {}, wsv).loss != first_loss) res.loss_repeatable = false;
 
   const auto ni = int(n), hi = int(h), vi = int(v);
   // The naive rows' coefficients (1/valid on valid rows) and the mean loss from their stats.

@@ -1,6 +1,7 @@
 // chunkloss-bench output: details, markdown table and JSON of the cases (see report.h).
 #include "report.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <sstream>
 
@@ -46,22 +47,27 @@ std::string checks_made(const CaseResult& r) {
 std::vector<std::string> failed_checks(const CaseRecord& rec) {
   const CaseConfig& c = rec.config;
   const CaseResult& r = rec.result;
-  const double tol = c.logits_dtype == DType::kBF16 ? 1e-1 : c.dtype == DType::kBF16 ? 2e-2 : 1e-4;
+  const bool bf16_logits = c.logits_dtype == DType::kBF16;
+  const double tol = bf16_logits ? 1e-1 : c.dtype == DType::kBF16 ? 2e-2 : 1e-4;
+  // The loss is reduced in double from fp32 statistics of the same inputs: with an fp32 logits
+  // chunk it is off by at most 9e-5 in the results so far (a DPO sum over 16384 tokens), far
+  // below the gradients' bf16 rounding.
+  const double loss_tol = bf16_logits ? 1e-1 : 1e-3;
   std::vector<std::string> failed;
-  const auto check = [&](const char* what, const std::optional<double>& err) {
-    if (err && !(*err <= tol))
+  const auto check = [&](const char* what, const std::optional<double>& err, double within) {
+    if (err && !(*err <= within))
       failed.push_back(std::string(what) + " relative error " + fmt("%.3g", *err) +
-                       " is not within " + fmt("%g", tol));
+                       " is not within " + fmt("%g", within));
   };
-  check("loss vs naive", r.err_loss);
-  check("dX vs naive", r.err_grad_hidden);
-  check("dW vs naive", r.err_grad_weight);
-  check("loss vs float64", r.f64_err_loss);
-  check("dX vs float64", r.f64_err_grad_hidden);
-  check("dW vs float64", r.f64_err_grad_weight);
-  check("loss vs the unsplit call", r.unsplit_err_loss);
-  check("dX vs the unsplit call", r.unsplit_err_grad_hidden);
-  check("dW vs the unsplit call", r.unsplit_err_grad_weight);
+  check("loss vs naive", r.err_loss, std::min(tol, loss_tol));
+  check("dX vs naive", r.err_grad_hidden, tol);
+  check("dW vs naive", r.err_grad_weight, tol);
+  check("loss vs float64", r.f64_err_loss, std::min(tol, loss_tol));
+  check("dX vs float64", r.f64_err_grad_hidden, tol);
+  check("dW vs float64", r.f64_err_grad_weight, tol);
+  check("loss vs the unsplit call", r.unsplit_err_loss, std::min(tol, loss_tol));
+  check("dX vs the unsplit call", r.unsplit_err_grad_hidden, tol);
+  check("dW vs the unsplit call", r.unsplit_err_grad_weight, tol);
   if (!r.loss_repeatable && r.gemm_shapes_unsettled == 0)
     failed.push_back("the loss was not bitwise the same in every call");
   return failed;
