@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -141,49 +143,45 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
   // The floor: the GEMMs at full size, gradient operand of the input dtype.
   Gemms gm{static_cast<cublasHandle_t>(ctx.cublas()), ct, ct};
   const auto ni = int(n), hi = int(h), vi = int(v);
-  {
-    gpu::DeviceBuffer z(static_cast<std::size_t>(n * v) * es);
-    auto logits = [&] {
-      gm.logits(x.data(), w.data(), z.data(), ni, hi, vi, ct, CUBLAS_COMPUTE_32F);
-    };
-    auto ref_logits = [&] {
-      gm.logits(xr.data(), wr.data(), z.data(), ni, hi, vi, ct, CUBLAS_COMPUTE_32F);
-    };
-    auto grad_x = [&] {
-      gm.dx(z.data(), w.data(), dx.data(), ni, hi, vi, ct, ct, ct, CUBLAS_COMPUTE_32F);
-    };
-    auto grad_w = [&] {
-      gm.dw(z.data(), x.data(), dw.data(), ni, hi, vi, ct, ct, ct, CUBLAS_COMPUTE_32F);
-    };
-    res.gemm_ms.emplace_back("logits", time_ms(s, c.repeats, logits));
-    if (ref_head) res.gemm_ms.emplace_back("ref_logits", time_ms(s, c.repeats, ref_logits));
-    res.gemm_ms.emplace_back("grad_hidden", time_ms(s, c.repeats, grad_x));
-    res.gemm_ms.emplace_back("grad_weight", time_ms(s, c.repeats, grad_w));
-    res.floor_ms = time_ms(
-        s, c.repeats,
-        [&] {
-          logits();
-          if (ref_head) ref_logits();
-          grad_x();
-          grad_w();
-        },
-        &res.floor_times_ms);
-    // The same GEMMs over the valid rows only: the work left when prompt and padding rows are
-    // skipped.
-    const int nv = static_cast<int>(b.valid_rows);
-    const auto valid_logits = [&] {
-      gm.logits(x.data(), w.data(), z.data(), nv, hi, vi, ct, CUBLAS_COMPUTE_32F);
-      if (ref_head) gm.logits(xr.data(), wr.data(), z.data(), nv, hi, vi, ct, CUBLAS_COMPUTE_32F);
-    };
-    res.valid_floor_ms = time_ms(s, c.repeats, [&] {
-      valid_logits();
-      gm.dx(z.data(), w.data(), dx.data(), nv, hi, vi, ct, ct, ct, CUBLAS_COMPUTE_32F);
-      gm.dw(z.data(), x.data(), dw.data(), nv, hi, vi, ct, ct, ct, CUBLAS_COMPUTE_32F);
-    });
-    // --phases: the forward-only call's floor, its logits GEMMs over the valid rows.
-    if (c.phases)
-      res.phase_floor_ms.emplace_back("forward only", time_ms(s, c.repeats, valid_logits));
-  }
+  // (freed before the naive computation; allocated before the workspace, so not counted)
+  auto z = std::make_unique<gpu::DeviceBuffer>(static_cast<std::size_t>(n * v) * es);
+  auto logits = [&] {
+    gm.logits(x.data(), w.data(), z->data(), ni, hi, vi, ct, CUBLAS_COMPUTE_32F);
+  };
+  auto ref_logits = [&] {
+    gm.logits(xr.data(), wr.data(), z->data(), ni, hi, vi, ct, CUBLAS_COMPUTE_32F);
+  };
+  auto grad_x = [&] {
+    gm.dx(z->data(), w.data(), dx.data(), ni, hi, vi, ct, ct, ct, CUBLAS_COMPUTE_32F);
+  };
+  auto grad_w = [&] {
+    gm.dw(z->data(), x.data(), dw.data(), ni, hi, vi, ct, ct, ct, CUBLAS_COMPUTE_32F);
+  };
+  res.gemm_ms.emplace_back("logits", time_ms(s, c.repeats, logits));
+  if (ref_head) res.gemm_ms.emplace_back("ref_logits", time_ms(s, c.repeats, ref_logits));
+  res.gemm_ms.emplace_back("grad_hidden", time_ms(s, c.repeats, grad_x));
+  res.gemm_ms.emplace_back("grad_weight", time_ms(s, c.repeats, grad_w));
+  // The floor, its GEMMs over the valid rows only (the work left when prompt and padding rows
+  // are skipped) and, with --phases, the forward-only call's floor (its logits GEMMs over the
+  // valid rows): timed below in the library's rounds.
+  const int nv = static_cast<int>(b.valid_rows);
+  const auto valid_logits = [&] {
+    gm.logits(x.data(), w.data(), z->data(), nv, hi, vi, ct, CUBLAS_COMPUTE_32F);
+    if (ref_head) gm.logits(xr.data(), wr.data(), z->data(), nv, hi, vi, ct, CUBLAS_COMPUTE_32F);
+  };
+  std::vector<std::function<void()>> floors = {
+      [&] {
+        logits();
+        if (ref_head) ref_logits();
+        grad_x();
+        grad_w();
+      },
+      [&] {
+        valid_logits();
+        gm.dx(z->data(), w.data(), dx.data(), nv, hi, vi, ct, ct, ct, CUBLAS_COMPUTE_32F);
+        gm.dw(z->data(), x.data(), dw.data(), nv, hi, vi, ct, ct, ct, CUBLAS_COMPUTE_32F);
+      }};
+  if (c.phases) floors.emplace_back(valid_logits);
   res.floor_what = std::to_string(preference_floor_gemms(c)) +
                    " cuBLAS GEMMs at full size (logits" + (ref_head ? ", reference logits" : "") +
                    ", dX, dW), " + (bf16 ? "bf16" : "fp32") +
@@ -230,14 +228,22 @@ CaseResult run_preference_cuda(const CaseConfig& c, BenchDevice&) {
                         "first call"};
   res.loss_value = first.loss;
   describe_preference_case(c, b, first, res);
-  res.time_ms = time_ms(
-      s, c.repeats,
-      [&] {
-        const double l = loss.forward_backward(ctx, in, gr, wsv).loss;
-        res.loss_repeatable = res.loss_repeatable && l == first.loss;
-      },
-      &res.times_ms);
+  // The floors and the library alternate in each round, the library last (its gradients are
+  // the ones checked below).
+  std::vector<std::function<void()>> variants = floors;
+  variants.emplace_back([&] {
+    const double l = loss.forward_backward(ctx, in, gr, wsv).loss;
+    res.loss_repeatable = res.loss_repeatable && l == first.loss;
+  });
+  const std::vector<std::vector<double>> ms = interleaved_ms(s, c.repeats, variants);
+  res.floor_times_ms = ms[0];
+  res.floor_ms = median(ms[0]);
+  res.valid_floor_ms = median(ms[1]);
+  if (c.phases) res.phase_floor_ms.emplace_back("forward only", median(ms[2]));
+  res.times_ms = ms.back();
+  res.time_ms = median(res.times_ms);
   res.ratio = res.time_ms / res.floor_ms;
+  z.reset();
   if (c.phases) {
     // Forward only, in the workspace of the call with gradients where its plan fits there (a
     // resident plan may leave part of the budget unused), else in one of its own.
