@@ -135,7 +135,6 @@ struct Data {
   std::vector<data::SftExample> sft;
   std::vector<data::Sequence> sft_seqs;
   std::vector<data::PreferenceSequences> pairs;
-  std::vector<std::pair<double, double>> target_counts;  ///< [pair] -> (chosen, rejected)
   apps::Longest longest_sft, longest_pair;
 
   // Throws when a sequence is longer than the positions of a model of `config`.
@@ -182,7 +181,10 @@ nlohmann::json evaluate(apps::LossDevice& dev, model::LlamaModel& m, const Data&
     const auto [c, rj] = lp[i];
     logp_acc += c > rj ? 1 : 0;
     logp_margin += c - rj;
-    avg_acc += c / d.target_counts[i].first > rj / d.target_counts[i].second ? 1 : 0;
+    // (log-probs per completion token)
+    const double avg_c = c / static_cast<double>(d.pairs[i].chosen.count_targets());
+    const double avg_r = rj / static_cast<double>(d.pairs[i].rejected.count_targets());
+    avg_acc += avg_c > avg_r ? 1 : 0;
   }
   const auto np = static_cast<double>(lp.size());
   r["logps/accuracy"] = logp_acc / np;
@@ -289,9 +291,6 @@ int run(const Settings& s) {
   const std::vector<data::PreferenceExample> pref =
       first(data::read_preference_jsonl(s.pref_file), s.limit);
   d.pairs = data::encode_preference(tok, pref);
-  for (const data::PreferenceSequences& p : d.pairs)
-    d.target_counts.emplace_back(static_cast<double>(p.chosen.count_targets()),
-                                 static_cast<double>(p.rejected.count_targets()));
   for (std::size_t i = 0; i < d.sft_seqs.size(); ++i)
     d.longest_sft.take(d.sft_seqs[i], d.sft[i].line);
   for (std::size_t i = 0; i < d.pairs.size(); ++i) d.longest_pair.take(d.pairs[i], pref[i].line);

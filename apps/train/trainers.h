@@ -61,10 +61,7 @@ class Trainer {
   /// that is a mean over tokens (cross-entropy), so that the step's loss is the mean over all of
   /// its tokens, as one micro-batch as large would give (transformers' num_items_in_batch);
   /// 1 for the preference losses, whose micro-batch means count equally, as in TRL.
-  virtual double step_weight(std::span<const std::size_t> examples) const {
-    (void)examples;
-    return 1.0;
-  }
+  virtual double step_weight(std::span<const std::size_t> /*examples*/) const { return 1.0; }
   /// The longest sequence step() can give the model (KTO: its mismatched pairs too).
   virtual apps::Longest longest() const = 0;
   /// The metric shown as the progress line's accuracy, and its short label.
