@@ -245,7 +245,7 @@ Cli parse(int argc, char** argv) {
   if (!vm["logit-std"].defaulted() && base.device != "cuda")
     throw apps::UsageError("--logit-std: only the cuda cases take it (--device " + base.device +
                            ")");
-  cli.json = vm["json"].as<std::string>();
+  cli.json = apps::path_option(vm, "json");
 
   const auto rows = apps::parse_int_list("rows", vm["rows"].as<std::string>(), 1, kMaxDim);
   const auto hidden = apps::parse_int_list("hidden", vm["hidden"].as<std::string>(), 1, kMaxDim);

@@ -69,7 +69,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     std::cout << desc << "\n";
     return std::nullopt;
   }
-  const std::string config_file = vm["config"].as<std::string>();
+  const std::string config_file = apps::path_option(vm, "config");
   if (!config_file.empty()) apps::store_config_file(config_file, desc, vm);
   po::notify(vm);
   apps::check_utf8_options(vm);
@@ -87,7 +87,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     if (!dir.has_filename()) dir = dir.parent_path();  // "DIR/"
     s.names.push_back(dir.filename().string());
   }
-  s.reference = vm["reference"].as<std::string>();
+  s.reference = apps::path_option(vm, "reference");
   if (!s.reference.empty()) apps::check_checkpoint_dir("reference", s.reference);
   s.beta = vm["beta"].as<double>();
   if (!(s.beta > 0 && s.beta < 1e6)) throw apps::UsageError("--beta: must be in (0, 1e6)");
@@ -109,7 +109,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     throw apps::UsageError(bad);
   if (s.threads < 0 || s.threads > 4096) throw apps::UsageError("--threads: must be in [0, 4096]");
   s.budget_bytes = apps::budget_bytes(vm["budget-mib"].as<double>(), s.device);
-  s.json = vm["json"].as<std::string>();
+  s.json = apps::path_option(vm, "json");
   return s;
 }
 

@@ -183,7 +183,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     std::cout << all << "\n";
     return std::nullopt;
   }
-  const std::string config_file = vm["config"].as<std::string>();
+  const std::string config_file = apps::path_option(vm, "config");
   if (!config_file.empty()) apps::store_config_file(config_file, all, vm);
   po::notify(vm);
   apps::check_utf8_options(vm);
@@ -212,7 +212,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.seed = static_cast<std::uint64_t>(
       in_range<std::int64_t>(vm, "seed", 0, std::numeric_limits<std::int64_t>::max()));
 
-  s.data.file = vm["train-file"].as<std::string>();
+  s.data.file = apps::path_option(vm, "train-file");
   if (s.data.file.empty()) s.data.file = default_train_file(s.loss.loss);
   (void)apps::input_status("train-file", s.data.file);
   s.data.encode.max_length = in_range<std::int64_t>(vm, "max-length", 0, 1 << 20);
@@ -223,8 +223,8 @@ std::optional<Settings> parse(int argc, char** argv) {
                            " gives no example to some of the " + std::to_string(s.data_parallel) +
                            " ranks of --data-parallel");
 
-  s.init = vm["init"].as<std::string>();
-  s.resume = vm["resume"].as<std::string>();
+  s.init = apps::path_option(vm, "init");
+  s.resume = apps::path_option(vm, "resume");
   if (!s.init.empty() && !s.resume.empty())
     throw apps::UsageError("--init " + s.init + " with --resume " + s.resume +
                            ": a resumed run starts from its own checkpoint and the --init it "
@@ -301,11 +301,11 @@ std::optional<Settings> parse(int argc, char** argv) {
     throw apps::UsageError("--loss " + s.loss.loss + " options: " + e.what());
   }
 
-  s.save = vm["save"].as<std::string>();
+  s.save = apps::path_option(vm, "save");
   s.save_every = in_range<std::int64_t>(vm, "save-every", 0, std::int64_t{1} << 40);
   if (s.save_every > 0 && s.save.empty()) throw apps::UsageError("--save-every needs --save DIR");
-  s.metrics = vm["metrics"].as<std::string>();
-  s.chart = vm["chart"].as<std::string>();
+  s.metrics = apps::path_option(vm, "metrics");
+  s.chart = apps::path_option(vm, "chart");
   if (!s.save.empty()) {
     if (s.metrics.empty()) s.metrics = (std::filesystem::path(s.save) / "metrics.jsonl").string();
     if (s.chart.empty()) s.chart = (std::filesystem::path(s.save) / "training.svg").string();
@@ -469,10 +469,11 @@ std::map<std::string, std::string> run_options(const Settings& s, const std::str
 }
 
 // Refuses to resume `st` (saved in `dir`) with other options than it was saved with, or from a
-// step the run cannot continue from. A value the save lacks was not recorded by the build that
-// saved it: those below were implied (builds before skip_ignored_rows computed every row, and
-// before grad_accum_weights weighed micro-batches equally), the rest cannot be compared. Builds
-// before 2026-12-05 saved the default budget as 0: it is the saved device's default.
+// step the run cannot continue from. A value the save lacks (other than those every build
+// records) was not recorded by the build that saved it: those below were implied (builds before
+// skip_ignored_rows computed every row, and before grad_accum_weights weighed micro-batches
+// equally), the rest cannot be compared. Builds before 2026-12-05 saved the default budget as 0: it
+// is the saved device's default.
 void check_resume(const Settings& s, const std::string& dir, const model::TrainerState& st,
                   const std::map<std::string, std::string>& now, std::int64_t optimizer_step) {
   static const std::map<std::string, std::string> kImplied = {{"device", "cpu"},
@@ -485,6 +486,10 @@ void check_resume(const Settings& s, const std::string& dir, const model::Traine
     if (const auto it = kImplied.find(key); it != kImplied.end()) return it->second;
     return std::nullopt;
   };
+  // Recorded by every build: a state without them was not saved by chunkloss-train.
+  for (const char* key : {"loss", "seed", "batch_size", "grad_accum", "steps"})
+    CHUNKLOSS_CHECK(st.strings.count(key), "--resume ", dir, ": trainer_state.json records no ",
+                    key, ", which every save of chunkloss-train holds");
   for (const auto& [key, value] : now) {
     std::optional<std::string> saved = saved_value(key);
     if (!saved) continue;
@@ -704,6 +709,7 @@ void prepare_outputs(const Settings& s, const std::string& init, std::int64_t st
   }
   if (!s.save.empty()) {
     apps::prepare_output_dir("save", s.save);
+    apps::lock_directory("save", s.save);
     check_save_targets(s, start);
   }
   const std::vector<std::string> checkpoints = {s.resume, s.init, s.save};

@@ -39,8 +39,15 @@ CASE is one of:
     printed with them escaped (ESC as \\x1b). Each is refused before any output: its error line is
     all the app prints.
   before_work: chunkloss-train refuses a training file with bad JSON, one missing the loss's
-    field, an empty one, a KTO file of one example, and a metrics file whose FILE.partial cannot
-    be written before any work: its error line alone, not after the model summary.
+    field, an empty one, a KTO file of one example, and a metrics file whose FILE.partial is a
+    directory before any work: its error line alone, not after the model summary.
+  file_hazards: an empty path given for a path option (`--resume "$DIR"` with DIR unset) is a
+    usage error, not "not given", and the checkpoint it would have replaced stays; an output's
+    FILE.tmp or FILE.partial that is a directory or a symlink is refused before any work (the
+    symlink's target untouched); a device as training data (/dev/zero) is refused, not read
+    until memory runs out; a --save directory another process holds (flock) is refused; an
+    error quoting 100 KB from a file prints a cut line; a trainer_state.json without the
+    options every save records cannot be resumed.
   loss_options: chunkloss-train refuses at option parsing (exit 2, one line naming the option
     and the loss) an option the --loss does not take, a --label-smoothing outside the loss's
     range, --init with --resume, and --chart with nothing to draw it from.
@@ -55,6 +62,7 @@ CASE is one of:
     the CPU, a --label-smoothing the loss (or DPO loss type) does not take, and --dpo-loss-type
     (chunkloss-train's name) for a loss other than dpo.
 """
+import fcntl
 import json
 import os
 import shutil
@@ -625,9 +633,10 @@ def before_work_case(train, work):
             (["--train-file", bad_json], (bad_json + ":2: bad JSON",)),
             (["--loss", "dpo", "--train-file", no_rejected], (no_rejected + ":1", '"rejected"')),
             (["--train-file", empty], (empty + ": no examples",)),
-            (["--loss", "kto", "--train-file", one_kto], (one_kto, "1 example", "--batch-size 2")),
-            (["--metrics", metrics], ("--metrics", metrics + ".partial"))):
+            (["--loss", "kto", "--train-file", one_kto], (one_kto, "1 example", "--batch-size 2"))):
         one_line(t + extra, 1, *words, alone=True)
+    one_line(t + ["--metrics", metrics], 2, "--metrics", metrics + ".partial", "not a regular file",
+             alone=True)
     # About 5.2e10 parameters, within the model layer's 2^36, on 64 ranks: 16 bytes each for the
     # policy and 8 for each further replica, about 25 TiB, exceed any test machine's memory, which
     # the run names before allocating.
@@ -636,6 +645,100 @@ def before_work_case(train, work):
             "--data-parallel", "64", "--batch-size", "64"]
     one_line(huge, 1, "the model options", "GiB of host memory", "this process may use",
              alone=True)
+
+
+def file_hazards_case(train, evaluate, bench, work):
+    t = [train, "--steps", "2", "--warmup-steps", "0"] + TINY
+    ck = os.path.join(work, "ck")
+    run(t + ["--save", ck])
+
+    def files(d):
+        out = {}
+        for name in sorted(os.listdir(d)):
+            path = os.path.join(d, name)
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    out[name] = f.read()
+        return out
+
+    before = files(ck)
+    ini = os.path.join(work, "empty.ini")
+    with open(ini, "w") as f:
+        f.write("resume =\n")
+    for cmd, option in ((t + ["--resume", "", "--save", ck], "--resume"),
+                        (t + ["--init", "", "--save", ck], "--init"),
+                        (t + ["--train-file", ""], "--train-file"),
+                        (t + ["--save", ""], "--save"),
+                        (t + ["--metrics", ""], "--metrics"),
+                        (t + ["--chart", ""], "--chart"),
+                        (t + ["--config", ""], "--config"),
+                        (t + ["--config", ini, "--save", ck], "--resume"),
+                        ([evaluate, "--model", ck, "--reference", ""], "--reference"),
+                        ([evaluate, "--model", ck, "--json", ""], "--json"),
+                        ([evaluate, "--model", ck, "--config", ""], "--config"),
+                        ([bench, "--json", "", "--rows", "8", "--hidden", "8", "--vocab", "8"],
+                         "--json")):
+        one_line(cmd, 2, option + ": the path is empty", alone=True)
+    if files(ck) != before:
+        fail("a refused run changed the checkpoint " + ck)
+
+    # Files an output writes in place: a directory or a symlink there is refused before the work.
+    metrics = os.path.join(work, "m.jsonl")
+    os.makedirs(metrics + ".tmp")
+    one_line(t + ["--metrics", metrics], 2, "--metrics", metrics + ".tmp", "not a regular file",
+             alone=True)
+    os.rmdir(metrics + ".tmp")
+    victim = os.path.join(work, "victim.txt")
+    with open(victim, "w") as f:
+        f.write("keep me\n")
+    os.symlink(victim, metrics + ".partial")
+    one_line(t + ["--metrics", metrics], 2, metrics + ".partial", "not a regular file",
+             alone=True)
+    with open(victim) as f:
+        if f.read() != "keep me\n":
+            fail("a symlinked .partial's target was written")
+    out_json = os.path.join(work, "e.json")
+    os.makedirs(out_json + ".tmp")
+    one_line([evaluate, "--model", ck, "--limit", "2", "--json", out_json], 2, "--json",
+             out_json + ".tmp", alone=True)
+
+    # A device is not a data file (it was read until memory ran out).
+    if os.path.exists("/dev/zero"):
+        one_line(t + ["--train-file", "/dev/zero"], 1, "/dev/zero is a device", alone=True)
+
+    # Two runs saving into one directory at once would mix their files: the second is refused.
+    held = os.path.join(work, "held")
+    os.makedirs(held)
+    fd = os.open(held, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        one_line(t + ["--save", held], 1, "--save " + held, "another run is writing into it",
+                 alone=True)
+    finally:
+        os.close(fd)
+    if os.listdir(held):
+        fail("a refused run wrote into " + held)
+    run(t + ["--save", held])  # free again
+
+    # An error quoting a 100 KB key prints a cut line (it printed all of it).
+    key = "k" * 100000
+    big = os.path.join(work, "big.jsonl")
+    with open(big, "w") as f:
+        f.write('{"prompt": "1+1=", "completion": "2", "%s": 1, "%s": 2}\n' % (key, key))
+    p = one_line(t + ["--train-file", big], 1, big, "bytes left out", alone=True)
+    if len(p.stderr) > 2000:
+        fail("an error line of %d bytes" % len(p.stderr))
+
+    # Every save records these options; a state without them is not one of chunkloss-train's.
+    resumable = os.path.join(work, "resumable")
+    shutil.copytree(ck, resumable)
+    state_path = os.path.join(resumable, "trainer_state.json")
+    with open(state_path) as f:
+        state = json.load(f)
+    del state["strings"]["loss"]
+    with open(state_path, "w") as f:
+        json.dump(state, f)
+    one_line(t + ["--resume", resumable], 1, "trainer_state.json records no loss", alone=True)
 
 
 def utf8_case(train, evaluate, work):
@@ -682,7 +785,8 @@ def main():
              "before_work": lambda: before_work_case(train, work),
              "loss_options": lambda: loss_options_case(train, work),
              "stdout": lambda: stdout_case(train, evaluate, bench, work),
-             "utf8": lambda: utf8_case(train, evaluate, work)}
+             "utf8": lambda: utf8_case(train, evaluate, work),
+             "file_hazards": lambda: file_hazards_case(train, evaluate, bench, work)}
     if case not in cases:
         fail("unknown case " + case)
     cases[case]()

@@ -1,6 +1,7 @@
 // JSONL readers: the three TRL shapes parse, blank lines and CRLF are handled, and every
 // malformed line (bad JSON, missing field, wrong type, empty completion, label not bool, not an
-// object, ambiguous SFT line, empty file, unreadable file) is an Error naming file and line.
+// object, ambiguous SFT line, empty file, unreadable file, a device) is an Error naming file and
+// line.
 #include <doctest/doctest.h>
 
 #include <chunkloss/core/error.h>
@@ -168,6 +169,10 @@ TEST_CASE("jsonl: files are read from disk and errors name the path") {
   CHECK(contains(error_message([&] { read_sft_jsonl(loop); }), "cannot open " + loop));
   const std::string long_name = dir.file(std::string(300, 'a') + ".jsonl");
   CHECK(contains(error_message([&] { read_sft_jsonl(long_name); }), "cannot open " + long_name));
+  // A device never ends: refused before reading (it was read until memory ran out).
+  if (std::filesystem::exists("/dev/zero"))
+    CHECK(contains(error_message([] { read_sft_jsonl("/dev/zero"); }),
+                   "/dev/zero is a device, not a data file"));
   const std::string kto =
       dir.write("kto.jsonl", "{\"prompt\": \"p\", \"completion\": \"c\", \"label\": false}");
   const auto ex = read_unpaired_jsonl(kto);

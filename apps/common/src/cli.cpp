@@ -2,12 +2,14 @@
 #include "chunkloss/apps/cli.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
@@ -21,6 +23,17 @@
 namespace chunkloss::apps {
 
 std::string one_line(std::string_view text) {
+  constexpr std::size_t kHead = 1024, kTail = 512;
+  if (text.size() > kHead + kTail + 64) {
+    // UTF-8: cut before a continuation byte's sequence, not inside it.
+    const auto lead = [&](std::size_t i) {
+      while (i > 0 && (static_cast<unsigned char>(text[i]) & 0xC0) == 0x80) --i;
+      return i;
+    };
+    const std::size_t head = lead(kHead), tail = lead(text.size() - kTail);
+    return one_line(text.substr(0, head)) + " ... (" + std::to_string(tail - head) +
+           " bytes left out) ... " + one_line(text.substr(tail));
+  }
   std::string out;
   out.reserve(text.size());
   for (const char ch : text) {
@@ -184,14 +197,31 @@ void prepare_output_dir(std::string_view option, const std::string& dir) {
     throw std::runtime_error("--" + std::string(option) + ": cannot create directory " + d + ": " +
                              ec.message());
   // A file made and removed: access() would let root pass on a read-only file system.
-  const std::string probe =
-      (std::filesystem::path(d) / (".chunkloss-probe-" + std::to_string(::getpid()))).string();
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  std::string probe = (std::filesystem::path(d) / ".chunkloss-probe-XXXXXX").string();
+  const int fd = ::mkostemp(probe.data(), O_CLOEXEC);  // a fresh name: no stale probe collides
   if (fd < 0)
     throw std::runtime_error("--" + std::string(option) + ": cannot write into " + d + ": " +
                              std::strerror(errno));
   ::close(fd);
-  ::unlink(probe.c_str());
+  if (::unlink(probe.c_str()) != 0)
+    throw std::runtime_error("--" + std::string(option) + ": cannot remove " + probe + ": " +
+                             std::strerror(errno));
+}
+
+void lock_directory(std::string_view option, const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0)
+    throw std::runtime_error("--" + std::string(option) + ": cannot open directory " + dir + ": " +
+                             std::strerror(errno));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd);
+    const std::string why = err == EWOULDBLOCK
+                                ? "another run is writing into it (it holds the directory's lock)"
+                                : "cannot lock it: " + std::string(std::strerror(err));
+    throw std::runtime_error("--" + std::string(option) + " " + dir + ": " + why);
+  }
+  // The descriptor stays open, and the lock held, until the process exits.
 }
 
 std::string label_smoothing_error(std::string_view loss, std::string_view dpo_loss, double eps) {
@@ -273,7 +303,16 @@ void prepare_output_file(std::string_view option, const std::string& path,
     throw UsageError(opt + ": " + path +
                      " is not a regular file (an output is written beside it and renamed over it)");
   std::vector<std::string> writes = {path};
-  for (const std::string& suffix : suffixes) writes.push_back(path + suffix);
+  for (const std::string& suffix : suffixes) {
+    // Written in place (not renamed over), so a link or a directory there is refused now rather
+    // than after the run's work.
+    const std::string w = path + suffix;
+    const fs::file_status ws = fs::symlink_status(w, ec);
+    if (!ec && fs::exists(ws) && !fs::is_regular_file(ws))
+      throw UsageError(opt + " " + path + ": its file " + w +
+                       " is not a regular file (a symlink, a directory, ...); remove it");
+    writes.push_back(w);
+  }
   for (const std::string& w : writes)
     for (const auto& [what, in] : inputs)
       if (!in.empty() && same_file(w, in))

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <system_error>
 #include <vector>
@@ -84,15 +85,23 @@ std::string read_text_file(const std::string& path) {
   CHUNKLOSS_CHECK(!ec || ec == std::errc::no_such_file_or_directory, "cannot open ", path,
                   " for reading: ", ec.message());
   CHUNKLOSS_CHECK(!std::filesystem::is_directory(st), path, " is a directory, not a file");
+  // A pipe is read to its end; a device such as /dev/zero never ends.
+  CHUNKLOSS_CHECK(!std::filesystem::is_character_file(st) && !std::filesystem::is_block_file(st),
+                  path, " is a device, not a data file (pipes are read)");
   std::ifstream in(path, std::ios::binary);
   CHUNKLOSS_CHECK(in.good(), "cannot open ", path, " for reading");
   // (not `os << in.rdbuf()`: it catches an allocation failure and stops, a file cut short)
   std::string text;
   std::vector<char> buf(std::size_t{1} << 16);
-  do {
-    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    text.append(buf.data(), static_cast<std::size_t>(in.gcount()));
-  } while (in);
+  try {
+    do {
+      in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+      text.append(buf.data(), static_cast<std::size_t>(in.gcount()));
+    } while (in);
+  } catch (const std::bad_alloc&) {
+    CHUNKLOSS_FAIL(path, ": out of memory after reading ", text.size(),
+                   " bytes (the file is read into memory whole)");
+  }
   CHUNKLOSS_CHECK(!in.bad(), "error while reading ", path);
   return text;
 }

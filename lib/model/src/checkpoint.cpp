@@ -302,10 +302,16 @@ void save_checkpoint(const std::string& dir, const LlamaModel& model, const Adam
     check_saveable(optimizer->exp_avg(), model, "the optimizer's exp_avg");
     check_saveable(optimizer->exp_avg_sq(), model, "the optimizer's exp_avg_sq", true);
   }
+  bool created = false;
   try {
-    fs::create_directories(dir);
+    created = fs::create_directories(dir);
   } catch (const fs::filesystem_error& e) {
     CHUNKLOSS_FAIL("cannot create checkpoint directory ", dir, ": ", e.what());
+  }
+  if (created) {  // its entry in the parent made durable, as the files' renames are
+    fs::path d = fs::path(dir).lexically_normal();
+    if (!d.has_filename()) d = d.parent_path();  // "DIR/"
+    detail::sync_parent_dir(d.string());
   }
   const std::string id = new_save_id();
   const json id_field = {{kSaveIdKey, id}};
@@ -478,7 +484,11 @@ TrainerState load_training_state(const std::string& dir, const LlamaModel& model
   const json j = parse_json_file(state_path);
   CHUNKLOSS_CHECK(j.is_object(), state_path, ": expected a JSON object, got ", j.type_name());
   const std::string state_id = json_save_id(j, state_path);
-  check_same_save(opt_path, meta_save_id(f), state_path, state_id);
+  // Both written by every save since save ids exist, so one without an id is from another save.
+  const std::string opt_id = meta_save_id(f);
+  CHUNKLOSS_CHECK(opt_id == state_id, opt_path, " (save id ", opt_id.empty() ? "none" : opt_id,
+                  ") and ", state_path, " (save id ", state_id.empty() ? "none" : state_id,
+                  ") come from different saves: an interrupted save?");
   CHUNKLOSS_CHECK(model_save_id.empty() || state_id == model_save_id, state_path, " (save id ",
                   state_id, ") is not from the save the model was loaded from ", "(save id ",
                   model_save_id, "): ", dir, " was saved again in between; load the model again");

@@ -18,6 +18,16 @@
 
 namespace chunkloss::apps {
 
+/// The value of path option `name` ("" when not given). An empty value given on the command line
+/// or in a --config file is a UsageError: it would read as not given, so that `--resume "$DIR"`
+/// with DIR unset would start a new run over the checkpoint.
+inline std::string path_option(const boost::program_options::variables_map& vm,
+                               const std::string& name) {
+  std::string value = vm[name].as<std::string>();
+  if (value.empty() && !vm[name].defaulted()) throw UsageError("--" + name + ": the path is empty");
+  return value;
+}
+
 /// Adds the options of the INI file `path` (--config) to `vm`; the command line's, stored
 /// first, win. Throws UsageError naming the file when it cannot be read (missing, a directory, a
 /// symlink loop, a name too long, ...), holds an unknown or malformed option, or names another
@@ -33,6 +43,8 @@ inline void store_config_file(const std::string& path,
   try {
     const boost::program_options::parsed_options parsed =
         boost::program_options::parse_config_file(in, options);
+    if (in.bad())  // (a read error ends the parse like the end of the file)
+      throw UsageError("--config: cannot read " + path + " to its end");
     for (const boost::program_options::option& o : parsed.options)
       if (o.string_key == "config")
         throw UsageError("--config " + path +

@@ -26,7 +26,9 @@ class UsageError : public std::runtime_error {
 
 /// `text` with every control character (a byte below 0x20, line breaks included, or 0x7F)
 /// written as a visible escape such as "\x1b": error messages print on one line, and a name
-/// they quote from a file (a tensor's, a path) cannot drive the terminal.
+/// they quote from a file (a tensor's, a path) cannot drive the terminal. A text of more than
+/// about 1.6 KB keeps its first 1 KB and its last 512 bytes (where the source location is), so
+/// that a name or value quoted from a hostile file cannot make the line megabytes long.
 std::string one_line(std::string_view text);
 
 /// Splits "a,b,c" on commas. Throws UsageError naming `option` on an empty item.
@@ -77,6 +79,11 @@ void prepare_output_dir(std::string_view option, const std::string& dir);
 /// refuses (for dpo of loss type `dpo_loss`, the value of --dpo-loss-type), or any value but 0
 /// for orpo and kto, which have none. The message names --label-smoothing and the loss.
 std::string label_smoothing_error(std::string_view loss, std::string_view dpo_loss, double eps);
+
+/// Takes an exclusive advisory lock (flock) on directory `dir` for the rest of the process, so
+/// that two runs cannot write one checkpoint directory at once (their files would mix). Throws
+/// std::runtime_error naming `option` when another process holds it or it cannot be taken.
+void lock_directory(std::string_view option, const std::string& dir);
 
 /// Whether `a` and `b` name the same file: the same existing file (hard links, symlinks and
 /// relative spellings included), or the same path once made absolute and normalised.

@@ -59,7 +59,9 @@ std::vector<PreferenceExample> parse_preference_jsonl(std::string_view text,
                                                       std::string_view source);
 std::vector<UnpairedExample> parse_unpaired_jsonl(std::string_view text, std::string_view source);
 
-/// The whole file as bytes. Throws chunkloss::Error naming the path when it cannot be read.
+/// The whole file (or pipe) as bytes. Throws chunkloss::Error naming the path when it cannot be
+/// read, is a directory or a device (such as /dev/zero, which never ends), or does not fit in
+/// memory.
 std::string read_text_file(const std::string& path);
 
 }  // namespace chunkloss::data
