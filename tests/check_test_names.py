@@ -5,7 +5,8 @@
 
 doctest_discover_tests registers each case under its name, and CMake splits a name at ';' (a
 list separator): each piece became a test that matched no case, ran nothing and passed, while the
-case itself never ran under ctest. (Commas are escaped by the discovery.)"""
+case itself never ran under ctest. An unbalanced '[' or ']' breaks the generated add_test call,
+and with it every test of the suite. (Commas are escaped by the discovery.)"""
 import subprocess
 import sys
 
@@ -15,8 +16,10 @@ for suite in sys.argv[1:]:
     names = [l for l in out.stdout.splitlines() if l and not l.startswith(("[doctest]", "==="))]
     if not names:
         bad.append("%s: no test cases listed" % suite)
-    bad += ["%s: %r" % (suite, n) for n in names if ";" in n]
+    bad += ["%s: %r" % (suite, n) for n in names
+            if ";" in n or n.count("[") != n.count("]") or n.find("]") < n.find("[")]
 if bad:
-    print("FAIL: test case names ctest cannot run on their own (';'):\n" + "\n".join(bad))
+    print("FAIL: test case names ctest cannot run on their own (';', unbalanced brackets):\n" +
+          "\n".join(bad))
     sys.exit(1)
 print("%d suites: every test case name can be run by ctest" % len(sys.argv[1:]))

@@ -654,7 +654,10 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
                           {"kl_batch.targets", &kb.targets},
                           {"kl_batch.reference.hidden", &kb.reference.hidden},
                           {"kl_batch.reference.weight", &kb.reference.weight},
-                          {"kl_batch.reference.bias", &kb.reference.bias}},
+                          {"kl_batch.reference.bias", &kb.reference.bias},
+                          {"reference_logps", &in.reference_logps},
+                          {"labels", &in.labels},
+                          {"kl_batch.reference_logps", &kb.reference_logps}},
                          {{"grads.hidden", &grads.hidden},
                           {"grads.weight", &grads.weight},
                           {"grads.bias", &grads.bias}});

@@ -25,9 +25,11 @@ void check_optional(const char* who, const char* name, const TensorView& t, Devi
                     std::initializer_list<std::int64_t> shape, std::initializer_list<DType> dtypes);
 /// (name, view) pairs of a call's arguments.
 using NamedViews = std::initializer_list<std::pair<const char*, const TensorView*>>;
-/// The memory of a call: the workspace and every defined view are on the context's device index
-/// (on CUDA, memory of another GPU is an error, not a peer access), and no defined output shares
-/// a byte with an input, another output or the workspace (the call would read what it writes).
+/// The memory of a call: the workspace and every defined device view are on the context's device
+/// index (on CUDA, memory of another GPU is an error, not a peer access; host views, which some
+/// small inputs may be, are the caller's check_view's business), and no defined view shares a
+/// byte with the workspace, nor an output with an input or another output (the call would read
+/// what it writes).
 void check_memory(const char* who, const Context& ctx, const Workspace& ws, NamedViews inputs,
                   NamedViews outputs);
 /// On CUDA, fp32 inputs need fp32 gradient buffers: cuBLAS has no GEMM from fp32 operands to a

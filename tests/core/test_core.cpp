@@ -272,6 +272,9 @@ TEST_CASE("CpuContext") {
   CHECK(base.device() == Device::kCpu);
   CHECK_THROWS_AS(CpuContext(-1), Error);
   CHECK(contains(what_of([] { CpuContext(-2); }), "threads"));
+  // (a count OpenMP cannot start: 100000 crashed the first call)
+  CHECK(CpuContext(CpuContext::kMaxThreads).threads() == CpuContext::kMaxThreads);
+  CHECK(contains(what_of([] { CpuContext(CpuContext::kMaxThreads + 1); }), "threads must be in"));
   CHECK(device_name(Device::kCpu) == "cpu");
   CHECK(device_name(Device::kCuda) == "cuda");
 }

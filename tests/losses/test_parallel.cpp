@@ -217,6 +217,18 @@ std::pair<CeSpec, CrossEntropyOptions> variant_of(int variant, std::uint64_t see
 
 }  // namespace
 
+TEST_CASE("vocab parallel: VocabShard::of gives each rank its rows, the unset shard none") {
+  dist::InProcessGroup g(3);
+  for (int r = 0; r < 3; ++r) {
+    const VocabShard sh = VocabShard::of(&g.comm(r), 1003);
+    CHECK(sh.offset == 1003 * r / 3);
+    CHECK(sh.end() == 1003 * (r + 1) / 3);
+  }
+  const VocabShard unset = VocabShard::of(nullptr, 1003);  // (its end() dereferenced null)
+  CHECK(unset.group == nullptr);
+  CHECK(unset.end() == unset.size);
+}
+
 TEST_CASE("vocab parallel: 2 and 4 uneven shards match the unsplit call, plain and every option") {
   for (const std::vector<std::int64_t>& offsets :
        {std::vector<std::int64_t>{0, 253}, std::vector<std::int64_t>{0, 126, 253, 380}})

@@ -1876,6 +1876,22 @@ TEST_CASE("bad input: a gradient sharing memory with an input, another gradient 
   CHECK_MESSAGE(what.find("targets [" + std::to_string(s.s) + ", " + std::to_string(s.t) +
                           "] i32 cpu shares memory with the workspace") != std::string::npos,
                 what);
+  // The small inputs too: precomputed reference sums inside a gradient buffer.
+  PrefSpec ls = s;
+  ls.ref = RefMode::kLogps;
+  PrefData ld(ls);
+  PreferenceInputs lin = ld.inputs();
+  PrefGradBuffers lg(ld, {});
+  const PreferenceGrads lv = lg.views();
+  REQUIRE(lv.bias.defined());
+  REQUIRE(lv.bias.numel() >= ls.s);
+  auto* sums = lv.bias.data_as<float>();
+  std::copy(ld.ref_logps.begin(), ld.ref_logps.end(), sums);
+  lin.reference_logps = TensorView::of(sums, {ls.s});
+  AlignedBuffer lws(loss.workspace_bytes(lin, lv));
+  const std::string aliased =
+      error_message([&] { loss.forward_backward(ctx, lin, lv, lws.workspace()); });
+  CHECK_MESSAGE(aliased.find("shares memory with reference_logps") != std::string::npos, aliased);
 }
 
 TEST_CASE("bad input: non-finite precomputed reference sums, smoothing where a type has none") {

@@ -19,7 +19,8 @@ namespace chunkloss {
 /// How per-row losses are combined.
 enum class Reduction : std::uint8_t {
   kMean,  ///< sum over valid rows / (number of valid rows, or the sum of their class weights);
-          ///< with no valid row the loss and the gradients are 0 (PyTorch gives NaN)
+          ///< with no valid row, or class weights summing to 0 over the valid rows, the loss
+          ///< and the gradients are 0 (PyTorch gives NaN). A call of no rows (N = 0) is refused.
   kSum,   ///< sum over valid rows
   kNone,  ///< per-row losses; the backward takes a per-row upstream gradient
 };
@@ -37,7 +38,10 @@ struct CrossEntropyOptions {
   float label_smoothing = 0.0f;  ///< ls in [0, 1]; eps = ls / V spread over all classes
   float z_loss = 0.0f;           ///< adds z_loss * lse^2 per valid row (>= 0; x cw_y, see above)
   std::optional<float> softcap;  ///< logits z -> c * tanh(z / c), c > 0
-  bool compute_entropy = false;  ///< also report the mean softmax entropy over valid rows
+  /// Also report the mean softmax entropy over valid rows. On CUDA its rows take the general
+  /// row kernels, so the loss and gradients then agree with a call without it to rounding, not
+  /// bitwise.
+  bool compute_entropy = false;
   /// Bound on the workspace in bytes (logits chunk, row statistics, scratch). 0 picks the
   /// device's default: 256 MiB on the CPU, 1 GiB on CUDA. A budget below the smallest token
   /// chunk (one row) gives that chunk's workspace instead, and Plan::over_budget says so; a
@@ -85,7 +89,8 @@ struct CrossEntropyOptions {
 };
 
 /// Inputs. Shapes: hidden [N, H], weight [V, H] (same float dtype), bias [V] optional (same
-/// dtype; a -inf entry masks its column: probability 0, no gradient, check_finite refuses it,
+/// dtype; a -inf entry masks its column: probability 0, no gradient unless a valid row targets
+/// it (that row's loss is then +inf, as in PyTorch), check_finite refuses it,
 /// label smoothing then makes the loss infinite as in PyTorch, and a row whose columns are all
 /// masked is NaN; with softcap a -inf logit is capped to -softcap, so it masks nothing), targets
 /// [N] i32 or i64 in [0, V) or ignore_index, class_weights [V] f32 optional (finite and >= 0; the
@@ -114,7 +119,8 @@ struct CrossEntropyInputs {
   /// passes through the context's own scratch memory (gpu::Context::scratch(), not the
   /// workspace) and waits for the stream once per group (once more in a grid).
   /// On CUDA, out-of-range targets, bad class weights and check_finite's findings are counted
-  /// and thrown per rank at the end (outputs.scalars[6]). Unset: not split.
+  /// and thrown at the end (outputs.scalars[6]): per rank of a vocabulary group (whose ranks
+  /// pass the same targets and class weights), over a data group. Unset: not split.
   VocabShard vocab_shard;
   /// Data parallelism: the ranks of this group each call with their own rows (same weight);
   /// the mean's divisor (valid rows, or their class weights) is summed over the group, so each
@@ -123,8 +129,8 @@ struct CrossEntropyInputs {
   /// Sum (do not average) dW and db over the group afterwards, as data parallelism does for the
   /// other parameters. Every rank must make the call (as for vocab_shard). With vocab_shard too,
   /// the data group holds the ranks at one vocabulary position, one from each vocabulary group.
-  /// outputs.scalars[6], the invalid inputs found, stays this rank's, except that bad class
-  /// weights are counted over the group (so every rank throws). null: this call's rows alone.
+  /// On CUDA outputs.scalars[6], the invalid inputs found, is counted over the group too, so
+  /// every rank throws when one rank's inputs are bad. null: this call's rows alone.
   dist::Communicator* data_group = nullptr;
 };
 

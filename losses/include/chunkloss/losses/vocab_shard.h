@@ -25,8 +25,9 @@ struct VocabShard {
     if (!group) return {};
     return {group, size * group->rank() / group->size(), size};
   }
-  /// One past the last row of the shard rank r of the group holds: size (r + 1) / K.
-  std::int64_t end() const { return size * (group->rank() + 1) / group->size(); }
+  /// One past the last row of the shard rank r of the group holds: size (r + 1) / K (the unset
+  /// shard: size).
+  std::int64_t end() const { return group ? size * (group->rank() + 1) / group->size() : size; }
 };
 
 }  // namespace chunkloss
