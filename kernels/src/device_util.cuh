@@ -97,7 +97,9 @@ __device__ __forceinline__ float bias_at(const TokenParams& p, std::int64_t j) {
 }
 
 /// True when a call has none of bias, softcap, class weights, label smoothing and entropy: the
-/// kernels then take a lean path with the same results (BOOL_SWITCH-style dispatch).
+/// kernels then take a lean path (BOOL_SWITCH-style dispatch) whose results agree with the
+/// general path's to rounding, not bitwise (its exponentials are __expf, its sums grouped by
+/// vector).
 inline bool plain_rows(const TokenParams& p) {
   return !p.bias && p.softcap == 0.0f && !p.class_weights && p.rule.eps == 0.0f && !p.entropy;
 }

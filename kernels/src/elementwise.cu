@@ -67,6 +67,12 @@ __global__ void count_nonfinite_kernel(const T* x, std::int64_t n, unsigned long
   if (threadIdx.x == 0 && total) atomicAdd(count, total);
 }
 
+__global__ void nonfinite_as_double_kernel(double* scalars) {
+  unsigned long long count;
+  memcpy(&count, scalars + kNonFinite, sizeof count);
+  scalars[kNonFinite] = static_cast<double>(count);
+}
+
 __global__ void zero_kernel(float* x, std::int64_t n) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -108,6 +114,11 @@ int launch_count_nonfinite(const void* x, Elem elem, std::int64_t n, double* sca
   else
     count_nonfinite_kernel<<<grid, kThreads, 0, s>>>(static_cast<const __nv_bfloat16*>(x), n,
                                                      count);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_nonfinite_as_double(double* scalars, void* stream) {
+  nonfinite_as_double_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(scalars);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -222,15 +222,13 @@ __global__ void token_finish_kernel(TokenParams p, float* out_row_loss, float* o
 __global__ void scale_totals_kernel(TokenParams p) { scale_totals(p); }
 
 __global__ void export_scalars_kernel(const double* s, float* out) {
-  unsigned long long nonfinite;
-  memcpy(&nonfinite, &s[kNonFinite], sizeof nonfinite);
   const double v[7] = {s[kLoss],
                        s[kZLoss],
                        s[kAccuracy],
                        s[kEntropy],
                        s[kValidRows],
                        s[kWeightSum],
-                       s[kBadTargets] + s[kBadClassWeights] + static_cast<double>(nonfinite)};
+                       s[kBadTargets] + s[kBadClassWeights] + s[kNonFinite]};
   for (int i = 0; i < 7; ++i) out[i] = static_cast<float>(v[i]);
 }
 

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -79,17 +78,23 @@ class CudaTokenBackend final : public TokenBackend {
 
   void begin() override {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_token_begin(p_, stream()));
-    if (c_.data_group) {  // the valid rows, the divisor and bad class weights over the group
-      static_assert(kern::kWeightSum == kern::kValidRows + 1 &&
-                    kern::kBadClassWeights == kern::kValidRows + 2);
-      c_.data_group->all_reduce_sum(ctx_, scalars_ + kern::kValidRows, 3);
-      CHUNKLOSS_LAUNCH_CHECK(kern::launch_set_divisor(p_, stream()));
-    }
     if (check_finite_) {
       for (const TensorView* t : {&c_.x, &c_.w, &c_.bias, &c_.token_weights, &c_.upstream})
         if (t->defined())
           CHUNKLOSS_LAUNCH_CHECK(kern::launch_count_nonfinite(t->data(), elem(t->dtype()),
                                                               t->numel(), scalars_, stream()));
+      CHUNKLOSS_LAUNCH_CHECK(kern::launch_nonfinite_as_double(scalars_, stream()));
+    }
+    // The valid rows, the divisor and the invalid inputs over the group, so that every rank
+    // throws at the end when one rank's inputs are bad (kInvDenom, summed too, is set again).
+    if (c_.data_group) {
+      static_assert(kern::kWeightSum == kern::kValidRows + 1 &&
+                    kern::kBadClassWeights == kern::kValidRows + 2 &&
+                    kern::kInvDenom == kern::kValidRows + 3 &&
+                    kern::kBadTargets == kern::kValidRows + 4 &&
+                    kern::kNonFinite == kern::kValidRows + 5);
+      c_.data_group->all_reduce_sum(ctx_, scalars_ + kern::kValidRows, 6);
+      CHUNKLOSS_LAUNCH_CHECK(kern::launch_set_divisor(p_, stream()));
     }
     if (db_acc_) CHUNKLOSS_LAUNCH_CHECK(kern::launch_zero(db_acc_, c_.vocab, stream()));
   }
@@ -357,20 +362,20 @@ class CudaTokenBackend final : public TokenBackend {
     CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(s, scalars_, sizeof s, cudaMemcpyDeviceToHost,
                                         static_cast<cudaStream_t>(stream())));
     CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream())));
+    const char* over_group = c_.data_group ? ", counted over the ranks of data_group" : "";
     CHUNKLOSS_CHECK(s[kern::kBadTargets] == 0, "LinearCrossEntropy: targets ", c_.targets.str(),
                     " has ", s[kern::kBadTargets], " values outside [0, V=", c_.total_vocab(),
-                    ") that are not ignore_index (", c_.ignore_index,
-                    "); checked on the device, so the gradient buffers hold unspecified values");
+                    ") that are not ignore_index (", c_.ignore_index, ")", over_group,
+                    "; checked on the device, so the gradient buffers hold unspecified values");
     CHUNKLOSS_CHECK(s[kern::kBadClassWeights] == 0, "LinearCrossEntropy: class_weights ",
                     c_.class_weights.str(), " has ", s[kern::kBadClassWeights],
                     " values that are negative or not finite",
                     c_.data_group ? " (counted over the ranks of data_group)" : "",
                     "; checked on the device, so the gradient buffers hold unspecified values");
-    std::uint64_t nonfinite;
-    std::memcpy(&nonfinite, &s[kern::kNonFinite], sizeof nonfinite);
-    CHUNKLOSS_CHECK(nonfinite == 0, "LinearCrossEntropy: check_finite found ", nonfinite,
-                    " non-finite values in hidden/weight/bias/token_weights/grad_output; the "
-                    "gradient buffers hold unspecified values");
+    CHUNKLOSS_CHECK(s[kern::kNonFinite] == 0, "LinearCrossEntropy: check_finite found ",
+                    s[kern::kNonFinite],
+                    " non-finite values in hidden/weight/bias/token_weights/grad_output",
+                    over_group, "; the gradient buffers hold unspecified values");
     TokenTotals t;
     t.loss = s[kern::kLoss];
     t.z_loss = s[kern::kZLoss];

@@ -497,6 +497,27 @@ TEST_CASE(
   CHECK(plain.gemm_report().empty());
 }
 
+TEST_CASE(
+    "gpu: measured GEMM selection measures at most kMaxShapes shapes, the rest run cuBLAS's own "
+    "choice, still exact") {
+  if (!have_gpu()) return;
+  gpu::Context ctx(0, nullptr, gpu::GemmSelection::kMeasured);
+  // Rows that change every call (as in SFT without padding): each call brings new shapes.
+  for (std::int64_t n = 1; n <= 130; ++n) {
+    CAPTURE(n);
+    const Problem p{n, 32, 96, DType::kF32};
+    const HostData d = make_data(p);
+    const Outcome g = run(p, d, {}, Device::kCuda, true, false, &ctx);
+    if (n % 16 == 0) check_close(p, {}, g, run(p, d, {}, Device::kCpu));
+  }
+  const std::string report = ctx.gemm_report();
+  int shapes = 0;
+  std::istringstream lines(report);
+  for (std::string line; std::getline(lines, line);) shapes += line.rfind("C[", 0) == 0;
+  CHECK(shapes == 256);  // the stream's table, full (its logits and dX GEMMs: 2 shapes a call)
+  CHECK(report.find("ran cuBLAS's own choice, unmeasured") != std::string::npos);
+}
+
 TEST_CASE("gpu: all rows ignored gives loss 0 and zero gradients, forward only") {
   if (!have_gpu()) return;
   Problem p{64, 32, 300, DType::kF32, true};

@@ -462,34 +462,55 @@ TEST_CASE(
   CHECK(e[0].empty());
   CHECK(e[1].empty());
 
-  // A NaN class weight on one rank of a data group: checked on the device and counted over the
-  // group, so both ranks throw at the end, instead of the other returning a mean of 0.
+  // Bad values on one rank of a data group are checked on the device and counted over the group,
+  // so both ranks throw at the end, instead of the others returning (and going on to their next
+  // collective without the rank that threw).
   Case wc;
   wc.options = true;
   const Data wd = make_data(wc, 11);
+  const auto both_throw =
+      [&](const Data& data,
+          const std::function<void(CrossEntropyInputs&, CrossEntropyOptions&)>& tweak,
+          const std::string& expected) {
+        dist::InProcessGroup g(2);
+        std::vector<Part> parts{{0, 131, 0, wc.v, nullptr, &g.comm(0), 0},
+                                {131, wc.n, 0, wc.v, nullptr, &g.comm(1), 0}};
+        parts[0].tweak = [](CrossEntropyInputs&, CrossEntropyOptions& o) { o.check_finite = true; };
+        parts[1].tweak = [&](CrossEntropyInputs& in, CrossEntropyOptions& o) {
+          o.check_finite = true;
+          if (tweak) tweak(in, o);
+        };
+        const std::vector<std::string> got = on_threads(2, [&](std::size_t r) {
+          try {
+            call(wc, data, parts[r]);
+          } catch (const Error& x) {
+            return std::string(x.what());
+          }
+          return std::string();
+        });
+        for (const std::string& m : got)
+          CHECK_MESSAGE(m.find(expected) != std::string::npos, m, " (expected: ", expected, ")");
+      };
   std::vector<float> bad = wd.cw;
   bad[5] = std::numeric_limits<float>::quiet_NaN();
   gpu::DeviceBuffer bad_cw(bad.size() * 4);
   gpu::copy_to_device(bad_cw.data(), bad.data(), bad.size() * 4);
-  dist::InProcessGroup g(2);
-  std::vector<Part> parts{{0, 131, 0, wc.v, nullptr, &g.comm(0), 0},
-                          {131, wc.n, 0, wc.v, nullptr, &g.comm(1), 0}};
-  parts[0].tweak = [](CrossEntropyInputs&, CrossEntropyOptions&) {};
-  parts[1].tweak = [&](CrossEntropyInputs& in, CrossEntropyOptions&) {
-    in.class_weights = TensorView(bad_cw.data(), DType::kF32, {wc.v}, Device::kCuda);
-  };
-  e = on_threads(2, [&](std::size_t r) {
-    try {
-      call(wc, wd, parts[r]);
-    } catch (const Error& x) {
-      return std::string(x.what());
-    }
-    return std::string();
-  });
-  for (const std::string& m : e)
-    CHECK_MESSAGE(m.find("has 1 values that are negative or not finite (counted over the ranks "
-                         "of data_group)") != std::string::npos,
-                  m);
+  both_throw(
+      wd,
+      [&](CrossEntropyInputs& in, CrossEntropyOptions&) {
+        in.class_weights = TensorView(bad_cw.data(), DType::kF32, {wc.v}, Device::kCuda);
+      },
+      "has 1 values that are negative or not finite (counted over the ranks of data_group)");
+  Data bad_target = wd;  // row 200 is rank 1's
+  bad_target.y[200] = wc.v;
+  both_throw(bad_target, {},
+             "has 1 values outside [0, V=1003) that are not ignore_index (-100), counted over the "
+             "ranks of data_group");
+  Data nan_hidden = wd;
+  nan_hidden.x[static_cast<std::size_t>(200 * wc.h + 3)] = std::numeric_limits<float>::infinity();
+  both_throw(nan_hidden, {},
+             "check_finite found 1 non-finite values in hidden/weight/bias/token_weights/"
+             "grad_output, counted over the ranks of data_group");
 }
 
 TEST_CASE(

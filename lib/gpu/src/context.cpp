@@ -22,9 +22,25 @@ struct Context::Impl {
   // The side and the events that order it with the stream (none on the side itself).
   std::unique_ptr<Context> side;
   cudaEvent_t forked = nullptr, joined = nullptr;
+
+  // Releases what was made so far, also when a constructor threw midway (the Impl is then
+  // destroyed as a member, the Context's destructor not run).
+  ~Impl() {
+    (void)cudaSetDevice(device);
+    if (side) (void)cudaStreamSynchronize(side->impl_->stream);
+    if (forked) (void)cudaEventDestroy(forked);
+    if (joined) (void)cudaEventDestroy(joined);
+    side.reset();
+    if (stream) (void)cudaStreamSynchronize(stream);
+    selector.reset();
+    if (cublas) (void)cublasDestroy(cublas);
+    if (cublas_ws) (void)cudaFree(cublas_ws);
+    if (owns_stream) (void)cudaStreamDestroy(stream);
+  }
 };
 
-// The side is made once the stream's context is complete, so that a failure destroys both.
+// The side is made once the stream's context is complete; a failure anywhere releases what was
+// made (Impl's destructor).
 Context::Context(int device, void* stream, GemmSelection gemm_selection)
     : Context(device, stream, gemm_selection, false) {
   impl_->side.reset(new Context(device, nullptr, gemm_selection, false));
@@ -53,18 +69,7 @@ Context::Context(int device, void* stream, GemmSelection gemm_selection, bool)
                                                    impl_->cublas_ws, kCublasWorkspace);
 }
 
-Context::~Context() {
-  (void)cudaSetDevice(impl_->device);
-  if (impl_->side) (void)cudaStreamSynchronize(impl_->side->impl_->stream);
-  if (impl_->forked) (void)cudaEventDestroy(impl_->forked);
-  if (impl_->joined) (void)cudaEventDestroy(impl_->joined);
-  impl_->side.reset();
-  if (impl_->stream) (void)cudaStreamSynchronize(impl_->stream);
-  impl_->selector.reset();
-  if (impl_->cublas) (void)cublasDestroy(impl_->cublas);
-  if (impl_->cublas_ws) (void)cudaFree(impl_->cublas_ws);
-  if (impl_->owns_stream) (void)cudaStreamDestroy(impl_->stream);
-}
+Context::~Context() = default;
 
 int Context::device_index() const { return impl_->device; }
 void* Context::stream() const { return impl_->stream; }

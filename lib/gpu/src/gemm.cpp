@@ -2,6 +2,8 @@
 // column-major C^T = op(B)^T op(A)^T, so the operands swap and keep their transposes.
 #include "chunkloss/gpu/gemm.h"
 
+#include <cstdint>
+
 #include "chunkloss/gpu/check.h"
 #include "gemm_selector.h"
 
@@ -25,6 +27,10 @@ void gemm_impl(const Context& ctx, const Matrix& a, bool trans_a, const Matrix& 
   const std::int64_t n = trans_b ? b.rows : b.cols;  // cols of C
   CHUNKLOSS_CHECK(k == (trans_b ? b.cols : b.rows), "gpu::gemm: inner dimensions ", k, " and ",
                   trans_b ? b.cols : b.rows, " differ");
+  for (const std::int64_t d : {m, n, k, a.ld, b.ld, ldc})  // (cuBLAS takes ints)
+    CHUNKLOSS_CHECK(d >= 0 && d <= INT32_MAX, "gpu::gemm: a size or leading dimension of ", d,
+                    " exceeds 2^31-1 (m=", m, " n=", n, " k=", k, " lda=", a.ld, " ldb=", b.ld,
+                    " ldc=", ldc, ")");
   // Column-major: C^T [n, m] = op(B)^T [n, k] * op(A)^T [k, m].
   ctx.gemm_selector().run({trans_b, trans_a, static_cast<int>(n), static_cast<int>(m),
                            static_cast<int>(k), b.data, static_cast<int>(b.ld), a.data,

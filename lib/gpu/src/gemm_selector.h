@@ -8,6 +8,7 @@
 
 #include <compare>
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <map>
 #include <string>
@@ -42,6 +43,11 @@ class GemmSelector {
   ~GemmSelector();
   GemmSelector(const GemmSelector&) = delete;
   GemmSelector& operator=(const GemmSelector&) = delete;
+
+  /// Shapes measured at most: a caller whose shapes keep changing (rows that vary every step)
+  /// runs the shapes past these with cuBLAS's own choice, unmeasured and unstored, so the table
+  /// and the host work per call stay bounded.
+  static constexpr std::size_t kMaxShapes = 256;
 
   /// Enqueues `g` on the stream with the algorithm its shape has (or is measuring).
   void run(const GemmCall& g);
@@ -97,6 +103,7 @@ class GemmSelector {
   std::size_t workspace_bytes_;
   cublasLtHandle_t lt_ = nullptr;
   std::map<Key, Shape> shapes_;
+  std::int64_t unmeasured_calls_ = 0;  // calls of shapes past kMaxShapes
   std::vector<cudaEvent_t> free_events_;
 };
 

@@ -19,12 +19,14 @@ enum Scalar : int {
   kZLoss,
   kAccuracy,
   kEntropy,
-  kValidRows,  ///< kValidRows, kWeightSum and kBadClassWeights are summed over a data group
+  kValidRows,  ///< kValidRows .. kNonFinite are summed over a data group (kInvDenom then reset)
   kWeightSum,
   kBadClassWeights,  ///< class weights that are negative or not finite
   kInvDenom,
   kBadTargets,
-  kNonFinite,  ///< an unsigned 64-bit count stored in the double's bytes
+  /// An unsigned 64-bit count in the double's bytes while launch_count_nonfinite adds to it, a
+  /// double once launch_nonfinite_as_double has run (a token call's begin, before its sums).
+  kNonFinite,
   kClassWeightSum,
   kRowScale,  ///< power of two applied to the gradient tile (the mean's 1/D = alpha * kRowScale)
   kNumScalars
@@ -141,6 +143,10 @@ int launch_store_f32(void* dst, Elem dst_elem, const float* src, std::int64_t n,
 /// Adds the number of non-finite elements of `x` to the count in scalars[kNonFinite]; call after
 /// launch_token_begin, which zeroes it.
 int launch_count_nonfinite(const void* x, Elem elem, std::int64_t n, double* scalars, void* stream);
+
+/// Turns the count launch_count_nonfinite left in scalars[kNonFinite] into a double, which a data
+/// group can sum and launch_export_scalars and the host read.
+int launch_nonfinite_as_double(double* scalars, void* stream);
 
 /// Fills `n` floats with zero.
 int launch_zero(float* x, std::int64_t n, void* stream);

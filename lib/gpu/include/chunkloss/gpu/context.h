@@ -23,7 +23,8 @@ enum class GemmSelection {
   /// fp32 accumulation (split-K only with fp32 partial sums), so results stay exact, but their
   /// bits may differ between calls made while a shape is still being measured, and between
   /// processes. The opt-in speed mode, in the spirit of cudnn.benchmark. While the stream is
-  /// being captured into a CUDA graph, unmeasured shapes run cuBLAS's own choice, untimed.
+  /// being captured into a CUDA graph, unmeasured shapes run cuBLAS's own choice, untimed. At
+  /// most 256 shapes a stream are measured (and kept); further shapes run cuBLAS's own choice.
   kMeasured,
 };
 
