@@ -5,8 +5,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "chunkloss/core/error.h"
@@ -76,6 +78,34 @@ class CudaTokenBackend final : public TokenBackend {
   CudaTokenBackend(const CudaTokenBackend&) = delete;
   CudaTokenBackend& operator=(const CudaTokenBackend&) = delete;
 
+  // The scalar block, once the stream has reached this point.
+  std::array<double, kern::kNumScalars> read_scalars() const {
+    std::array<double, kern::kNumScalars> s{};
+    CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(s.data(), scalars_, sizeof s, cudaMemcpyDeviceToHost,
+                                        static_cast<cudaStream_t>(stream())));
+    CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream())));
+    return s;
+  }
+
+  // Throws for the invalid inputs the device counted in `s`: before anything was written, or at
+  // the end (`written`), when the gradient buffers hold unspecified values.
+  void check_counts(const std::array<double, kern::kNumScalars>& s, bool written) const {
+    const std::string over_group = c_.data_group ? ", counted over the ranks of data_group" : "";
+    const std::string state =
+        over_group + (written ? "; checked on the device, so the gradient buffers hold "
+                                "unspecified values"
+                              : "; checked on the device before anything was written");
+    CHUNKLOSS_CHECK(s[kern::kBadTargets] == 0, "LinearCrossEntropy: targets ", c_.targets.str(),
+                    " has ", s[kern::kBadTargets], " values outside [0, V=", c_.total_vocab(),
+                    ") that are not ignore_index (", c_.ignore_index, ")", state);
+    CHUNKLOSS_CHECK(s[kern::kBadClassWeights] == 0, "LinearCrossEntropy: class_weights ",
+                    c_.class_weights.str(), " has ", s[kern::kBadClassWeights],
+                    " values that are negative or not finite", state);
+    CHUNKLOSS_CHECK(s[kern::kNonFinite] == 0, "LinearCrossEntropy: check_finite found ",
+                    s[kern::kNonFinite],
+                    " non-finite values in hidden/weight/bias/token_weights/grad_output", state);
+  }
+
   void begin() override {
     CHUNKLOSS_LAUNCH_CHECK(kern::launch_token_begin(p_, stream()));
     if (check_finite_) {
@@ -96,6 +126,9 @@ class CudaTokenBackend final : public TokenBackend {
       c_.data_group->all_reduce_sum(ctx_, scalars_ + kern::kValidRows, 6);
       CHUNKLOSS_LAUNCH_CHECK(kern::launch_set_divisor(p_, stream()));
     }
+    // The caller asked for checks: without groups (whose ranks must all reach the end) they are
+    // read here, before anything is written, at the cost of one wait for the stream.
+    if (check_finite_ && !c_.data_group && !c_.vocab_group) check_counts(read_scalars(), false);
     if (db_acc_) CHUNKLOSS_LAUNCH_CHECK(kern::launch_zero(db_acc_, c_.vocab, stream()));
   }
 
@@ -358,24 +391,8 @@ class CudaTokenBackend final : public TokenBackend {
       CHUNKLOSS_LAUNCH_CHECK(
           kern::launch_export_scalars(scalars_, c_.out_scalars.data_as<float>(), stream()));
     if (!c_.copy_results) return {};
-    double s[kern::kNumScalars];
-    CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(s, scalars_, sizeof s, cudaMemcpyDeviceToHost,
-                                        static_cast<cudaStream_t>(stream())));
-    CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream())));
-    const char* over_group = c_.data_group ? ", counted over the ranks of data_group" : "";
-    CHUNKLOSS_CHECK(s[kern::kBadTargets] == 0, "LinearCrossEntropy: targets ", c_.targets.str(),
-                    " has ", s[kern::kBadTargets], " values outside [0, V=", c_.total_vocab(),
-                    ") that are not ignore_index (", c_.ignore_index, ")", over_group,
-                    "; checked on the device, so the gradient buffers hold unspecified values");
-    CHUNKLOSS_CHECK(s[kern::kBadClassWeights] == 0, "LinearCrossEntropy: class_weights ",
-                    c_.class_weights.str(), " has ", s[kern::kBadClassWeights],
-                    " values that are negative or not finite",
-                    c_.data_group ? " (counted over the ranks of data_group)" : "",
-                    "; checked on the device, so the gradient buffers hold unspecified values");
-    CHUNKLOSS_CHECK(s[kern::kNonFinite] == 0, "LinearCrossEntropy: check_finite found ",
-                    s[kern::kNonFinite],
-                    " non-finite values in hidden/weight/bias/token_weights/grad_output",
-                    over_group, "; the gradient buffers hold unspecified values");
+    const std::array<double, kern::kNumScalars> s = read_scalars();
+    check_counts(s, true);
     TokenTotals t;
     t.loss = s[kern::kLoss];
     t.z_loss = s[kern::kZLoss];

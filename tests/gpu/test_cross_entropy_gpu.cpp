@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -797,6 +798,68 @@ TEST_CASE("gpu: out-of-range targets and non-finite inputs raise chunkloss::Erro
                        chunkloss::Error);
   none.check_finite = false;
   CHECK_NOTHROW(run(weighted, d, none, Device::kCuda));
+}
+
+TEST_CASE(
+    "gpu: with check_finite and no groups, bad values are refused before anything is written") {
+  if (!have_gpu()) return;
+  Problem p{300, 32, 500, DType::kF32};
+  p.class_weights = true;
+  const auto copy_in = [](const auto& host) {
+    auto buf = std::make_unique<gpu::DeviceBuffer>(host.size() * sizeof(host[0]));
+    gpu::copy_to_device(buf->data(), host.data(), buf->bytes());
+    return buf;
+  };
+  // Each bad value; the caller's buffers (accumulated into, over several chunks) and outputs
+  // start as random bits and must keep them.
+  for (int bad = 0; bad < 3; ++bad) {
+    CAPTURE(bad);
+    HostData d = make_data(p);
+    if (bad == 0) d.y[250] = p.v;                                                  // a target
+    if (bad == 1) reinterpret_cast<float*>(d.x.data())[250 * p.h + 1] = INFINITY;  // hidden
+    if (bad == 2) d.cw[7] = -1.0f;                                                 // class weight
+    const auto x = copy_in(d.x), w = copy_in(d.w), y = copy_in(d.y), cw = copy_in(d.cw);
+    std::mt19937_64 g(5);
+    const std::vector<unsigned char> dx0 = random_floats(p.n * p.h, DType::kF32, 1.0f, g),
+                                     dw0 = random_floats(p.v * p.h, DType::kF32, 1.0f, g),
+                                     lse0 = random_floats(p.n, DType::kF32, 1.0f, g);
+    const auto dx = copy_in(dx0), dw = copy_in(dw0), lse = copy_in(lse0);
+    CrossEntropyOptions o;
+    o.check_finite = true;
+    o.memory_budget_bytes = 64 * p.v * 4 + 100000;  // several chunks
+    for (bool copy_results : {true, false}) {
+      CAPTURE(copy_results);
+      o.copy_results_to_host = copy_results;
+      const LinearCrossEntropy ce(o);
+      CrossEntropyInputs in;
+      in.hidden = TensorView(x->data(), DType::kF32, {p.n, p.h}, Device::kCuda);
+      in.weight = TensorView(w->data(), DType::kF32, {p.v, p.h}, Device::kCuda);
+      in.targets = TensorView(y->data(), DType::kI64, {p.n}, Device::kCuda);
+      in.class_weights = TensorView(cw->data(), DType::kF32, {p.v}, Device::kCuda);
+      CrossEntropyGrads gr;
+      gr.hidden = TensorView(dx->data(), DType::kF32, {p.n, p.h}, Device::kCuda);
+      gr.weight = TensorView(dw->data(), DType::kF32, {p.v, p.h}, Device::kCuda);
+      gr.accumulate = true;
+      CHECK(ce.plan(in, gr).num_chunks > 1);
+      gpu::DeviceBuffer sc(7 * 4), ws(ce.workspace_bytes(in, gr));
+      CrossEntropyOutputs out;
+      out.lse = TensorView(lse->data(), DType::kF32, {p.n}, Device::kCuda);
+      out.scalars = TensorView(sc.data(), DType::kF32, {7}, Device::kCuda);
+      gpu::Context ctx(0);
+      CHECK_THROWS_WITH_AS(
+          ce.forward_backward(ctx, in, gr, out, Workspace(ws.data(), ws.bytes(), Device::kCuda)),
+          doctest::Contains("checked on the device before anything was written"), chunkloss::Error);
+      std::vector<unsigned char> got(dw0.size());
+      gpu::copy_to_host(got.data(), dw->data(), got.size());
+      CHECK(got == dw0);
+      got.resize(dx0.size());
+      gpu::copy_to_host(got.data(), dx->data(), got.size());
+      CHECK(got == dx0);
+      got.resize(lse0.size());
+      gpu::copy_to_host(got.data(), lse->data(), got.size());
+      CHECK(got == lse0);
+    }
+  }
 }
 
 TEST_CASE("gpu: results left on the device match the host copy, no synchronisation asked") {

@@ -500,7 +500,7 @@ TEST_CASE(
       [&](CrossEntropyInputs& in, CrossEntropyOptions&) {
         in.class_weights = TensorView(bad_cw.data(), DType::kF32, {wc.v}, Device::kCuda);
       },
-      "has 1 values that are negative or not finite (counted over the ranks of data_group)");
+      "has 1 values that are negative or not finite, counted over the ranks of data_group");
   Data bad_target = wd;  // row 200 is rank 1's
   bad_target.y[200] = wc.v;
   both_throw(bad_target, {},

@@ -60,7 +60,9 @@ struct CrossEntropyOptions {
   /// taken in fp32, through the fp32 dW accumulator this turns on, and rounded once.
   bool reduce_weight_grad_over_data_group = false;
   /// Check hidden, weight, bias, token_weights and grad_output for NaN/Inf before computing (one
-  /// extra read of each). (class_weights are always checked: finite and >= 0.)
+  /// extra read of each). (class_weights are always checked: finite and >= 0.) On CUDA without
+  /// groups this also moves the device's value checks before anything is written, at the cost
+  /// of one wait for the stream (see LinearCrossEntropy).
   bool check_finite = false;
   /// Skip runs of ignored rows (prompts, padding): the ignored rows before the first valid
   /// target and after the last, and each run of ignored rows between valid ones at least
@@ -82,7 +84,7 @@ struct CrossEntropyOptions {
   bool skip_ignored_rows = false;
   /// Copy the scalar results to the host at the end of the call (the call's one host
   /// synchronisation on CUDA, with a second one up front when the call has groups or skips rows).
-  /// false: no synchronisation at all without groups and skip_ignored_rows; the
+  /// false: no synchronisation at all without groups, skip_ignored_rows and check_finite; the
   /// CrossEntropyResult fields are NaN and the results are read from outputs.scalars, which is
   /// then required.
   bool copy_results_to_host = true;
@@ -190,7 +192,9 @@ struct CrossEntropyResult {
 /// check_finite's NaN/Inf) are checked on the device as the call runs, to need no extra
 /// synchronisation (with skip_ignored_rows the targets are checked on the host first): the call
 /// throws at its end, and the outputs and gradient buffers then hold unspecified values; with
-/// copy_results_to_host = false nothing is thrown and outputs.scalars[6] counts them.
+/// copy_results_to_host = false nothing is thrown and outputs.scalars[6] counts them. A call
+/// with check_finite and without groups instead waits for the stream once after counting them,
+/// at its start, and throws before anything is written (whatever copy_results_to_host says).
 class LinearCrossEntropy {
  public:
   explicit LinearCrossEntropy(const CrossEntropyOptions& options = {});
