@@ -96,12 +96,12 @@ __device__ __forceinline__ float bias_at(const TokenParams& p, std::int64_t j) {
                                    : __bfloat162float(static_cast<const __nv_bfloat16*>(p.bias)[j]);
 }
 
-/// True when a call has none of bias, softcap, class weights, label smoothing and entropy: the
-/// kernels then take a lean path (BOOL_SWITCH-style dispatch) whose results agree with the
-/// general path's to rounding, not bitwise (its exponentials are __expf, its sums grouped by
-/// vector).
+/// True when a call has none of bias, softcap, class weights and label smoothing: the kernels
+/// then take a lean path (BOOL_SWITCH-style dispatch) whose results agree with the general
+/// path's to rounding, not bitwise (its sums are rescaled once a vector). Entropy does not
+/// leave it, so reporting it changes no other result.
 inline bool plain_rows(const TokenParams& p) {
-  return !p.bias && p.softcap == 0.0f && !p.class_weights && p.rule.eps == 0.0f && !p.entropy;
+  return !p.bias && p.softcap == 0.0f && !p.class_weights && p.rule.eps == 0.0f;
 }
 
 /// Dispatches a runtime flag to a compile-time constant named by `name` inside the body.

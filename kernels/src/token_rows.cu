@@ -2,6 +2,7 @@
 // max/sum-exp, target logit, logit sums, entropy, first argmax; one block per row, 16-byte loads,
 // cub::BlockReduce with a fixed tree, fp32 math) and the final deterministic reduction.
 #include <cub/block/block_reduce.cuh>
+#include <type_traits>
 
 #include "device_util.cuh"
 #include "row_acc.cuh"
@@ -74,7 +75,10 @@ __global__ void token_begin_kernel(TokenParams p) {
 
 // kPlain: no bias, softcap, class weights, smoothing or entropy; each 16-byte vector then
 // rescales the running sum once (max of the vector first) instead of branching per element.
-template <typename TL, bool kPlain>
+// kEntropy (plain path only; the general path always sums it): also the sum of exp(z - m) z,
+// whose rescaling shares the sum's factors, so the sum, lse and gradients are the same bits with
+// and without it.
+template <typename TL, bool kPlain, bool kEntropy>
 __global__ void __launch_bounds__(kStatsThreads)
     row_stats_kernel(TokenParams p, const TL* logits, std::int64_t ld, std::int64_t r0) {
   using Reduce = cub::BlockReduce<RowAcc, kStatsThreads>;
@@ -104,17 +108,28 @@ __global__ void __launch_bounds__(kStatsThreads)
 #pragma unroll
         for (int k = V - 1; k >= 0; --k)
           if (z[k] == vm) vi = k;
-        acc.s *= __expf(acc.m - vm);
+        const float rescale = __expf(acc.m - vm);
+        acc.s *= rescale;
+        if constexpr (kEntropy) acc.sez *= rescale;
         acc.m = vm;
         acc.arg = static_cast<int>(j) + vi;
       }
       if (acc.m == -INFINITY) {  // -inf (masked or overflowed) adds nothing, NaN makes s NaN
 #pragma unroll
         for (int k = 0; k < V; ++k)
-          if (z[k] != -INFINITY) acc.s += __expf(z[k] - acc.m);
+          if (z[k] != -INFINITY) {
+            const float e = __expf(z[k] - acc.m);
+            acc.s += e;
+            if constexpr (kEntropy) acc.sez += e * z[k];
+          }
       } else {
 #pragma unroll
-        for (int k = 0; k < V; ++k) acc.s += __expf(z[k] - acc.m);
+        for (int k = 0; k < V; ++k) {
+          const float e = __expf(z[k] - acc.m);
+          acc.s += e;
+          if constexpr (kEntropy)
+            if (z[k] != -INFINITY) acc.sez += e * z[k];  // (0 * -inf: a pad or an overflow)
+        }
       }
       if (p.logit_sums) {
 #pragma unroll
@@ -249,14 +264,21 @@ int launch_row_stats(const TokenParams& p, const void* logits, Elem logits_elem,
   if (rows == 0) return 0;
   auto s = static_cast<cudaStream_t>(stream);
   const auto grid = static_cast<unsigned>(rows);
-  CHUNKLOSS_BOOL_SWITCH(plain_rows(p), kPlain, [&] {
+  const auto launch = [&](auto plain, auto entropy) {
+    constexpr bool kPlain = decltype(plain)::value, kEntropy = decltype(entropy)::value;
     if (logits_elem == Elem::kF32)
-      row_stats_kernel<float, kPlain>
+      row_stats_kernel<float, kPlain, kEntropy>
           <<<grid, kStatsThreads, 0, s>>>(p, static_cast<const float*>(logits), ld, r0);
     else
-      row_stats_kernel<__nv_bfloat16, kPlain>
+      row_stats_kernel<__nv_bfloat16, kPlain, kEntropy>
           <<<grid, kStatsThreads, 0, s>>>(p, static_cast<const __nv_bfloat16*>(logits), ld, r0);
-  });
+  };
+  if (!plain_rows(p))
+    launch(std::false_type{}, std::false_type{});
+  else if (p.entropy)
+    launch(std::true_type{}, std::true_type{});
+  else
+    launch(std::true_type{}, std::false_type{});
   return static_cast<int>(cudaGetLastError());
 }
 

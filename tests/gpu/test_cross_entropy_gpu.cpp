@@ -800,6 +800,28 @@ TEST_CASE("gpu: out-of-range targets and non-finite inputs raise chunkloss::Erro
   CHECK_NOTHROW(run(weighted, d, none, Device::kCuda));
 }
 
+TEST_CASE("gpu: compute_entropy changes no other result, and its entropy matches the CPU's") {
+  if (!have_gpu()) return;
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    for (const std::int64_t v : {std::int64_t{507}, std::int64_t{4096}}) {  // a partial vector too
+      CAPTURE(dtype_name(t));
+      CAPTURE(v);
+      const Problem p{300, 64, v, t};
+      const HostData d = make_data(p);
+      CrossEntropyOptions o;
+      o.memory_budget_bytes = 64 * v * 4 + 100000;  // several chunks
+      const Outcome off = run(p, d, o, Device::kCuda);
+      o.compute_entropy = true;
+      const Outcome on = run(p, d, o, Device::kCuda), cpu = run(p, d, o, Device::kCpu);
+      CHECK(bitwise_equal(on, off));
+      CHECK(std::memcmp(on.lse.data(), off.lse.data(), on.lse.size() * 4) == 0);
+      CHECK(off.r.entropy == 0.0);
+      CHECK(on.r.entropy > 0.0);
+      CHECK(on.r.entropy == doctest::Approx(cpu.r.entropy).epsilon(1e-5));
+    }
+  }
+}
+
 TEST_CASE(
     "gpu: with check_finite and no groups, bad values are refused before anything is written") {
   if (!have_gpu()) return;

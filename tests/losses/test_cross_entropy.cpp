@@ -252,6 +252,13 @@ TEST_CASE("oracle: entropy") {
   o.compute_entropy = true;
   CHECK(oracle(CeData({}), o).entropy > 1.0);
   check_option_matrix({}, o);
+  // Reporting it changes no other result.
+  const CeData d({});
+  const LibRun on = run_library(d, o, {}), off = run_library(d, {}, {});
+  CHECK(on.result.loss == off.result.loss);
+  CHECK(on.grads.hidden() == off.grads.hidden());
+  CHECK(on.grads.weight() == off.grads.weight());
+  CHECK(on.out.lse == off.out.lse);
 }
 
 TEST_CASE("oracle: a -inf bias masks columns (probability 0, no gradient), entropy finite") {

@@ -38,9 +38,8 @@ struct CrossEntropyOptions {
   float label_smoothing = 0.0f;  ///< ls in [0, 1]; eps = ls / V spread over all classes
   float z_loss = 0.0f;           ///< adds z_loss * lse^2 per valid row (>= 0; x cw_y, see above)
   std::optional<float> softcap;  ///< logits z -> c * tanh(z / c), c > 0
-  /// Also report the mean softmax entropy over valid rows. On CUDA its rows take the general
-  /// row kernels, so the loss and gradients then agree with a call without it to rounding, not
-  /// bitwise.
+  /// Also report the mean softmax entropy over valid rows (the other results are bitwise those
+  /// of a call without it).
   bool compute_entropy = false;
   /// Bound on the workspace in bytes (logits chunk, row statistics, scratch). 0 picks the
   /// device's default: 256 MiB on the CPU, 1 GiB on CUDA. A budget below the smallest token
