@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <exception>
+#include <limits>
 #include <sstream>
 
 #include "chunkloss/core/error.h"
@@ -446,7 +448,19 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   PlanRequest rq = q;
   rq.packed_pieces = false;
   if (!any_grad) return forward_plan(q, plan_token_objective(rq));
-  Plan rec = plan_token_objective(q);
+  // An explicit vocab-block order is recompute's pass 2; where its blocks cannot fit, another
+  // regime may still serve the call (the refusal stands if recompute is asked for or picked).
+  Plan rec;
+  std::exception_ptr rec_refused;
+  try {
+    rec = plan_token_objective(q);
+  } catch (const Error&) {
+    if (L.regime == Regime::kRecompute || q.order != LoopOrder::kVocabBlock) throw;
+    rec_refused = std::current_exception();
+    PlanRequest token = q;  // its sizes, for the comparison below
+    token.order = LoopOrder::kTokenChunk;
+    rec = plan_token_objective(token);
+  }
   rec.regime = Regime::kRecompute;
   const double nhv = nhv_flops(q);
   const double pass1 =
@@ -463,7 +477,9 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
        << " ms (pass 1 included), vocab_block " << rec_vocab * 1e3 << " ms";
     rec.reason = os.str();
   }
-  const double rec_cost = rec.order == LoopOrder::kVocabBlock ? rec_vocab : rec_token;
+  const double rec_cost = rec_refused ? std::numeric_limits<double>::infinity()
+                          : rec.order == LoopOrder::kVocabBlock ? rec_vocab
+                                                                : rec_token;
 
   // Resident: the most whole units whose group's logits (and staging for one unit-range of
   // rows) fit the budget. On CUDA a group of several sequences has its X rows staged side by
@@ -533,9 +549,14 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
     why << "cost model: ";
     if (g > 0 && res_cost <= best) pick = Regime::kResident, best = res_cost;
     // The deferred plan's fixed dH block may not fit a budget that recompute's chunks fit.
-    const bool def_fits = def.workspace_bytes() <= std::max(budget, rec.workspace_bytes());
+    // (Both workspaces hold the fp32 dW accumulator beyond the budget, when asked for.)
+    const bool def_fits = !def.over_budget || def.workspace_bytes() <= rec.workspace_bytes();
     if (def_cost > 0 && def_fits && def_cost < best) pick = Regime::kDeferred, best = def_cost;
-    why << regime_name(pick) << " " << best * 1e3 << " ms; recompute " << rec_cost * 1e3 << " ms";
+    why << regime_name(pick) << " " << best * 1e3 << " ms; recompute ";
+    if (rec_refused)
+      why << "refused (its vocab-block order does not fit)";
+    else
+      why << rec_cost * 1e3 << " ms";
     if (g > 0)
       why << ", resident " << res_cost * 1e3 << " ms";
     else
@@ -550,6 +571,7 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
     return def;
   }
   if (pick == Regime::kRecompute) {
+    if (rec_refused) std::rethrow_exception(rec_refused);
     rec.reason = why.str() + "; " + rec.reason;
     return rec;
   }

@@ -535,7 +535,13 @@ constexpr std::size_t kVocabKind = 14, kDataKind = 4, kDataSums = 2;
 // the layout is extended to hold their plan too.
 Plan call_plan(const Checked& c) {
   Plan p = plan_sequence_objective(c.request, c.layout);
-  if (c.kl_policy) detail::reserve_workspace(p, c.kl_plan.workspace_bytes());
+  if (c.kl_policy) {
+    detail::reserve_workspace(p, c.kl_plan.workspace_bytes());
+    if (c.kl_plan.over_budget) {  // its smallest chunk alone exceeds the budget
+      p.over_budget = true;
+      p.reason += "; the KL batch's plan exceeds the budget: " + c.kl_plan.str();
+    }
+  }
   return p;
 }
 

@@ -373,6 +373,61 @@ TEST_CASE("plan: a resident group of several sequences stages its X rows on CUDA
   CHECK(group_x_bytes(q, single).first == 0);
 }
 
+TEST_CASE(
+    "plan: the fp32 dW accumulator does not change the sequence regime the cost model picks") {
+  // DPO's deferred regime at 2 and 4 GiB: its fit was judged with the accumulator (beyond the
+  // budget) counted against the budget, so it lost to recompute whenever the accumulator was on.
+  PlanRequest q;
+  q.hidden = 4096;
+  q.vocab = 128256;
+  q.input_dtype = q.grad_hidden_dtype = q.grad_weight_dtype = DType::kBF16;
+  q.grad_hidden = q.grad_weight = q.row_scales = true;
+  q.device = Device::kCuda;
+  SequenceLayout pair;
+  pair.sequences = 2;
+  pair.seq_len = 8192;
+  pair.unit_sequences = 2;
+  pair.deferrable = true;
+  q.rows = pair.sequences * pair.seq_len;
+  for (const std::size_t gib : {1, 2, 4}) {
+    CAPTURE(gib);
+    q.budget_bytes = gib << 30;
+    q.fp32_weight_grad_accumulator = false;
+    const Plan without = plan_sequence_objective(q, pair);
+    q.fp32_weight_grad_accumulator = true;
+    const Plan with = plan_sequence_objective(q, pair);
+    CHECK(without.regime == Regime::kDeferred);
+    CHECK(with.regime == without.regime);
+    CHECK(with.chunk_rows == without.chunk_rows);
+  }
+}
+
+TEST_CASE("plan: an infeasible vocab-block order refuses recompute, not the other regimes") {
+  // loop_order is recompute's pass 2 order: a resident request, or the cost model with resident
+  // in reach, plans resident; recompute asked for still names the order.
+  PlanRequest q;
+  q.hidden = 4096;
+  q.vocab = 32000;
+  q.input_dtype = q.grad_hidden_dtype = DType::kBF16;
+  q.grad_hidden = true;  // (no dW: vocab-block order cannot run)
+  q.order = LoopOrder::kVocabBlock;
+  q.budget_bytes = std::size_t{256} << 20;
+  SequenceLayout pairs;
+  pairs.sequences = 1000;
+  pairs.seq_len = 64;
+  pairs.unit_sequences = 2;
+  q.rows = pairs.sequences * pairs.seq_len;
+  for (const Regime r : {Regime::kResident, Regime::kAuto}) {
+    CAPTURE(regime_name(r));
+    pairs.regime = r;
+    const Plan p = plan_sequence_objective(q, pairs);
+    CHECK(p.regime == Regime::kResident);
+    if (r == Regime::kAuto) CHECK(contains(p.reason, "recompute refused"));
+  }
+  pairs.regime = Regime::kRecompute;
+  CHECK_THROWS_WITH_AS(plan_sequence_objective(q, pairs), doctest::Contains("vocab_block"), Error);
+}
+
 TEST_CASE("plan: a forward-only sequence call gathers its pieces within the plain chunks' room") {
   // Its chunks' pieces share one logits GEMM over their X rows gathered side by side; the
   // staging comes out of the workspace the chunks would take without it, so the call needs no

@@ -532,6 +532,25 @@ TEST_CASE("kto: the KL point computed from a mismatched batch") {
   }
 }
 
+TEST_CASE("kto: a KL batch whose own plan exceeds the budget marks the call's plan over budget") {
+  PrefSpec s = kto_spec();
+  s.ref = RefMode::kHead;
+  s.kl_batch = true;
+  s.kl_s = 200;  // 12800 rows: their row statistics alone exceed the budget
+  s.kl_t = 64;
+  const PrefData d(s);
+  KtoOptions o;
+  o.engine.memory_budget_bytes = std::size_t{64} << 10;
+  const Kto loss(o);
+  const PreferenceInputs in = d.inputs();
+  PrefGradBuffers g(d, {});
+  const Plan p = loss.plan(in, g.views());
+  INFO(p.str());
+  CHECK(p.workspace_bytes() > o.engine.memory_budget_bytes);
+  CHECK(p.over_budget);  // (it was not set: only the main batch's plan was)
+  CHECK(p.reason.find("the KL batch's plan exceeds the budget") != std::string::npos);
+}
+
 TEST_CASE("precomputed reference sums give the reference head's results") {
   PrefSpec s;
   s.ref = RefMode::kHead;
