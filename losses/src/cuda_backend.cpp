@@ -103,7 +103,11 @@ class CudaTokenBackend final : public TokenBackend {
                     " values that are negative or not finite", state);
     CHUNKLOSS_CHECK(s[kern::kNonFinite] == 0, "LinearCrossEntropy: check_finite found ",
                     s[kern::kNonFinite],
-                    " non-finite values in hidden/weight/bias/token_weights/grad_output", state);
+                    " non-finite values in hidden/weight/bias/token_weights/grad_output",
+                    c_.vocab_group ? ", summed over the ranks of vocab_shard.group (each counts "
+                                     "the inputs they share)"
+                                   : "",
+                    state);
   }
 
   void begin() override {
@@ -126,6 +130,9 @@ class CudaTokenBackend final : public TokenBackend {
       c_.data_group->all_reduce_sum(ctx_, scalars_ + kern::kValidRows, 6);
       CHUNKLOSS_LAUNCH_CHECK(kern::launch_set_divisor(p_, stream()));
     }
+    // Over a vocabulary split each rank counts its own weight and bias shard too: the count is
+    // summed so that every rank throws (always, as check_finite is not among what ranks agree on).
+    if (c_.vocab_group) c_.vocab_group->all_reduce_sum(ctx_, scalars_ + kern::kNonFinite, 1);
     // The caller asked for checks: without groups (whose ranks must all reach the end) they are
     // read here, before anything is written, at the cost of one wait for the stream.
     if (check_finite_ && !c_.data_group && !c_.vocab_group) check_counts(read_scalars(), false);

@@ -471,10 +471,12 @@ TEST_CASE(
   const auto both_throw =
       [&](const Data& data,
           const std::function<void(CrossEntropyInputs&, CrossEntropyOptions&)>& tweak,
-          const std::string& expected) {
+          const std::string& expected, bool vocab = false) {
         dist::InProcessGroup g(2);
-        std::vector<Part> parts{{0, 131, 0, wc.v, nullptr, &g.comm(0), 0},
-                                {131, wc.n, 0, wc.v, nullptr, &g.comm(1), 0}};
+        std::vector<Part> parts =
+            vocab ? vocab_parts(wc, [&](int r) -> dist::Communicator& { return g.comm(r); }, {0, 0})
+                  : std::vector<Part>{{0, 131, 0, wc.v, nullptr, &g.comm(0), 0},
+                                      {131, wc.n, 0, wc.v, nullptr, &g.comm(1), 0}};
         parts[0].tweak = [](CrossEntropyInputs&, CrossEntropyOptions& o) { o.check_finite = true; };
         parts[1].tweak = [&](CrossEntropyInputs& in, CrossEntropyOptions& o) {
           o.check_finite = true;
@@ -511,6 +513,14 @@ TEST_CASE(
   both_throw(nan_hidden, {},
              "check_finite found 1 non-finite values in hidden/weight/bias/token_weights/"
              "grad_output, counted over the ranks of data_group");
+  // Over a vocabulary split a NaN in rank 1's own weight rows: rank 0 returned a NaN loss.
+  Data nan_shard = wd;
+  nan_shard.w[static_cast<std::size_t>((wc.v - 2) * wc.h + 5)] =
+      std::numeric_limits<float>::quiet_NaN();
+  both_throw(nan_shard, {},
+             "check_finite found 1 non-finite values in hidden/weight/bias/token_weights/"
+             "grad_output, summed over the ranks of vocab_shard.group",
+             true);
 }
 
 TEST_CASE(

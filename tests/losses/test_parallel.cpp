@@ -512,9 +512,10 @@ TEST_CASE("bad values on one rank: every rank of the groups throws") {
 
 // The ranks of a grid of `nr` row parts x `nv` vocabulary parts (1 or 2 each) of spec_of(f32,
 // 91), rank k = ri * nv + vi in a vocabulary group per row part and a data group per vocabulary
-// part (when split that way), each making its call after `tweak(k, inputs, grads, options)`, with
-// a 4 MiB workspace (not workspace_bytes(), which a rank's bad call throws from); each rank's
-// error ("" when it returned), after checking that a rank that threw wrote nothing.
+// part (when split that way), each making its call after `tweak(k, inputs, grads, options)`, as
+// README shows: with a workspace of workspace_bytes(), or an empty one where that throws (the rank
+// still calls, so that every rank throws); each rank's error ("" when it returned), after
+// checking that a rank that threw wrote nothing.
 using Tweak =
     std::function<void(std::size_t, CrossEntropyInputs&, CrossEntropyGrads&, CrossEntropyOptions&)>;
 std::vector<std::string> grid_errors(std::size_t nr, std::size_t nv, const Tweak& tweak) {
@@ -537,9 +538,15 @@ std::vector<std::string> grid_errors(std::size_t nr, std::size_t nv, const Tweak
     CrossEntropyOptions o;
     tweak(k, in, grads, o);
     CpuContext ctx(1);
-    const AlignedBuffer ws(std::size_t{4} << 20);
+    const LinearCrossEntropy ce(o);
+    std::size_t bytes = 0;
     try {
-      LinearCrossEntropy(o).forward_backward(ctx, in, grads, {}, ws.workspace());
+      bytes = ce.workspace_bytes(in, grads);
+    } catch (const Error&) {
+    }
+    const AlignedBuffer ws(bytes);
+    try {
+      ce.forward_backward(ctx, in, grads, {}, ws.workspace());
     } catch (const Error& e) {
       for (double x : buffers.hidden()) CHECK(std::isnan(x));
       for (double x : buffers.weight()) CHECK(std::isnan(x));

@@ -43,8 +43,9 @@ struct CrossEntropyOptions {
   bool compute_entropy = false;
   /// Bound on the workspace in bytes (logits chunk, row statistics, scratch). 0 picks the
   /// device's default: 256 MiB on the CPU, 1 GiB on CUDA. A budget below the smallest token
-  /// chunk (one row) gives that chunk's workspace instead, and Plan::over_budget says so; a
-  /// requested loop_order vocab_block whose smallest block (64 columns) does not fit is refused.
+  /// chunk (64 rows, or all rows when fewer) gives that chunk's workspace instead, and
+  /// Plan::over_budget says so; a requested loop_order vocab_block whose smallest block (64
+  /// columns) does not fit is refused.
   std::size_t memory_budget_bytes = 0;
   LoopOrder loop_order = LoopOrder::kAuto;
   DType logits_dtype = DType::kF32;  ///< fp32 logits chunk; bf16 is an opt-in speed mode
@@ -116,12 +117,15 @@ struct CrossEntropyInputs {
   /// class weights and check_finite's values) or makes a call whose collectives differ (rows, H,
   /// chunks and the rows skip_ignored_rows computes, dH asked for, a data_group passed or not, the
   /// vocabulary's size and the options of the rows' terms; over data_group, H, V, and dW and db
-  /// summed or not), and then all throw. On CUDA that exchange
+  /// summed or not), and then all throw. That agreement is inside the call: a rank whose
+  /// workspace_bytes() or plan() throws must still make it (with any workspace), or the others
+  /// wait in the exchange. On CUDA that exchange
   /// passes through the context's own scratch memory (gpu::Context::scratch(), not the
   /// workspace) and waits for the stream once per group (once more in a grid).
   /// On CUDA, out-of-range targets, bad class weights and check_finite's findings are counted
-  /// and thrown at the end (outputs.scalars[6]): per rank of a vocabulary group (whose ranks
-  /// pass the same targets and class weights), over a data group. Unset: not split.
+  /// and thrown at the end (outputs.scalars[6]): check_finite's summed over the vocabulary group
+  /// (each rank's weight and bias shard are its own), the others per rank (the ranks pass the
+  /// same targets and class weights), so every rank throws. Unset: not split.
   VocabShard vocab_shard;
   /// Data parallelism: the ranks of this group each call with their own rows (same weight);
   /// the mean's divisor (valid rows, or their class weights) is summed over the group, so each

@@ -169,7 +169,9 @@ struct PreferenceInputs {
   /// and an objective that fails (throws, or returns a non-finite value) on any rank makes every
   /// rank throw at the end of the call (on CUDA the ranks' sums pass through the context's own
   /// scratch memory, not the workspace). plan() and workspace_bytes() must see the same
-  /// data_group. With vocab_shard too, the data group holds
+  /// data_group; they check what the call does but cannot reach the other ranks, so a rank
+  /// where they throw must still make the call (with any workspace), or the others wait in its
+  /// first exchange. With vocab_shard too, the data group holds
   /// the ranks at one vocabulary position. null: this call's sequences alone.
   dist::Communicator* data_group = nullptr;
 };
