@@ -640,6 +640,8 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
   std::optional<Checked> checked;
   Plan plan;
   std::exception_ptr rejected;
+  std::array<double, kVocabKind> vocab_kind{};
+  std::array<double, kDataKind> data_kind{};
   try {
     checked.emplace(check_call(obj, options_, ctx.device(), in, grads));
     plan = call_plan(*checked);
@@ -670,21 +672,27 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
     ws.require(plan.layout, who.c_str());
     if (checked->kl_policy) ws.require(checked->kl_plan.layout, who.c_str());
     check_values(obj, options_, ctx, device_scalars(plan, ws), in, *checked);
+    // The kinds ask the objective (a user's may throw): a rank that fails here is rejected too.
+    try {
+      vocab_kind = vocab_call_kind(obj, *checked, plan, in);
+      data_kind = data_call_kind(obj, *checked);
+    } catch (const std::exception& e) {  // nested, as evaluate()'s exceptions are
+      std::throw_with_nested(Error(detail::error_message(
+          __FILE__, __LINE__, who, ": the objective threw while describing itself: ", e.what())));
+    }
   } catch (...) {
     if (!in.data_group && !vocab_group) throw;
     rejected = std::current_exception();
+    vocab_kind = {};
+    data_kind = {};
   }
   // Units and tokens of the chosen sequences (the NLL term's divisor), summed over the data group.
   double counts[kDataSums] = {0, 0};
-  std::array<double, kVocabKind> vocab_kind{};
-  std::array<double, kDataKind> data_kind{};
   if (!rejected) {
     const Checked& c = *checked;
     counts[0] = static_cast<double>(c.call.sequences / c.call.unit_sequences);
     for (std::int64_t i = 0; i < c.call.sequences; ++i)
       if (is_chosen(c, i)) counts[1] += static_cast<double>(c.tokens[static_cast<std::size_t>(i)]);
-    vocab_kind = vocab_call_kind(obj, c, plan, in);
-    data_kind = data_call_kind(obj, c);
   }
   detail::agree_on_call(
       ctx, who.c_str(), vocab_group, in.data_group, rejected,

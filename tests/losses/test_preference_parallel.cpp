@@ -338,6 +338,35 @@ TEST_CASE("data parallel: an objective that throws on one rank makes every rank 
   CHECK(e[1].find("| nested: ThrowOnMarker: the marker") != std::string::npos);
 }
 
+// NanOnMarker whose extra_metrics() throws (the library asks it while comparing the ranks'
+// calls, before the first collective).
+class ThrowingMetrics final : public SequenceObjective {
+ public:
+  std::string_view name() const override { return "NanOnMarker"; }
+  Unit unit() const override { return Unit::kPair; }
+  bool uses_reference() const override { return true; }
+  std::vector<std::string> extra_metrics() const override {
+    throw std::runtime_error("ThrowingMetrics: no metrics today");
+  }
+  UnitResult evaluate(std::span<const SequenceStats> s, const BatchConstants& b,
+                      std::span<double> e) const override {
+    return NanOnMarker().evaluate(s, b, e);
+  }
+};
+
+TEST_CASE("data parallel: an objective that throws while the ranks compare calls fails them all") {
+  // (rank 1 threw alone and rank 0 waited in the exchange for ever)
+  const PrefData d(pair_spec(RefMode::kLogps, false));
+  const std::vector<PrefData> parts = {data_part(d, 0, 2, 0, 0), data_part(d, 2, 5, 0, 0)};
+  const SequenceLoss good(std::make_shared<NanOnMarker>()),
+      bad(std::make_shared<ThrowingMetrics>());
+  const std::vector<std::string> e = errors_of(
+      parts, good, [](std::size_t, PrefRun& run) { CHECK(untouched(run)); }, &bad);
+  INFO(e[0], " | ", e[1]);
+  CHECK(e[0].find("1 rank(s) of data_group rejected") != std::string::npos);
+  CHECK(e[1].find("ThrowingMetrics: no metrics today") != std::string::npos);
+}
+
 TEST_CASE(
     "data parallel: a call one rank rejects, or calls of different kinds, fail on every rank") {
   // Ranks may differ in S and T: a forced resident regime fits one rank's budget only.
