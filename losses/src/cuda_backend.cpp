@@ -91,23 +91,35 @@ class CudaTokenBackend final : public TokenBackend {
   // the end (`written`), when the gradient buffers hold unspecified values.
   void check_counts(const std::array<double, kern::kNumScalars>& s, bool written) const {
     const std::string over_group = c_.data_group ? ", counted over the ranks of data_group" : "";
-    const std::string state =
-        over_group + (written ? "; checked on the device, so the gradient buffers hold "
-                                "unspecified values"
-                              : "; checked on the device before anything was written");
+    const std::string tail = written ? "; checked on the device, so the gradient buffers hold "
+                                       "unspecified values"
+                                     : "; checked on the device before anything was written";
+    const std::string state = over_group + tail;
     CHUNKLOSS_CHECK(s[kern::kBadTargets] == 0, "LinearCrossEntropy: targets ", c_.targets.str(),
                     " has ", s[kern::kBadTargets], " values outside [0, V=", c_.total_vocab(),
                     ") that are not ignore_index (", c_.ignore_index, ")", state);
     CHUNKLOSS_CHECK(s[kern::kBadClassWeights] == 0, "LinearCrossEntropy: class_weights ",
                     c_.class_weights.str(), " has ", s[kern::kBadClassWeights],
                     " values that are negative or not finite", state);
-    CHUNKLOSS_CHECK(s[kern::kNonFinite] == 0, "LinearCrossEntropy: check_finite found ",
-                    s[kern::kNonFinite],
-                    " non-finite values in hidden/weight/bias/token_weights/grad_output",
-                    c_.vocab_group ? ", summed over the ranks of vocab_shard.group (each counts "
-                                     "the inputs they share)"
-                                   : "",
-                    state);
+    if (s[kern::kNonFinite] == 0) return;
+    // Which of this rank's inputs hold them: counted again, one input at a time (error path).
+    std::string where;
+    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"hidden", &c_.x},
+                                  {"weight", &c_.w},
+                                  {"bias", &c_.bias},
+                                  {"token_weights", &c_.token_weights},
+                                  {"grad_output", &c_.upstream}}) {
+      if (!t->defined()) continue;
+      if (const std::uint64_t n = cuda_count_nonfinite(ctx_, *t, scalars_))
+        where += (where.empty() ? "" : ", ") + std::string(name) + " " + t->str() + " has " +
+                 std::to_string(n);
+    }
+    CHUNKLOSS_FAIL("LinearCrossEntropy: check_finite found ", s[kern::kNonFinite],
+                   " non-finite values in hidden/weight/bias/token_weights/grad_output",
+                   c_.vocab_group ? ", summed over the ranks of vocab_shard.group (each counts "
+                                    "the inputs they share)"
+                                  : "",
+                   over_group, " (", where.empty() ? "none on this rank" : where, ")", tail);
   }
 
   void begin() override {
@@ -798,7 +810,7 @@ void cuda_all_reduce_host(Context& ctx, dist::Communicator& group, double* value
   CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(s));
 }
 
-std::uint64_t cuda_count_nonfinite(Context& ctx, const TensorView& t, double* scalars) {
+std::uint64_t cuda_count_nonfinite(const Context& ctx, const TensorView& t, double* scalars) {
   const auto& g = static_cast<const gpu::Context&>(ctx);
   g.activate();
   const auto s = static_cast<cudaStream_t>(g.stream());

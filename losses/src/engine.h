@@ -204,7 +204,7 @@ void cuda_read_to_host(Context& ctx, const TensorView& t, void* dst);
 void cuda_all_reduce_host(Context& ctx, dist::Communicator& group, double* values, std::int64_t n);
 /// The number of non-finite elements of a float device view, counted in `scalars` (a CUDA
 /// plan's scalars slice); synchronises the stream.
-std::uint64_t cuda_count_nonfinite(Context& ctx, const TensorView& t, double* scalars);
+std::uint64_t cuda_count_nonfinite(const Context& ctx, const TensorView& t, double* scalars);
 #endif
 
 /// Pass 2 in vocab-block order over all n rows, whose lse and coefficients are set: each block
