@@ -709,7 +709,8 @@ void prepare_outputs(const Settings& s, const std::string& init, std::int64_t st
   }
   if (!s.save.empty()) {
     apps::prepare_output_dir("save", s.save);
-    apps::lock_directory("save", s.save);
+    if (const std::string w = apps::lock_directory("save", s.save); !w.empty())
+      std::fprintf(stderr, "%s: warning: %s\n", kProg, apps::one_line(w).c_str());
     check_save_targets(s, start);
   }
   const std::vector<std::string> checkpoints = {s.resume, s.init, s.save};

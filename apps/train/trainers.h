@@ -103,7 +103,8 @@ class Trainer {
 struct DataSettings {
   std::string file;  ///< JSONL in the loss's convention (named in messages)
   /// The file's bytes, read once (data::read_text_file) so that a pipe (--train-file <(...),
-  /// /dev/stdin) works and the data trained on is the data digested for --resume.
+  /// /dev/stdin from a pipe or a file; not a terminal, a device) works and the data trained on is
+  /// the data digested for --resume.
   std::string text;
   data::EncodeOptions encode;
 };

@@ -262,7 +262,7 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
                     detail::kind_digest({reinterpret_cast<const std::uint8_t*>(rows.data()),
                                          rows.size() * sizeof(detail::RowRange)}),
                     d(k.hidden),
-                    k.grad_x.defined() ? 1.0 : 0.0,
+                    (k.grad_x.defined() ? 1.0 : 0.0) + (options_.check_finite ? 2.0 : 0.0),
                     detail::rule_digest(k)};
       data_kind = {d(k.hidden), d(k.vocab), sum && k.grad_w.defined() ? 1.0 : 0.0,
                    sum && k.grad_bias.defined() ? 1.0 : 0.0};

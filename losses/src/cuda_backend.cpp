@@ -1,7 +1,8 @@
 // The CUDA backend of the token engine: cuBLAS GEMMs (bf16 or fp32 operands, fp32 accumulation)
 // and the kernels of kernels/, enqueued on the context's stream, the weight-gradient work on its
 // side (beside the hidden-gradient GEMMs that read the same tile). No allocation and no host
-// synchronisation until finish(), which copies the scalar results once.
+// synchronisation until finish(), which copies the scalar results once; a call with check_finite
+// and no groups also reads its value checks in begin(), before anything is written.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -143,8 +144,10 @@ class CudaTokenBackend final : public TokenBackend {
       CHUNKLOSS_LAUNCH_CHECK(kern::launch_set_divisor(p_, stream()));
     }
     // Over a vocabulary split each rank counts its own weight and bias shard too: the count is
-    // summed so that every rank throws (always, as check_finite is not among what ranks agree on).
-    if (c_.vocab_group) c_.vocab_group->all_reduce_sum(ctx_, scalars_ + kern::kNonFinite, 1);
+    // summed so that every rank throws (the ranks agreed on check_finite: LinearCrossEntropy's
+    // vocabulary kind; the sequence losses check on the host, never here).
+    if (c_.vocab_group && check_finite_)
+      c_.vocab_group->all_reduce_sum(ctx_, scalars_ + kern::kNonFinite, 1);
     // The caller asked for checks: without groups (whose ranks must all reach the end) they are
     // read here, before anything is written, at the cost of one wait for the stream.
     if (check_finite_ && !c_.data_group && !c_.vocab_group) check_counts(read_scalars(), false);

@@ -452,14 +452,20 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
   // regime may still serve the call (the refusal stands if recompute is asked for or picked).
   Plan rec;
   std::exception_ptr rec_refused;
+  std::string refusal;
   try {
     rec = plan_token_objective(q);
-  } catch (const Error&) {
+  } catch (const Error& e) {
     if (L.regime == Regime::kRecompute || q.order != LoopOrder::kVocabBlock) throw;
     rec_refused = std::current_exception();
+    refusal = e.what();
     PlanRequest token = q;  // its sizes, for the comparison below
     token.order = LoopOrder::kTokenChunk;
-    rec = plan_token_objective(token);
+    try {
+      rec = plan_token_objective(token);
+    } catch (const Error&) {
+      std::rethrow_exception(rec_refused);
+    }
   }
   rec.regime = Regime::kRecompute;
   const double nhv = nhv_flops(q);
@@ -554,7 +560,7 @@ Plan plan_sequence_objective(const PlanRequest& q, const SequenceLayout& L) {
     if (def_cost > 0 && def_fits && def_cost < best) pick = Regime::kDeferred, best = def_cost;
     why << regime_name(pick) << " " << best * 1e3 << " ms; recompute ";
     if (rec_refused)
-      why << "refused (its vocab-block order does not fit)";
+      why << "refused (" << refusal << ")";
     else
       why << rec_cost * 1e3 << " ms";
     if (g > 0)

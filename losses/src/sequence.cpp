@@ -676,9 +676,15 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
     try {
       vocab_kind = vocab_call_kind(obj, *checked, plan, in);
       data_kind = data_call_kind(obj, *checked);
+    } catch (const Error&) {
+      throw;
     } catch (const std::exception& e) {  // nested, as evaluate()'s exceptions are
       std::throw_with_nested(Error(detail::error_message(
           __FILE__, __LINE__, who, ": the objective threw while describing itself: ", e.what())));
+    } catch (...) {
+      std::throw_with_nested(Error(detail::error_message(
+          __FILE__, __LINE__, who, ": the objective threw while describing itself",
+          " (not a std::exception)")));
     }
   } catch (...) {
     if (!in.data_group && !vocab_group) throw;

@@ -46,7 +46,8 @@ CASE is one of:
     FILE.tmp or FILE.partial that is a directory or a symlink is refused before any work (the
     symlink's target untouched); a device as training data (/dev/zero) is refused, not read
     until memory runs out; a --save directory another process holds (flock) is refused; an
-    error quoting 100 KB from a file prints a cut line; a trainer_state.json without the
+    error quoting 100 KB from a file, or 2000 bytes of invalid UTF-8 from the command line,
+    prints a cut line; a trainer_state.json without the
     options every save records cannot be resumed.
   loss_options: chunkloss-train refuses at option parsing (exit 2, one line naming the option
     and the loss) an option the --loss does not take, a --label-smoothing outside the loss's
@@ -727,6 +728,11 @@ def file_hazards_case(train, evaluate, bench, work):
         f.write('{"prompt": "1+1=", "completion": "2", "%s": 1, "%s": 2}\n' % (key, key))
     p = one_line(t + ["--train-file", big], 1, big, "bytes left out", alone=True)
     if len(p.stderr) > 2000:
+        fail("an error line of %d bytes" % len(p.stderr))
+    # The same for 2000 bytes of invalid UTF-8 in an unknown option's name (Boost quotes it).
+    invalid = os.fsdecode(b"--" + b"\x80" * 2000)
+    p = one_line([train, invalid], 2, "bytes left out", alone=True, errors="surrogateescape")
+    if len(p.stderr.encode("utf-8", "surrogateescape")) > 2000:
         fail("an error line of %d bytes" % len(p.stderr))
 
     # Every save records these options; a state without them is not one of chunkloss-train's.

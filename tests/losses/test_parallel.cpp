@@ -604,6 +604,13 @@ TEST_CASE("a call one rank rejects, or calls whose collectives differ, fail on e
       });
   for (const std::string& m : e)
     CHECK(m.find("vocab_shard.group make different kinds of calls") != std::string::npos);
+  // check_finite on one rank only (on CUDA its count is summed over the split).
+  e = pair_errors(
+      true, [](std::size_t r, CrossEntropyInputs&, CrossEntropyGrads&, CrossEntropyOptions& o) {
+        if (r == 1) o.check_finite = true;
+      });
+  for (const std::string& m : e)
+    CHECK(m.find("vocab_shard.group make different kinds of calls") != std::string::npos);
   // Targets whose skipped rows differ on one rank (its chunks would differ).
   e = pair_errors(
       true, [](std::size_t r, CrossEntropyInputs& in, CrossEntropyGrads&, CrossEntropyOptions& o) {

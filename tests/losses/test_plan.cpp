@@ -404,28 +404,34 @@ TEST_CASE(
 
 TEST_CASE("plan: an infeasible vocab-block order refuses recompute, not the other regimes") {
   // loop_order is recompute's pass 2 order: a resident request, or the cost model with resident
-  // in reach, plans resident; recompute asked for still names the order.
+  // in reach, plans resident; recompute asked for still names the order. Infeasible: no dW to
+  // write block by block, or a budget below one block of all N rows (a unit's rows fit).
   PlanRequest q;
   q.hidden = 4096;
   q.vocab = 32000;
-  q.input_dtype = q.grad_hidden_dtype = DType::kBF16;
-  q.grad_hidden = true;  // (no dW: vocab-block order cannot run)
+  q.input_dtype = q.grad_hidden_dtype = q.grad_weight_dtype = DType::kBF16;
   q.order = LoopOrder::kVocabBlock;
-  q.budget_bytes = std::size_t{256} << 20;
   SequenceLayout pairs;
-  pairs.sequences = 1000;
-  pairs.seq_len = 64;
   pairs.unit_sequences = 2;
-  q.rows = pairs.sequences * pairs.seq_len;
-  for (const Regime r : {Regime::kResident, Regime::kAuto}) {
-    CAPTURE(regime_name(r));
-    pairs.regime = r;
-    const Plan p = plan_sequence_objective(q, pairs);
-    CHECK(p.regime == Regime::kResident);
-    if (r == Regime::kAuto) CHECK(contains(p.reason, "recompute refused"));
+  pairs.seq_len = 64;
+  for (const bool dw : {false, true}) {
+    CAPTURE(dw);
+    q.grad_hidden = true;
+    q.grad_weight = dw;
+    pairs.sequences = dw ? 4000 : 1000;  // [N, 64] fp32 logits: 65.5 MB at N = 256000
+    q.budget_bytes = std::size_t{dw ? 48 : 256} << 20;
+    q.rows = pairs.sequences * pairs.seq_len;
+    for (const Regime r : {Regime::kResident, Regime::kAuto}) {
+      CAPTURE(regime_name(r));
+      pairs.regime = r;
+      const Plan p = plan_sequence_objective(q, pairs);
+      CHECK(p.regime == Regime::kResident);
+      if (r == Regime::kAuto) CHECK(contains(p.reason, "recompute refused (plan: loop_order"));
+    }
+    pairs.regime = Regime::kRecompute;
+    CHECK_THROWS_WITH_AS(plan_sequence_objective(q, pairs), doctest::Contains("vocab_block"),
+                         Error);
   }
-  pairs.regime = Regime::kRecompute;
-  CHECK_THROWS_WITH_AS(plan_sequence_objective(q, pairs), doctest::Contains("vocab_block"), Error);
 }
 
 TEST_CASE("plan: a forward-only sequence call gathers its pieces within the plain chunks' room") {

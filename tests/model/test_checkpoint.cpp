@@ -714,6 +714,16 @@ TEST_CASE("checkpoint errors: optimizer state, trainer state and mixed saves") {
   spit(dir.file("model.safetensors"), model_a);
   CHECK(contains(error_message([&] { load_model(dir.path()); }), "come from different saves"));
 
+  // The optimizer and the trainer state are written by every save together, with its id: one
+  // without the id is not the other's (it was accepted).
+  save_checkpoint(dir.path(), m, &opt, &st);
+  std::string no_id = slurp(state_path);
+  const std::size_t key = no_id.find("\"chunkloss_save_id\"");
+  REQUIRE(key != std::string::npos);
+  no_id.replace(key, 19, "\"another_save_field\"");
+  spit(state_path, no_id);
+  CHECK(contains(err(), "(save id none) come from different saves"));
+
   // A save between load_model and load_training_state: each call's files agree, but the state
   // is not the loaded weights' unless load_training_state is given load_model's save id.
   save_checkpoint(dir.path(), m, &opt, &st);

@@ -22,18 +22,10 @@
 
 namespace chunkloss::apps {
 
-std::string one_line(std::string_view text) {
-  constexpr std::size_t kHead = 1024, kTail = 512;
-  if (text.size() > kHead + kTail + 64) {
-    // UTF-8: cut before a continuation byte's sequence, not inside it.
-    const auto lead = [&](std::size_t i) {
-      while (i > 0 && (static_cast<unsigned char>(text[i]) & 0xC0) == 0x80) --i;
-      return i;
-    };
-    const std::size_t head = lead(kHead), tail = lead(text.size() - kTail);
-    return one_line(text.substr(0, head)) + " ... (" + std::to_string(tail - head) +
-           " bytes left out) ... " + one_line(text.substr(tail));
-  }
+namespace {
+
+// `text` with its control characters escaped (one_line without the cut).
+std::string escape_controls(std::string_view text) {
   std::string out;
   out.reserve(text.size());
   for (const char ch : text) {
@@ -47,6 +39,24 @@ std::string one_line(std::string_view text) {
     }
   }
   return out;
+}
+
+}  // namespace
+
+std::string one_line(std::string_view text) {
+  constexpr std::size_t kHead = 1024, kTail = 512;
+  if (text.size() <= kHead + kTail + 64) return escape_controls(text);
+  // A cut moves back over at most 3 UTF-8 continuation bytes, to the start of their character
+  // (invalid UTF-8, a long run of them, is cut where it falls).
+  const auto start_of = [&](std::size_t i) {
+    for (std::size_t k = 0; k < 3 && i > 0 && (static_cast<unsigned char>(text[i]) & 0xC0) == 0x80;
+         ++k)
+      --i;
+    return i;
+  };
+  const std::size_t head = start_of(kHead), tail = start_of(text.size() - kTail);
+  return escape_controls(text.substr(0, head)) + " ... (" + std::to_string(tail - head) +
+         " bytes left out) ... " + escape_controls(text.substr(tail));
 }
 
 std::vector<std::string> split_list(std::string_view option, std::string_view text) {
@@ -208,20 +218,22 @@ void prepare_output_dir(std::string_view option, const std::string& dir) {
                              std::strerror(errno));
 }
 
-void lock_directory(std::string_view option, const std::string& dir) {
+std::string lock_directory(std::string_view option, const std::string& dir) {
+  const std::string opt = "--" + std::string(option) + " " + dir;
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0)
-    throw std::runtime_error("--" + std::string(option) + ": cannot open directory " + dir + ": " +
-                             std::strerror(errno));
+    return opt + ": not locked (cannot open it: " + std::strerror(errno) +
+           "), so a second run writing into it would not be refused";
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     ::close(fd);
-    const std::string why = err == EWOULDBLOCK
-                                ? "another run is writing into it (it holds the directory's lock)"
-                                : "cannot lock it: " + std::string(std::strerror(err));
-    throw std::runtime_error("--" + std::string(option) + " " + dir + ": " + why);
+    if (err == EWOULDBLOCK)
+      throw std::runtime_error(opt +
+                               ": another run is writing into it (it holds the directory's lock)");
+    return opt + ": not locked (" + std::strerror(err) +
+           ": a file system without flock?), so a second run writing into it would not be refused";
   }
-  // The descriptor stays open, and the lock held, until the process exits.
+  return "";  // the descriptor stays open, and the lock held, until the process exits
 }
 
 std::string label_smoothing_error(std::string_view loss, std::string_view dpo_loss, double eps) {

@@ -26,6 +26,7 @@ struct Context::Impl {
   // Releases what was made so far, also when a constructor threw midway (the Impl is then
   // destroyed as a member, the Context's destructor not run).
   ~Impl() {
+    if (!stream && !cublas && !cublas_ws && !side) return;  // refused before making anything
     (void)cudaSetDevice(device);
     if (side) (void)cudaStreamSynchronize(side->impl_->stream);
     if (forked) (void)cudaEventDestroy(forked);

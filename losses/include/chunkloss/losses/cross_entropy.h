@@ -62,7 +62,8 @@ struct CrossEntropyOptions {
   /// Check hidden, weight, bias, token_weights and grad_output for NaN/Inf before computing (one
   /// extra read of each). (class_weights are always checked: finite and >= 0.) On CUDA without
   /// groups this also moves the device's value checks before anything is written, at the cost
-  /// of one wait for the stream (see LinearCrossEntropy).
+  /// of one wait for the stream (see LinearCrossEntropy), so such a call cannot be captured into
+  /// a CUDA graph.
   bool check_finite = false;
   /// Skip runs of ignored rows (prompts, padding): the ignored rows before the first valid
   /// target and after the last, and each run of ignored rows between valid ones at least
@@ -116,7 +117,8 @@ struct CrossEntropyInputs {
   /// whether any rank rejected its call (shapes, shard, plan, workspace; on the CPU also targets,
   /// class weights and check_finite's values) or makes a call whose collectives differ (rows, H,
   /// chunks and the rows skip_ignored_rows computes, dH asked for, a data_group passed or not, the
-  /// vocabulary's size and the options of the rows' terms; over data_group, H, V, and dW and db
+  /// vocabulary's size, the options of the rows' terms and check_finite; over data_group, H, V,
+  /// and dW and db
   /// summed or not), and then all throw. That agreement is inside the call: a rank whose
   /// workspace_bytes() or plan() throws must still make it (with any workspace), or the others
   /// wait in the exchange. On CUDA that exchange

@@ -82,8 +82,10 @@ std::string label_smoothing_error(std::string_view loss, std::string_view dpo_lo
 
 /// Takes an exclusive advisory lock (flock) on directory `dir` for the rest of the process, so
 /// that two runs cannot write one checkpoint directory at once (their files would mix). Throws
-/// std::runtime_error naming `option` when another process holds it or it cannot be taken.
-void lock_directory(std::string_view option, const std::string& dir);
+/// std::runtime_error naming `option` when another process holds it. Where no lock can be taken
+/// (a file system without flock, a directory it cannot read) it returns a warning to print, and
+/// the run goes on unlocked; "" when locked.
+std::string lock_directory(std::string_view option, const std::string& dir);
 
 /// Whether `a` and `b` name the same file: the same existing file (hard links, symlinks and
 /// relative spellings included), or the same path once made absolute and normalised.
