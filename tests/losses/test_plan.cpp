@@ -419,7 +419,7 @@ TEST_CASE("plan: an infeasible vocab-block order refuses recompute, not the othe
     q.grad_hidden = true;
     q.grad_weight = dw;
     pairs.sequences = dw ? 4000 : 1000;  // [N, 64] fp32 logits: 65.5 MB at N = 256000
-    q.budget_bytes = std::size_t{dw ? 48 : 256} << 20;
+    q.budget_bytes = (dw ? std::size_t{48} : std::size_t{256}) << 20;
     q.rows = pairs.sequences * pairs.seq_len;
     for (const Regime r : {Regime::kResident, Regime::kAuto}) {
       CAPTURE(regime_name(r));
