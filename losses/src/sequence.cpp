@@ -545,6 +545,23 @@ Plan call_plan(const Checked& c) {
   return p;
 }
 
+// f(), a call into the objective (a user's code): whatever it throws comes back as a
+// chunkloss::Error "WHO: the objective threw WHAT: ..." ending in `written`, with the exception
+// nested (std::rethrow_if_nested gives it back). `what()` names the call, built on failure only.
+template <typename F, typename What>
+auto call_objective(const std::string& who, const What& what, const char* written, F&& f) {
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    std::throw_with_nested(Error(detail::error_message(
+        __FILE__, __LINE__, who, ": the objective threw ", what(), ": ", e.what(), written)));
+  } catch (...) {
+    std::throw_with_nested(
+        Error(detail::error_message(__FILE__, __LINE__, who, ": the objective threw ", what(),
+                                    " (not a std::exception)", written)));
+  }
+}
+
 // The objective as far as the library can see it: its name, unit, averaging, NLL weight, use of
 // the KL point and extra metrics (not its own options, such as beta).
 double objective_digest(const SequenceObjective& obj) {
@@ -558,22 +575,22 @@ double objective_digest(const SequenceObjective& obj) {
 
 // What every rank of a data group must have alike for their collectives to match or for their
 // sums to mean one loss: the KL batch, the sums of dW and db in the call, the heads' H and V,
-// and the objective.
-std::array<double, kDataKind> data_call_kind(const SequenceObjective& obj, const Checked& c) {
+// and the objective (its objective_digest).
+std::array<double, kDataKind> data_call_kind(double objective, const Checked& c) {
   const auto& k = c.call.policy;
   const bool sum = k.weight_grad_group != nullptr;
   return {(c.kl_policy ? 1.0 : 0.0) + (sum && k.grad_w.defined() ? 2.0 : 0.0) +
               (sum && k.grad_bias.defined() ? 4.0 : 0.0),
-          static_cast<double>(k.hidden), static_cast<double>(k.vocab), objective_digest(obj)};
+          static_cast<double>(k.hidden), static_cast<double>(k.vocab), objective};
 }
 
 // What every rank of a vocabulary split must have alike for their collectives (in the passes)
 // to match, and for their coefficients to be the same: the heads run, dH, the plans' regime,
 // chunks and groups, H, V, the rows and which of them count (the policy's and the KL batch's),
-// the objective and the values it reads besides the sums (reference_logps, labels, kl and the
-// KL batch's reference_logps).
-std::array<double, kVocabKind> vocab_call_kind(const SequenceObjective& obj, const Checked& c,
-                                               const Plan& p, const PreferenceInputs& in) {
+// the objective (its objective_digest) and the values it reads besides the sums
+// (reference_logps, labels, kl and the KL batch's reference_logps).
+std::array<double, kVocabKind> vocab_call_kind(double objective, const Checked& c, const Plan& p,
+                                               const PreferenceInputs& in) {
   std::vector<double> given = c.call.ref_logps;
   given.insert(given.end(), c.labels.begin(), c.labels.end());
   given.insert(given.end(), c.kl_ref_logps.begin(), c.kl_ref_logps.end());
@@ -595,7 +612,7 @@ std::array<double, kVocabKind> vocab_call_kind(const SequenceObjective& obj, con
           d(c.v_total),
           detail::kind_digest(c.call.valid),
           detail::kind_digest(c.kl_valid),
-          objective_digest(obj),
+          objective,
           detail::kind_digest(given)};
 }
 
@@ -673,19 +690,10 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
     if (checked->kl_policy) ws.require(checked->kl_plan.layout, who.c_str());
     check_values(obj, options_, ctx, device_scalars(plan, ws), in, *checked);
     // The kinds ask the objective (a user's may throw): a rank that fails here is rejected too.
-    try {
-      vocab_kind = vocab_call_kind(obj, *checked, plan, in);
-      data_kind = data_call_kind(obj, *checked);
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception& e) {  // nested, as evaluate()'s exceptions are
-      std::throw_with_nested(Error(detail::error_message(
-          __FILE__, __LINE__, who, ": the objective threw while describing itself: ", e.what())));
-    } catch (...) {
-      std::throw_with_nested(Error(detail::error_message(
-          __FILE__, __LINE__, who, ": the objective threw while describing itself",
-          " (not a std::exception)")));
-    }
+    const double objective = call_objective(
+        who, [] { return "while describing itself"; }, "", [&] { return objective_digest(obj); });
+    vocab_kind = vocab_call_kind(objective, *checked, plan, in);
+    data_kind = data_call_kind(objective, *checked);
   } catch (...) {
     if (!in.data_group && !vocab_group) throw;
     rejected = std::current_exception();
@@ -742,17 +750,9 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
                                   "hold unspecified values"
                                 : "";
       try {
-        try {
-          results[ui] = obj.evaluate(std::span<const SequenceStats>(st, m), batch, extras[ui]);
-        } catch (const std::exception& e) {  // nested: std::rethrow_if_nested gives it back
-          std::throw_with_nested(Error(detail::error_message(__FILE__, __LINE__, who,
-                                                             ": the objective threw for unit ", u,
-                                                             ": ", e.what(), written)));
-        } catch (...) {
-          std::throw_with_nested(Error(detail::error_message(__FILE__, __LINE__, who,
-                                                             ": the objective threw for unit ", u,
-                                                             " (not a std::exception)", written)));
-        }
+        results[ui] = call_objective(
+            who, [u] { return "for unit " + std::to_string(u); }, written,
+            [&] { return obj.evaluate(std::span<const SequenceStats>(st, m), batch, extras[ui]); });
         const UnitResult& res = results[ui];
         // A unit with non-finite log-probs fails even where the objective's value stays finite
         // (a hinge's max(0, NaN) is 0).
