@@ -85,6 +85,14 @@ __device__ __forceinline__ bool is_valid(const TokenParams& p, std::int64_t y) {
   return y != p.ignore_index && y >= 0 && y < p.vocab_total;
 }
 
+/// The call's inputs hold values it refuses (targets outside [0, V), bad class weights, or
+/// check_finite's NaN/Inf; counted by launch_token_begin and summed over a data group before any
+/// row is computed): every row's gradient coefficients are then 0 and no per-row output is
+/// written, so the call adds nothing to the caller's gradient buffers before it throws.
+__device__ __forceinline__ bool refused_call(const TokenParams& p) {
+  return p.scalars[kBadTargets] + p.scalars[kBadClassWeights] + p.scalars[kNonFinite] != 0;
+}
+
 /// Class weight of column j of the call's weight (1 without class weights).
 __device__ __forceinline__ float class_weight_at(const TokenParams& p, std::int64_t j) {
   return p.class_weights ? p.class_weights[p.vocab_offset + j] : 1.0f;

@@ -59,22 +59,18 @@ __device__ __forceinline__ void accumulate_logit(RowAcc& acc, const TokenParams&
   if (col == y_col) acc.zy = zc;
 }
 
-/// What the gradient pass needs of a row.
-struct RowOut {
-  float lse, a, b, g;
-};
-
 /// Writes row t's lse, entropy, argmax, scaled coefficients (divided by the GEMMs' alpha, see
 /// kGemmScalarsOffset), loss and z-loss from its merged statistics; `y` is valid_target(p, t).
-__device__ inline RowOut apply_row_rule(const TokenParams& p, std::int64_t t, std::int64_t y,
-                                        const RowStats& r) {
+/// A refused call (refused_call) gets zero coefficients.
+__device__ inline void apply_row_rule(const TokenParams& p, std::int64_t t, std::int64_t y,
+                                      const RowStats& r) {
   const float lse = r.m + logf(r.s);
   p.row.lse[t] = lse;
   p.row.entropy[t] = p.entropy ? lse - r.sez / r.s : 0.0f;
   p.row.argmax[t] = r.arg;
   p.row.zsum[t] = p.logit_sums ? r.sz : 0.0f;
   float a = 0, b = 0, g = 0, loss = 0, zl = 0;
-  if (is_valid(p, y)) {
+  if (is_valid(p, y) && !refused_call(p)) {
     const float cw_y = p.class_weights ? p.class_weights[y] : 1.0f;
     const float sum_wz = p.class_weights ? r.swz : r.sz;
     RowRule rule = p.rule;
@@ -95,7 +91,6 @@ __device__ inline RowOut apply_row_rule(const TokenParams& p, std::int64_t t, st
   p.row.g[t] = g;
   p.row.loss[t] = loss;
   p.row.zloss[t] = zl;
-  return {lse, a, b, g};
 }
 
 }  // namespace chunkloss::kern

@@ -212,6 +212,7 @@ __global__ void token_finish_kernel(TokenParams p, float* out_row_loss, float* o
   using Reduce = cub::BlockReduce<Totals, kFinishThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   Totals acc{0, 0, 0, 0};
+  const bool write_rows = !refused_call(p);  // a refused call leaves the outputs as they were
   for (std::int64_t t = threadIdx.x; t < p.rows; t += kFinishThreads) {
     const std::int64_t y = valid_target(p, t);
     const bool valid = is_valid(p, y);
@@ -221,6 +222,7 @@ __global__ void token_finish_kernel(TokenParams p, float* out_row_loss, float* o
       acc.correct += p.row.argmax[t] == y ? 1.0 : 0.0;
       acc.entropy += p.row.entropy[t];
     }
+    if (!write_rows) continue;
     if (out_row_loss) out_row_loss[t] = p.row.loss[t];
     if (out_lse) out_lse[t] = p.row.lse[t];
     if (out_pred) out_pred[t] = valid ? p.row.argmax[t] : -1;

@@ -168,8 +168,9 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
 // What the ranks of the call's groups compare before the first collective: over a vocabulary
 // split the rows, the plan's chunks and the rows they compute, H, whether dH is asked for (its
 // rows are summed per chunk), and the vocabulary and the options the rows' terms use (the rule
-// digest); over a data group H, V and whether dW and db are summed in the call.
-constexpr std::size_t kVocabKind = 7, kDataKind = 4;
+// digest); over a data group H, V, whether dW and db are summed in the call, and check_finite
+// (on CUDA its ranks then read the group's counts at the start, and throw there together).
+constexpr std::size_t kVocabKind = 7, kDataKind = 5;
 
 // With skip_ignored_rows, in token-chunk order: the rows the call computes, from the targets
 // read on the host (which checks their range there).
@@ -265,7 +266,7 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
                     (k.grad_x.defined() ? 1.0 : 0.0) + (options_.check_finite ? 2.0 : 0.0),
                     detail::rule_digest(k)};
       data_kind = {d(k.hidden), d(k.vocab), sum && k.grad_w.defined() ? 1.0 : 0.0,
-                   sum && k.grad_bias.defined() ? 1.0 : 0.0};
+                   sum && k.grad_bias.defined() ? 1.0 : 0.0, options_.check_finite ? 1.0 : 0.0};
     }
     detail::agree_on_call(
         ctx, kWho, vocab_group, in.data_group, rejected,
@@ -275,7 +276,7 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
          "their rows, plans, rows computed, H, grad_hidden asked for, vocab_shard.size, "
          "or the options of the rows' terms (ignore_index, label_smoothing, "
          "z_loss, softcap, compute_entropy, reduction, class_weights)",
-         "H, V, or grad_weight or grad_bias summed in the call"});
+         "H, V, grad_weight or grad_bias summed in the call, or check_finite"});
   }
   const detail::TokenTotals t = detail::run_token_objective(ctx, c->call, plan, ws);
   CrossEntropyResult r;

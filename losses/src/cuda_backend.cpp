@@ -2,7 +2,7 @@
 // and the kernels of kernels/, enqueued on the context's stream, the weight-gradient work on its
 // side (beside the hidden-gradient GEMMs that read the same tile). No allocation and no host
 // synchronisation until finish(), which copies the scalar results once; a call with check_finite
-// and no groups also reads its value checks in begin(), before anything is written.
+// also reads its value checks in begin(), before anything is written.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -89,12 +89,12 @@ class CudaTokenBackend final : public TokenBackend {
   }
 
   // Throws for the invalid inputs the device counted in `s`: before anything was written, or at
-  // the end (`written`), when the gradient buffers hold unspecified values.
-  void check_counts(const std::array<double, kern::kNumScalars>& s, bool written) const {
+  // the end (`ran`), when the call has added nothing to the gradients (kern::refused_call).
+  void check_counts(const std::array<double, kern::kNumScalars>& s, bool ran) const {
     const std::string over_group = c_.data_group ? ", counted over the ranks of data_group" : "";
-    const std::string tail = written ? "; checked on the device, so the gradient buffers hold "
-                                       "unspecified values"
-                                     : "; checked on the device before anything was written";
+    const std::string tail = ran ? "; checked on the device as the call ran, which added nothing "
+                                   "to the gradients and wrote no per-row output"
+                                 : "; checked on the device before anything was written";
     const std::string state = over_group + tail;
     CHUNKLOSS_CHECK(s[kern::kBadTargets] == 0, "LinearCrossEntropy: targets ", c_.targets.str(),
                     " has ", s[kern::kBadTargets], " values outside [0, V=", c_.total_vocab(),
@@ -133,7 +133,7 @@ class CudaTokenBackend final : public TokenBackend {
       CHUNKLOSS_LAUNCH_CHECK(kern::launch_nonfinite_as_double(scalars_, stream()));
     }
     // The valid rows, the divisor and the invalid inputs over the group, so that every rank
-    // throws at the end when one rank's inputs are bad (kInvDenom, summed too, is set again).
+    // refuses the call when one rank's inputs are bad (kInvDenom, summed too, is set again).
     if (c_.data_group) {
       static_assert(kern::kWeightSum == kern::kValidRows + 1 &&
                     kern::kBadClassWeights == kern::kValidRows + 2 &&
@@ -148,9 +148,11 @@ class CudaTokenBackend final : public TokenBackend {
     // vocabulary kind; the sequence losses check on the host, never here).
     if (c_.vocab_group && check_finite_)
       c_.vocab_group->all_reduce_sum(ctx_, scalars_ + kern::kNonFinite, 1);
-    // The caller asked for checks: without groups (whose ranks must all reach the end) they are
-    // read here, before anything is written, at the cost of one wait for the stream.
-    if (check_finite_ && !c_.data_group && !c_.vocab_group) check_counts(read_scalars(), false);
+    // The caller asked for checks: they are read here, before anything is written, at the cost
+    // of one wait for the stream (NaN in an input would reach the gradients through the GEMMs
+    // whatever the coefficients). With groups the counts are the group's by now, and the ranks
+    // agreed on check_finite, so every rank throws here.
+    if (check_finite_) check_counts(read_scalars(), false);
     if (db_acc_) CHUNKLOSS_LAUNCH_CHECK(kern::launch_zero(db_acc_, c_.vocab, stream()));
   }
 

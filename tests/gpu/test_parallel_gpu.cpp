@@ -463,23 +463,25 @@ TEST_CASE(
   CHECK(e[1].empty());
 
   // Bad values on one rank of a data group are checked on the device and counted over the group,
-  // so both ranks throw at the end, instead of the others returning (and going on to their next
-  // collective without the rank that threw).
+  // so both ranks throw (at the start with check_finite), instead of the others returning (and
+  // going on to their next collective without the rank that threw).
   Case wc;
   wc.options = true;
   const Data wd = make_data(wc, 11);
   const auto both_throw =
       [&](const Data& data,
           const std::function<void(CrossEntropyInputs&, CrossEntropyOptions&)>& tweak,
-          const std::string& expected, bool vocab = false) {
+          const std::string& expected, bool vocab = false, bool check = true) {
         dist::InProcessGroup g(2);
         std::vector<Part> parts =
             vocab ? vocab_parts(wc, [&](int r) -> dist::Communicator& { return g.comm(r); }, {0, 0})
                   : std::vector<Part>{{0, 131, 0, wc.v, nullptr, &g.comm(0), 0},
                                       {131, wc.n, 0, wc.v, nullptr, &g.comm(1), 0}};
-        parts[0].tweak = [](CrossEntropyInputs&, CrossEntropyOptions& o) { o.check_finite = true; };
+        parts[0].tweak = [&](CrossEntropyInputs&, CrossEntropyOptions& o) {
+          o.check_finite = check;
+        };
         parts[1].tweak = [&](CrossEntropyInputs& in, CrossEntropyOptions& o) {
-          o.check_finite = true;
+          o.check_finite = check;
           if (tweak) tweak(in, o);
         };
         const std::vector<std::string> got = on_threads(2, [&](std::size_t r) {
@@ -507,7 +509,13 @@ TEST_CASE(
   bad_target.y[200] = wc.v;
   both_throw(bad_target, {},
              "has 1 values outside [0, V=1003) that are not ignore_index (-100), counted over the "
-             "ranks of data_group");
+             "ranks of data_group; checked on the device before anything was written");
+  // Without check_finite: counted over the group before any row is computed, so both ranks
+  // refuse the call as it runs.
+  both_throw(bad_target, {},
+             "counted over the ranks of data_group; checked on the device as the call ran, which "
+             "added nothing to the gradients",
+             false, false);
   Data nan_hidden = wd;
   nan_hidden.x[static_cast<std::size_t>(200 * wc.h + 3)] = std::numeric_limits<float>::infinity();
   both_throw(nan_hidden, {},

@@ -655,6 +655,11 @@ TEST_CASE("a call one rank rejects, or calls whose collectives differ, fail on e
       });
   for (const std::string& m : e)
     CHECK(m.find("data_group make different kinds of calls") != std::string::npos);
+  // check_finite on one rank only (on CUDA its ranks read the group's counts at the start).
+  e = pair_errors(false, [](std::size_t r, CrossEntropyInputs&, CrossEntropyGrads&,
+                            CrossEntropyOptions& o) { o.check_finite = r == 0; });
+  for (const std::string& m : e)
+    CHECK(m.find("data_group make different kinds of calls") != std::string::npos);
   // The same calls, agreed: both return.
   for (const bool vocab : {true, false}) {
     e = pair_errors(

@@ -80,8 +80,10 @@ struct TokenParams {
 };
 
 /// Zeroes the scalars, counts valid rows, the mean's divisor D (sum of class weights of valid
-/// targets), 1/D, the class-weight sum, and targets outside [0, V) (those rows are then treated
-/// as ignored).
+/// targets), 1/D, the class-weight sum, targets outside [0, V) and bad class weights. While any
+/// of those counts or kNonFinite is nonzero (after a data group's sum), the row rule gives every
+/// row zero gradient coefficients and launch_token_finish writes no per-row output, so a call
+/// that will throw adds nothing to the caller's gradients.
 int launch_token_begin(const TokenParams& p, void* stream);
 
 /// Row statistics of rows [r0, r0 + rows) whose full-width logits are `logits` (leading
@@ -111,7 +113,8 @@ int launch_bias_grad(const TokenParams& p, const void* tile, Elem logits_elem, s
                      float* db, void* stream);
 
 /// Reduces the per-row arrays into the scalar block and writes the optional per-row outputs
-/// (row_loss, lse: float; predictions: int32, -1 for ignored rows). With `defer_scaling` the
+/// (row_loss, lse: float; predictions: int32, -1 for ignored rows; none when the call holds
+/// refused values, see launch_token_begin). With `defer_scaling` the
 /// block's kLoss, kZLoss, kAccuracy and kEntropy are left as sums over the rows (loss, z-loss,
 /// correct rows, entropy) for a data-parallel group to add up, and launch_scale_totals follows.
 int launch_token_finish(const TokenParams& p, float* out_row_loss, float* out_lse,

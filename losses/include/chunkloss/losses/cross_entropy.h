@@ -60,10 +60,10 @@ struct CrossEntropyOptions {
   /// taken in fp32, through the fp32 dW accumulator this turns on, and rounded once.
   bool reduce_weight_grad_over_data_group = false;
   /// Check hidden, weight, bias, token_weights and grad_output for NaN/Inf before computing (one
-  /// extra read of each). (class_weights are always checked: finite and >= 0.) On CUDA without
-  /// groups this also moves the device's value checks before anything is written, at the cost
-  /// of one wait for the stream (see LinearCrossEntropy), so such a call cannot be captured into
-  /// a CUDA graph.
+  /// extra read of each). (class_weights are always checked: finite and >= 0.) On CUDA this
+  /// also reads the device's value checks before anything is written, at the cost of one wait
+  /// for the stream (see LinearCrossEntropy), so such a call cannot be captured into a CUDA
+  /// graph. The ranks of a group must agree on it (checked).
   bool check_finite = false;
   /// Skip runs of ignored rows (prompts, padding): the ignored rows before the first valid
   /// target and after the last, and each run of ignored rows between valid ones at least
@@ -118,16 +118,15 @@ struct CrossEntropyInputs {
   /// class weights and check_finite's values) or makes a call whose collectives differ (rows, H,
   /// chunks and the rows skip_ignored_rows computes, dH asked for, a data_group passed or not, the
   /// vocabulary's size, the options of the rows' terms and check_finite; over data_group, H, V,
-  /// and dW and db
-  /// summed or not), and then all throw. That agreement is inside the call: a rank whose
-  /// workspace_bytes() or plan() throws must still make it (with any workspace), or the others
-  /// wait in the exchange. On CUDA that exchange
-  /// passes through the context's own scratch memory (gpu::Context::scratch(), not the
-  /// workspace) and waits for the stream once per group (once more in a grid).
-  /// On CUDA, out-of-range targets, bad class weights and check_finite's findings are counted
-  /// and thrown at the end (outputs.scalars[6]): check_finite's summed over the vocabulary group
-  /// (each rank's weight and bias shard are its own), the others per rank (the ranks pass the
-  /// same targets and class weights), so every rank throws. Unset: not split.
+  /// dW and db summed or not, and check_finite), and then all throw. That agreement is inside the
+  /// call: a rank whose workspace_bytes() or plan() throws must still make it (with any workspace),
+  /// or the others wait in the exchange. On CUDA that exchange passes through the context's own
+  /// scratch memory (gpu::Context::scratch(), not the workspace) and waits for the stream once per
+  /// group (once more in a grid). On CUDA, out-of-range targets, bad class weights and
+  /// check_finite's findings are counted on the device (outputs.scalars[6]): check_finite's summed
+  /// over the vocabulary group (each rank's weight and bias shard are its own), the others per rank
+  /// (the ranks pass the same targets and class weights), so every rank refuses the call (see
+  /// LinearCrossEntropy). Unset: not split.
   VocabShard vocab_shard;
   /// Data parallelism: the ranks of this group each call with their own rows (same weight);
   /// the mean's divisor (valid rows, or their class weights) is summed over the group, so each
@@ -160,7 +159,7 @@ struct CrossEntropyGrads {
 /// scalars [7] f32 on the inputs' device receives loss, z_loss, accuracy, entropy, valid_rows,
 /// weight_sum and the number of invalid inputs found on the device (out-of-range targets,
 /// negative or non-finite class weights and, with check_finite, non-finite values: nonzero
-/// means the other values are unspecified).
+/// means the call was refused, and the other values are unspecified).
 struct CrossEntropyOutputs {
   TensorView row_loss;
   TensorView lse;
@@ -193,13 +192,17 @@ struct CrossEntropyResult {
 /// Determinism: results are bitwise identical run to run on the same
 /// device, thread count and plan; different budgets agree to rounding.
 /// Throws chunkloss::Error naming the argument and the shapes on any invalid input, before any
-/// output is written. On CUDA alone, the values (targets outside [0, V), class weights, and
-/// check_finite's NaN/Inf) are checked on the device as the call runs, to need no extra
-/// synchronisation (with skip_ignored_rows the targets are checked on the host first): the call
-/// throws at its end, and the outputs and gradient buffers then hold unspecified values; with
-/// copy_results_to_host = false nothing is thrown and outputs.scalars[6] counts them. A call
-/// with check_finite and without groups instead waits for the stream once after counting them,
-/// at its start, and throws before anything is written (whatever copy_results_to_host says).
+/// output is written. On CUDA alone, the values (targets outside [0, V) and class weights) are
+/// checked on the device as the call runs, to need no extra synchronisation (with
+/// skip_ignored_rows the targets are checked on the host first). The device counts them before
+/// it computes any row (over a data group, the group's count), and a call with any is refused:
+/// every row's gradient is zero and no per-row output is written, so for finite inputs the
+/// gradient buffers keep their values when accumulated into (x + 0; a -0.0 may read +0.0 after)
+/// and hold zeros when overwritten. The call throws at its end, or with copy_results_to_host =
+/// false throws nothing and outputs.scalars[6] counts them. With check_finite (whose NaN/Inf
+/// would reach the gradients through the GEMMs whatever the rows' coefficients) the call
+/// instead waits for the stream once after counting, at its start, and throws before anything
+/// is written, on every rank of its groups (whatever copy_results_to_host says).
 class LinearCrossEntropy {
  public:
   explicit LinearCrossEntropy(const CrossEntropyOptions& options = {});
