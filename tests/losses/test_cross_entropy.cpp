@@ -1165,10 +1165,11 @@ TEST_CASE("thread counts agree to rounding") {
   }
 }
 
-TEST_CASE("bitwise run-to-run equality, whatever the workspace held before") {
+TEST_CASE("bitwise run-to-run equality, whatever the workspace held before, at each thread count") {
   for (DType dtype : {DType::kF32, DType::kBF16}) {
     for (LoopOrder order : kOrders) {
-      for (bool acc : {false, true}) {
+      for (const auto& [acc, threads] :
+           {std::pair{false, 1}, {true, 1}, {false, 2}, {true, 2}, {false, 5}, {true, 5}}) {
         CeSpec s;
         s.n = 150;
         s.h = 40;
@@ -1189,8 +1190,9 @@ TEST_CASE("bitwise run-to-run equality, whatever the workspace held before") {
         const CeData d(s);
         o.memory_budget_bytes = budget_for_chunk_rows(d, o, g, 64);
         INFO(describe(s, o, g));
+        CAPTURE(threads);
         const LinearCrossEntropy loss(o);
-        CpuContext ctx;
+        CpuContext ctx(threads);
         const CrossEntropyInputs in = d.inputs(o);
         GradBuffers g1(d, g), g2(d, g);
         OutBuffers o1(s.n), o2(s.n);
