@@ -870,4 +870,36 @@ TEST_CASE(
   CHECK_THROWS_WITH_AS(g.comm(2).all_reduce_sum(ctx, &x, 1), doctest::Contains("aborted"), Error);
 }
 
+TEST_CASE(
+    "in-process group: a collective that fails on one rank before it shares its buffer aborts the "
+    "group, so the others throw instead of waiting") {
+  for (const bool gather : {false, true}) {
+    CAPTURE(gather);
+    dist::InProcessGroup g(3);
+    std::vector<std::string> errors(3);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 3; ++r)
+      threads.emplace_back([&, r] {
+        CpuContext ctx(1);
+        float x[2] = {1, 2};
+        float all[6];
+        try {
+          if (gather)  // rank 1's staging buffer cannot be had (past the vector's max_size)
+            g.comm(r).all_gather(ctx, x, all,
+                                 r == 1 ? std::numeric_limits<std::size_t>::max() : sizeof x);
+          else
+            g.comm(r).all_reduce_sum(ctx, x, r == 1 ? -1 : 2);
+        } catch (const std::exception& e) {
+          errors[static_cast<std::size_t>(r)] = e.what();
+        }
+      });
+    for (auto& t : threads) t.join();
+    INFO(errors[0], " | ", errors[1], " | ", errors[2]);
+    CHECK((gather || errors[1].find("n=-1 < 0") != std::string::npos));
+    CHECK(!errors[1].empty());
+    CHECK(errors[0].find("aborted") != std::string::npos);
+    CHECK(errors[2].find("aborted") != std::string::npos);
+  }
+}
+
 }  // namespace chunkloss::test

@@ -55,8 +55,10 @@ struct InProcessGroup::State {
     }
 
     void all_gather(const Context& ctx, const void* send, void* recv, std::size_t bytes) override {
-      host_bytes_.resize(bytes);
-      copy(ctx, host_bytes_.data(), send, bytes, true);
+      s_.or_abort([&] {
+        host_bytes_.resize(bytes);
+        copy(ctx, host_bytes_.data(), send, bytes, true);
+      });
       s_.publish(rank_, host_bytes_.data(), bytes, "all_gather of bytes");
       gathered_.resize(bytes * s_.slots.size());
       for (std::size_t r = 0; r < s_.slots.size(); ++r)
@@ -68,10 +70,12 @@ struct InProcessGroup::State {
    private:
     template <typename T>
     void reduce(const Context& ctx, T* data, std::int64_t n) {
-      CHUNKLOSS_CHECK(n >= 0, "InProcessGroup::all_reduce_sum: n=", n, " < 0");
       const auto count = static_cast<std::size_t>(n);
-      host_bytes_.resize(count * sizeof(T));
-      copy(ctx, host_bytes_.data(), data, host_bytes_.size(), true);
+      s_.or_abort([&] {
+        CHUNKLOSS_CHECK(n >= 0, "InProcessGroup::all_reduce_sum: n=", n, " < 0");
+        host_bytes_.resize(count * sizeof(T));
+        copy(ctx, host_bytes_.data(), data, host_bytes_.size(), true);
+      });
       s_.publish(
           rank_, host_bytes_.data(), host_bytes_.size(),
           std::is_same_v<T, float> ? "all_reduce_sum of floats" : "all_reduce_sum of doubles");
@@ -113,6 +117,18 @@ struct InProcessGroup::State {
     wait();
     CHUNKLOSS_FAIL("InProcessGroup: rank ", r, " calls ", what, " with ", bytes, " bytes, rank ",
                    other, " calls ", their_what, " with ", theirs, " bytes");
+  }
+
+  // A rank's part of a collective before it publishes (checks, staging its buffer): if that
+  // throws, the others would wait for it in `publish` forever, so the group is aborted first.
+  template <typename Fn>
+  void or_abort(Fn&& fn) {
+    try {
+      fn();
+    } catch (...) {
+      abort();
+      throw;
+    }
   }
 
   // A barrier over all ranks (throws once the group is aborted).

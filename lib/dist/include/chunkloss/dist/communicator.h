@@ -31,7 +31,9 @@ class Communicator {
 /// `size` ranks in one process, rank r driven by its own thread through comm(r). Sums are taken
 /// in rank order in double and rounded once, so they are deterministic and equal on every rank.
 /// Device buffers are staged through host memory (the context's stream is synchronised). A rank
-/// that stops calling leaves the others waiting: every rank must make every call.
+/// that stops calling leaves the others waiting: every rank must make every call. A collective
+/// that fails on one rank before that rank's buffer is shared (a negative count, a failed copy
+/// from its device) aborts the group (see abort()), so the others throw instead of waiting.
 class InProcessGroup {
  public:
   explicit InProcessGroup(int size);
