@@ -91,11 +91,16 @@ class CudaTokenBackend final : public TokenBackend {
   // Throws for the invalid inputs the device counted in `s`: before anything was written, or at
   // the end (`ran`), when the call has added nothing to the gradients (kern::refused_call).
   void check_counts(const std::array<double, kern::kNumScalars>& s, bool ran) const {
+    const std::string over_vocab = c_.vocab_group && check_finite_
+                                       ? ", summed over the ranks of vocab_shard.group (each "
+                                         "counts the inputs they share)"
+                                       : "";
     const std::string over_group = c_.data_group ? ", counted over the ranks of data_group" : "";
     const std::string tail = ran ? "; checked on the device as the call ran, which added nothing "
-                                   "to the gradients and wrote no per-row output"
+                                   "to accumulated gradients (overwritten ones hold zeros) and "
+                                   "wrote no per-row output"
                                  : "; checked on the device before anything was written";
-    const std::string state = over_group + tail;
+    const std::string state = over_vocab + over_group + tail;
     CHUNKLOSS_CHECK(s[kern::kBadTargets] == 0, "LinearCrossEntropy: targets ", c_.targets.str(),
                     " has ", s[kern::kBadTargets], " values outside [0, V=", c_.total_vocab(),
                     ") that are not ignore_index (", c_.ignore_index, ")", state);
@@ -116,10 +121,7 @@ class CudaTokenBackend final : public TokenBackend {
                  std::to_string(n);
     }
     CHUNKLOSS_FAIL("LinearCrossEntropy: check_finite found ", s[kern::kNonFinite],
-                   " non-finite values in hidden/weight/bias/token_weights/grad_output",
-                   c_.vocab_group ? ", summed over the ranks of vocab_shard.group (each counts "
-                                    "the inputs they share)"
-                                  : "",
+                   " non-finite values in hidden/weight/bias/token_weights/grad_output", over_vocab,
                    over_group, " (", where.empty() ? "none on this rank" : where, ")", tail);
   }
 
@@ -143,14 +145,19 @@ class CudaTokenBackend final : public TokenBackend {
       c_.data_group->all_reduce_sum(ctx_, scalars_ + kern::kValidRows, 6);
       CHUNKLOSS_LAUNCH_CHECK(kern::launch_set_divisor(p_, stream()));
     }
-    // Over a vocabulary split each rank counts its own weight and bias shard too: the count is
-    // summed so that every rank throws (the ranks agreed on check_finite: LinearCrossEntropy's
-    // vocabulary kind; the sequence losses check on the host, never here).
-    if (c_.vocab_group && check_finite_)
-      c_.vocab_group->all_reduce_sum(ctx_, scalars_ + kern::kNonFinite, 1);
+    // Over a vocabulary split each rank counts its own weight and bias shard too, and the ranks
+    // of a split that breaks the rule of equal targets and class weights would count those
+    // differently: with check_finite, whose counts every rank reads below, they are summed so
+    // that every rank throws there, not one while the others wait for it in a collective (the
+    // ranks agreed on check_finite: LinearCrossEntropy's vocabulary kind; the sequence losses
+    // check on the host, never here). kInvDenom, summed too, is set again.
+    if (c_.vocab_group && check_finite_) {
+      c_.vocab_group->all_reduce_sum(ctx_, scalars_ + kern::kBadClassWeights, 4);
+      CHUNKLOSS_LAUNCH_CHECK(kern::launch_set_divisor(p_, stream()));
+    }
     // The caller asked for checks: they are read here, before anything is written, at the cost
     // of one wait for the stream (NaN in an input would reach the gradients through the GEMMs
-    // whatever the coefficients). With groups the counts are the group's by now, and the ranks
+    // whatever the coefficients). With groups the counts are the groups' by now, and the ranks
     // agreed on check_finite, so every rank throws here.
     if (check_finite_) check_counts(read_scalars(), false);
     if (db_acc_) CHUNKLOSS_LAUNCH_CHECK(kern::launch_zero(db_acc_, c_.vocab, stream()));

@@ -825,10 +825,18 @@ TEST_CASE("gpu: compute_entropy changes no other result, and its entropy matches
   }
 }
 
-TEST_CASE(
-    "gpu: a call with bad values adds nothing to the gradients: refused at its start with "
-    "check_finite, at its end without") {
-  if (!have_gpu()) return;
+// One call of the refused-call case below: `bad` 0 a target, 1 a hidden value (only check_finite
+// looks at it), 2 a class weight, each in row 250 of 300, in a chunk after the first.
+struct RefusedCall {
+  DType t;
+  int bad;
+  bool check, accumulate, copy_results;
+  LoopOrder order = LoopOrder::kTokenChunk;
+  bool fp32_dw = false, skip = false;
+  Reduction reduction = Reduction::kMean;
+};
+
+void check_refused_call(const RefusedCall& c) {
   const auto copy_in = [](const auto& host) {
     auto buf = std::make_unique<gpu::DeviceBuffer>(host.size() * sizeof(host[0]));
     gpu::copy_to_device(buf->data(), host.data(), buf->bytes());
@@ -839,104 +847,128 @@ TEST_CASE(
     gpu::copy_to_host(out.data(), b.data(), out.size());
     return out;
   };
+  const DType t = c.t;
   // fp32 with a bias and class weights (the general rows and the bias gradient); bf16 plain rows
   // (each bf16 gradient row written over its own fp32 logits row).
+  Problem p{300, 32, 500, t};
+  p.bias = p.class_weights = t == DType::kF32;
+  HostData d = make_data(p);
+  if (c.bad == 0) d.y[250] = p.v;
+  if (c.bad == 1) store(d.x, 250 * p.h + 1, INFINITY, t);
+  if (c.bad == 2) d.cw[7] = -1.0f;
+  const auto x = copy_in(d.x), w = copy_in(d.w), y = copy_in(d.y);
+  const auto b = copy_in(p.bias ? d.b : std::vector<unsigned char>(4));
+  const auto cw = copy_in(p.class_weights ? d.cw : std::vector<float>(1));
+  // The caller's buffers and outputs start as random bits.
+  std::mt19937_64 g(5);
+  const std::vector<unsigned char> dx0 = random_floats(p.n * p.h, t, 1.0f, g),
+                                   dw0 = random_floats(p.v * p.h, t, 1.0f, g),
+                                   db0 = random_floats(p.v, t, 1.0f, g),
+                                   lse0 = random_floats(p.n, DType::kF32, 1.0f, g),
+                                   loss0 = random_floats(p.n, DType::kF32, 1.0f, g),
+                                   pred0 = random_floats(p.n, DType::kF32, 1.0f, g);
+  const auto dx = copy_in(dx0), dw = copy_in(dw0), db = copy_in(db0), lse = copy_in(lse0),
+             loss = copy_in(loss0), pred = copy_in(pred0);
+  CrossEntropyOptions o;
+  o.check_finite = c.check;
+  o.copy_results_to_host = c.copy_results;
+  o.memory_budget_bytes = 64 * p.v * 4 + 100000;  // several chunks
+  o.loop_order = c.order;
+  o.fp32_weight_grad_accumulator = c.fp32_dw;
+  o.skip_ignored_rows = c.skip;
+  o.reduction = c.reduction;
+  const LinearCrossEntropy ce(o);
+  CrossEntropyInputs in;
+  in.hidden = TensorView(x->data(), t, {p.n, p.h}, Device::kCuda);
+  in.weight = TensorView(w->data(), t, {p.v, p.h}, Device::kCuda);
+  in.targets = TensorView(y->data(), DType::kI64, {p.n}, Device::kCuda);
+  if (p.bias) in.bias = TensorView(b->data(), t, {p.v}, Device::kCuda);
+  if (p.class_weights) in.class_weights = TensorView(cw->data(), DType::kF32, {p.v}, Device::kCuda);
+  CrossEntropyGrads gr;
+  gr.hidden = TensorView(dx->data(), t, {p.n, p.h}, Device::kCuda);
+  gr.weight = TensorView(dw->data(), t, {p.v, p.h}, Device::kCuda);
+  if (p.bias) gr.bias = TensorView(db->data(), t, {p.v}, Device::kCuda);
+  gr.accumulate = c.accumulate;
+  const Plan plan = ce.plan(in, gr);
+  CHECK(plan.order == c.order);
+  if (c.order == LoopOrder::kTokenChunk) CHECK(plan.chunk_rows <= 192);  // row 250 comes later
+  gpu::DeviceBuffer sc(7 * 4), ws(ce.workspace_bytes(in, gr));
+  CrossEntropyOutputs out;
+  out.lse = TensorView(lse->data(), DType::kF32, {p.n}, Device::kCuda);
+  out.row_loss = TensorView(loss->data(), DType::kF32, {p.n}, Device::kCuda);
+  out.predictions = TensorView(pred->data(), DType::kI32, {p.n}, Device::kCuda);
+  out.scalars = TensorView(sc.data(), DType::kF32, {7}, Device::kCuda);
+  gpu::Context ctx(0);
+  const auto call = [&] {
+    ce.forward_backward(ctx, in, gr, out, Workspace(ws.data(), ws.bytes(), Device::kCuda));
+  };
+  // Refused before anything is written: by check_finite, or the targets read on the host.
+  const bool early = c.check || (c.skip && c.bad == 0);
+  if (c.skip && c.bad == 0)
+    CHECK_THROWS_WITH_AS(call(), doctest::Contains("targets[250] = 500"), chunkloss::Error);
+  else if (c.check)
+    CHECK_THROWS_WITH_AS(call(),
+                         doctest::Contains("checked on the device before anything was written"),
+                         chunkloss::Error);
+  else if (c.copy_results)
+    CHECK_THROWS_WITH_AS(
+        call(),
+        doctest::Contains("checked on the device as the call ran, which added nothing to "
+                          "accumulated gradients (overwritten ones hold zeros) and wrote no "
+                          "per-row output"),
+        chunkloss::Error);
+  else
+    CHECK_NOTHROW(call());
+  ctx.synchronize();
+  if (!early && !c.copy_results) {  // not thrown: counted in outputs.scalars[6]
+    float s[7];
+    gpu::copy_to_host(s, sc.data(), sizeof s);
+    CHECK(s[6] == 1.0f);
+  }
+  CHECK(fetch(*lse) == lse0);
+  CHECK(fetch(*loss) == loss0);
+  CHECK(fetch(*pred) == pred0);
+  // Accumulated into (or refused before anything was written): the same bits. Else
+  // overwritten with zeros.
+  std::vector<std::pair<const gpu::DeviceBuffer*, const std::vector<unsigned char>*>> grads{
+      {dx.get(), &dx0}, {dw.get(), &dw0}};
+  if (p.bias) grads.emplace_back(db.get(), &db0);
+  for (const auto& [buf, before] : grads) {
+    const std::vector<unsigned char> got = fetch(*buf);
+    if (c.accumulate || early) {
+      CHECK(got == *before);
+    } else {
+      const std::vector<float> f = as_floats(got, t);
+      CHECK(std::all_of(f.begin(), f.end(), [](float v) { return v == 0.0f; }));
+    }
+  }
+}
+
+TEST_CASE(
+    "gpu: a call with bad values adds nothing to the gradients: refused at its start with "
+    "check_finite, at its end without") {
+  if (!have_gpu()) return;
   for (const DType t : {DType::kF32, DType::kBF16}) {
-    Problem p{300, 32, 500, t};
-    p.bias = p.class_weights = t == DType::kF32;
-    // A target, a hidden value (only check_finite looks at it) and a class weight, in row 250 of
-    // five chunks: the chunks before it are computed before the device sees it.
     for (int bad = 0; bad < 3; ++bad) {
       for (const bool check : {true, false}) {
-        if ((bad == 1 && !check) || (bad == 2 && !p.class_weights)) continue;
-        HostData d = make_data(p);
-        if (bad == 0) d.y[250] = p.v;
-        if (bad == 1) store(d.x, 250 * p.h + 1, INFINITY, t);
-        if (bad == 2) d.cw[7] = -1.0f;
-        const auto x = copy_in(d.x), w = copy_in(d.w), y = copy_in(d.y);
-        const auto b = copy_in(p.bias ? d.b : std::vector<unsigned char>(4));
-        const auto cw = copy_in(p.class_weights ? d.cw : std::vector<float>(1));
-        for (const bool accumulate : {true, false}) {
-          for (const bool copy_results : {true, false}) {
-            CAPTURE(dtype_name(t));
-            CAPTURE(bad);
-            CAPTURE(check);
-            CAPTURE(accumulate);
-            CAPTURE(copy_results);
-            // The caller's buffers and outputs start as random bits.
-            std::mt19937_64 g(5);
-            const std::vector<unsigned char> dx0 = random_floats(p.n * p.h, t, 1.0f, g),
-                                             dw0 = random_floats(p.v * p.h, t, 1.0f, g),
-                                             db0 = random_floats(p.v, t, 1.0f, g),
-                                             lse0 = random_floats(p.n, DType::kF32, 1.0f, g),
-                                             loss0 = random_floats(p.n, DType::kF32, 1.0f, g),
-                                             pred0 = random_floats(p.n, DType::kF32, 1.0f, g);
-            const auto dx = copy_in(dx0), dw = copy_in(dw0), db = copy_in(db0), lse = copy_in(lse0),
-                       loss = copy_in(loss0), pred = copy_in(pred0);
-            CrossEntropyOptions o;
-            o.check_finite = check;
-            o.copy_results_to_host = copy_results;
-            o.memory_budget_bytes = 64 * p.v * 4 + 100000;  // several chunks
-            const LinearCrossEntropy ce(o);
-            CrossEntropyInputs in;
-            in.hidden = TensorView(x->data(), t, {p.n, p.h}, Device::kCuda);
-            in.weight = TensorView(w->data(), t, {p.v, p.h}, Device::kCuda);
-            in.targets = TensorView(y->data(), DType::kI64, {p.n}, Device::kCuda);
-            if (p.bias) in.bias = TensorView(b->data(), t, {p.v}, Device::kCuda);
-            if (p.class_weights)
-              in.class_weights = TensorView(cw->data(), DType::kF32, {p.v}, Device::kCuda);
-            CrossEntropyGrads gr;
-            gr.hidden = TensorView(dx->data(), t, {p.n, p.h}, Device::kCuda);
-            gr.weight = TensorView(dw->data(), t, {p.v, p.h}, Device::kCuda);
-            if (p.bias) gr.bias = TensorView(db->data(), t, {p.v}, Device::kCuda);
-            gr.accumulate = accumulate;
-            CHECK(ce.plan(in, gr).num_chunks > 1);
-            gpu::DeviceBuffer sc(7 * 4), ws(ce.workspace_bytes(in, gr));
-            CrossEntropyOutputs out;
-            out.lse = TensorView(lse->data(), DType::kF32, {p.n}, Device::kCuda);
-            out.row_loss = TensorView(loss->data(), DType::kF32, {p.n}, Device::kCuda);
-            out.predictions = TensorView(pred->data(), DType::kI32, {p.n}, Device::kCuda);
-            out.scalars = TensorView(sc.data(), DType::kF32, {7}, Device::kCuda);
-            gpu::Context ctx(0);
-            const auto call = [&] {
-              ce.forward_backward(ctx, in, gr, out,
-                                  Workspace(ws.data(), ws.bytes(), Device::kCuda));
-            };
-            if (check)
-              CHECK_THROWS_WITH_AS(call(),
-                                   doctest::Contains("checked on the device before anything was "
-                                                     "written"),
-                                   chunkloss::Error);
-            else if (copy_results)
-              CHECK_THROWS_WITH_AS(call(),
-                                   doctest::Contains("checked on the device as the call ran, which "
-                                                     "added nothing to the gradients and wrote no "
-                                                     "per-row output"),
-                                   chunkloss::Error);
-            else
-              CHECK_NOTHROW(call());
-            ctx.synchronize();
-            if (!check && !copy_results) {  // not thrown: counted in outputs.scalars[6]
-              float s[7];
-              gpu::copy_to_host(s, sc.data(), sizeof s);
-              CHECK(s[6] == 1.0f);
-            }
-            CHECK(fetch(*lse) == lse0);
-            CHECK(fetch(*loss) == loss0);
-            CHECK(fetch(*pred) == pred0);
-            // Accumulated into (or refused before anything was written): the same bits. Else
-            // overwritten with zeros.
-            std::vector<std::pair<const gpu::DeviceBuffer*, const std::vector<unsigned char>*>>
-                grads{{dx.get(), &dx0}, {dw.get(), &dw0}};
-            if (p.bias) grads.emplace_back(db.get(), &db0);
-            for (const auto& [buf, before] : grads) {
-              const std::vector<unsigned char> got = fetch(*buf);
-              if (accumulate || check) {
-                CHECK(got == *before);
-              } else {
-                const std::vector<float> f = as_floats(got, t);
-                CHECK(std::all_of(f.begin(), f.end(), [](float v) { return v == 0.0f; }));
-              }
+        if ((bad == 1 && !check) || (bad == 2 && t != DType::kF32)) continue;
+        for (int variant = 0; variant < 5; ++variant) {
+          for (const bool accumulate : {true, false}) {
+            for (const bool copy_results : {true, false}) {
+              RefusedCall c{t, bad, check, accumulate, copy_results};
+              // Each gradient route: token chunks; vocabulary blocks (their fp32 dH
+              // accumulator); the fp32 dW accumulator; the sum (alpha 1); skipped rows.
+              if (variant == 1) c.order = LoopOrder::kVocabBlock;
+              c.fp32_dw = variant == 2;
+              if (variant == 3) c.reduction = Reduction::kSum;
+              c.skip = variant == 4;
+              CAPTURE(dtype_name(t));
+              CAPTURE(bad);
+              CAPTURE(check);
+              CAPTURE(variant);
+              CAPTURE(accumulate);
+              CAPTURE(copy_results);
+              check_refused_call(c);
             }
           }
         }

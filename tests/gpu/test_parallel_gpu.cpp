@@ -98,6 +98,7 @@ struct Result {
   CrossEntropyResult r;
   std::vector<float> dx, dw, db, lse, row_loss;
   std::vector<std::int32_t> pred;
+  std::string error;  ///< the call's chunkloss::Error, with Part::keep_error
 };
 
 // Memory for one view on the call's device (a host vector on the CPU), filled from floats in
@@ -152,6 +153,8 @@ struct Part {
   /// Every rank waits here once its buffers and workspace are allocated: over NCCL, a rank
   /// waiting for a collective while another is in cudaMalloc can deadlock in the driver.
   std::barrier<>* allocated = nullptr;
+  /// Catch the call's chunkloss::Error into Result::error and read the buffers after it.
+  bool keep_error = false;
 };
 
 // One call; gradient buffers hold 0.25 before it with accumulate.
@@ -206,17 +209,27 @@ Result call(const Case& c, const Data& d, const Part& pt) {
   // A tweaked rank's workspace_bytes() may throw: it still makes the call, as the others do.
   const std::size_t wsb = pt.tweak ? std::size_t{16} << 20 : ce.workspace_bytes(in, gr);
   Result res;
+  const auto kept = [&](auto&& call) {
+    try {
+      res.r = call();
+    } catch (const Error& e) {
+      if (!pt.keep_error) throw;
+      res.error = e.what();
+    }
+  };
   if (gctx) {
     gpu::DeviceBuffer ws(wsb);
     if (pt.allocated) pt.allocated->arrive_and_wait();
-    res.r =
-        ce.forward_backward(*gctx, in, gr, out, Workspace(ws.data(), wsb, Device::kCuda, index));
+    kept([&] {
+      return ce.forward_backward(*gctx, in, gr, out,
+                                 Workspace(ws.data(), wsb, Device::kCuda, index));
+    });
     gctx->synchronize();
   } else {
     CpuContext ctx(2);
     AlignedBuffer ws(wsb);
     if (pt.allocated) pt.allocated->arrive_and_wait();
-    res.r = ce.forward_backward(ctx, in, gr, out, ws.workspace());
+    kept([&] { return ce.forward_backward(ctx, in, gr, out, ws.workspace()); });
   }
   res.dx = gx.read(t);
   res.dw = gw.read(t);
@@ -471,17 +484,15 @@ TEST_CASE(
   const auto both_throw =
       [&](const Data& data,
           const std::function<void(CrossEntropyInputs&, CrossEntropyOptions&)>& tweak,
-          const std::string& expected, bool vocab = false, bool check = true) {
+          const std::string& expected, bool vocab = false) {
         dist::InProcessGroup g(2);
         std::vector<Part> parts =
             vocab ? vocab_parts(wc, [&](int r) -> dist::Communicator& { return g.comm(r); }, {0, 0})
                   : std::vector<Part>{{0, 131, 0, wc.v, nullptr, &g.comm(0), 0},
                                       {131, wc.n, 0, wc.v, nullptr, &g.comm(1), 0}};
-        parts[0].tweak = [&](CrossEntropyInputs&, CrossEntropyOptions& o) {
-          o.check_finite = check;
-        };
+        parts[0].tweak = [](CrossEntropyInputs&, CrossEntropyOptions& o) { o.check_finite = true; };
         parts[1].tweak = [&](CrossEntropyInputs& in, CrossEntropyOptions& o) {
-          o.check_finite = check;
+          o.check_finite = true;
           if (tweak) tweak(in, o);
         };
         const std::vector<std::string> got = on_threads(2, [&](std::size_t r) {
@@ -510,12 +521,31 @@ TEST_CASE(
   both_throw(bad_target, {},
              "has 1 values outside [0, V=1003) that are not ignore_index (-100), counted over the "
              "ranks of data_group; checked on the device before anything was written");
-  // Without check_finite: counted over the group before any row is computed, so both ranks
-  // refuse the call as it runs.
-  both_throw(bad_target, {},
-             "counted over the ranks of data_group; checked on the device as the call ran, which "
-             "added nothing to the gradients",
-             false, false);
+  // Without check_finite the bad target is counted over the group before any row is computed,
+  // so both ranks refuse the call as it runs, rank 0 (whose rows are all valid) included: they
+  // throw at the end, having added nothing to their gradients (0.25 before the call; zero when
+  // overwritten) and written no per-row output (0 before the call).
+  for (const bool accumulate : {true, false}) {
+    CAPTURE(accumulate);
+    Case ac = wc;
+    ac.accumulate = accumulate;
+    dist::InProcessGroup g(2);
+    std::vector<Part> parts{{0, 131, 0, ac.v, nullptr, &g.comm(0), 0},
+                            {131, ac.n, 0, ac.v, nullptr, &g.comm(1), 0}};
+    for (Part& p : parts) p.keep_error = true;
+    const float before = accumulate ? 0.25f : 0.0f;
+    for (const Result& r : call_parts(ac, bad_target, parts)) {
+      CHECK_MESSAGE(r.error.find("counted over the ranks of data_group; checked on the device as "
+                                 "the call ran, which added nothing to accumulated gradients") !=
+                        std::string::npos,
+                    r.error);
+      for (const std::vector<float>* v : {&r.dx, &r.dw, &r.db, &r.lse, &r.row_loss}) {
+        const float expected = v == &r.lse || v == &r.row_loss ? 0.0f : before;
+        CHECK(std::all_of(v->begin(), v->end(), [&](float f) { return f == expected; }));
+      }
+      CHECK(std::all_of(r.pred.begin(), r.pred.end(), [](std::int32_t k) { return k == 0; }));
+    }
+  }
   Data nan_hidden = wd;
   nan_hidden.x[static_cast<std::size_t>(200 * wc.h + 3)] = std::numeric_limits<float>::infinity();
   both_throw(nan_hidden, {},
@@ -529,6 +559,21 @@ TEST_CASE(
              "check_finite found 1 non-finite values in hidden/weight/bias/token_weights/"
              "grad_output, summed over the ranks of vocab_shard.group",
              true);
+  // Over a vocabulary split whose ranks break the rule of equal targets (rank 1's has one out of
+  // range): with check_finite, whose counts each rank reads at its start, the counts are summed,
+  // so both throw there, not rank 1 alone while rank 0 waits for it in the first collective.
+  std::vector<std::int64_t> bad_y = wd.y;
+  bad_y[200] = wc.v;
+  gpu::DeviceBuffer bad_targets(bad_y.size() * 8);
+  gpu::copy_to_device(bad_targets.data(), bad_y.data(), bad_y.size() * 8);
+  both_throw(
+      wd,
+      [&](CrossEntropyInputs& in, CrossEntropyOptions&) {
+        in.targets = TensorView(bad_targets.data(), DType::kI64, {wc.n}, Device::kCuda);
+      },
+      "has 1 values outside [0, V=1003) that are not ignore_index (-100), summed over the ranks "
+      "of vocab_shard.group",
+      true);
 }
 
 TEST_CASE(

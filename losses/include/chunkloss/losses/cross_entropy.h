@@ -123,10 +123,10 @@ struct CrossEntropyInputs {
   /// or the others wait in the exchange. On CUDA that exchange passes through the context's own
   /// scratch memory (gpu::Context::scratch(), not the workspace) and waits for the stream once per
   /// group (once more in a grid). On CUDA, out-of-range targets, bad class weights and
-  /// check_finite's findings are counted on the device (outputs.scalars[6]): check_finite's summed
-  /// over the vocabulary group (each rank's weight and bias shard are its own), the others per rank
-  /// (the ranks pass the same targets and class weights), so every rank refuses the call (see
-  /// LinearCrossEntropy). Unset: not split.
+  /// check_finite's findings are counted on the device (outputs.scalars[6]): with check_finite
+  /// all summed over the vocabulary group (each rank's weight and bias shard are its own), else
+  /// per rank (the ranks pass the same targets and class weights), so every rank refuses the call
+  /// (see LinearCrossEntropy). Unset: not split.
   VocabShard vocab_shard;
   /// Data parallelism: the ranks of this group each call with their own rows (same weight);
   /// the mean's divisor (valid rows, or their class weights) is summed over the group, so each
@@ -135,8 +135,9 @@ struct CrossEntropyInputs {
   /// Sum (do not average) dW and db over the group afterwards, as data parallelism does for the
   /// other parameters. Every rank must make the call (as for vocab_shard). With vocab_shard too,
   /// the data group holds the ranks at one vocabulary position, one from each vocabulary group.
-  /// On CUDA outputs.scalars[6], the invalid inputs found, is counted over the group too, so
-  /// every rank throws when one rank's inputs are bad. null: this call's rows alone.
+  /// On CUDA outputs.scalars[6], the invalid inputs found, is counted over the group too, before
+  /// any row is computed, so every rank refuses the call when one rank's inputs are bad (see
+  /// LinearCrossEntropy). null: this call's rows alone.
   dist::Communicator* data_group = nullptr;
 };
 
