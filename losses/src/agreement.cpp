@@ -41,15 +41,56 @@ std::pair<double, bool> exchange(const GroupSum& sum, bool failed, std::span<con
   return {v[0], same};
 }
 
-// What went wrong with `count` failed ranks of `group` (count > 0), or with NaN: a rank took
-// part with NaN values (an NcclCommunicator whose context is on another device).
-std::string failed_ranks(double count, const char* group) {
+// An exception's message, cut to kMaxShared bytes for first_failure.
+constexpr std::size_t kMaxShared = 1000;
+std::string message_of(const std::exception_ptr& e) {
+  std::string m = "an exception that is not a std::exception";
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    m = x.what();
+  } catch (...) {
+  }
+  if (m.size() > kMaxShared) m = m.substr(0, kMaxShared - 3) + "...";
+  return m;
+}
+
+// Once an exchange over `sum`'s group has counted failed ranks (so every rank of the group
+// makes these two collectives): the lowest failed rank and its message, as flags summed over the
+// group, then the message's bytes as values that the other ranks add zeros to (exact sums).
+std::string first_failure(const GroupSum& sum, const std::string* mine) {
+  const auto ranks = static_cast<std::size_t>(sum.group->size());
+  std::vector<double> flags(ranks);
+  flags[static_cast<std::size_t>(sum.group->rank())] = mine ? 1.0 : 0.0;
+  sum(flags.data(), flags.size());
+  const auto first = static_cast<std::size_t>(
+      std::find_if(flags.begin(), flags.end(), [](double f) { return f != 0; }) - flags.begin());
+  std::vector<double> bytes(kMaxShared + 1);  // the length, then the bytes
+  if (mine && first == static_cast<std::size_t>(sum.group->rank())) {
+    bytes[0] = static_cast<double>(mine->size());
+    for (std::size_t i = 0; i < mine->size(); ++i)
+      bytes[i + 1] = static_cast<unsigned char>((*mine)[i]);
+  }
+  sum(bytes.data(), bytes.size());
+  // (NaN values, from a rank that took part with them, read as an empty message or '?')
+  const double length = bytes[0] >= 0 && bytes[0] <= kMaxShared ? bytes[0] : 0;
+  std::string m(static_cast<std::size_t>(length), '?');
+  for (std::size_t i = 0; i < m.size(); ++i)
+    if (bytes[i + 1] >= 1 && bytes[i + 1] <= 255)
+      m[i] = static_cast<char>(static_cast<unsigned char>(bytes[i + 1]));
+  return first < ranks ? "rank " + std::to_string(first) + ": " + m : m;
+}
+
+// What went wrong with `count` failed ranks of `group` (count > 0; `first`: the first one's
+// message), or with NaN: a rank took part with NaN values (an NcclCommunicator whose context is
+// on another device).
+std::string failed_ranks(double count, const char* group, const std::string& first) {
   std::ostringstream os;
   if (std::isnan(count))
     os << "a rank of " << group
        << " could not take part (its context is not on its communicator's device)";
   else
-    os << count << " rank(s) of " << group << " rejected their calls";
+    os << count << " rank(s) of " << group << " rejected their calls (" << first << ")";
   return os.str();
 }
 
@@ -93,19 +134,44 @@ void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_grou
       return {std::numeric_limits<double>::quiet_NaN(), false};
     }
   };
+  // Each failed exchange then shares its first failed rank's message (a failed count that is
+  // not NaN is the same on every rank of the group).
+  const std::string mine = rejected ? message_of(rejected) : std::string();
+  const auto share = [&](dist::Communicator* group, const std::string* failure) {
+    std::string first;
+    (void)guarded([&] {
+      first = first_failure(GroupSum{ctx, group}, failure);
+      return std::pair{0.0, true};
+    });
+    return first;
+  };
   double vocab_failed = 0;
   bool vocab_same = true;
-  if (vocab_group)
+  std::string vocab_first;
+  if (vocab_group) {
     std::tie(vocab_failed, vocab_same) = guarded([&] {
       return exchange(GroupSum{ctx, vocab_group}, rejected != nullptr, vocab_kind, {});
     });
+    if (vocab_failed > 0) vocab_first = share(vocab_group, rejected ? &mine : nullptr);
+  }
   double data_failed = 0;
   bool data_same = true;
-  if (data_group)
+  std::string data_first;
+  if (data_group) {
+    const bool failed = rejected || own || vocab_failed > 0 || !vocab_same;
     std::tie(data_failed, data_same) = guarded([&] {
-      return exchange(GroupSum{ctx, data_group}, rejected || own || vocab_failed > 0 || !vocab_same,
-                      x.data_kind, x.data_sums);
+      return exchange(GroupSum{ctx, data_group}, failed, x.data_kind, x.data_sums);
     });
+    // (a rank that failed for its vocabulary group's sake shares what its group found)
+    const std::string why = rejected ? mine
+                            : own    ? message_of(own)
+                            : vocab_failed != 0
+                                ? "in its vocab_shard.group, " +
+                                      failed_ranks(vocab_failed, "vocab_shard.group", vocab_first)
+                                : "its vocab_shard.group's ranks make different "
+                                  "kinds of calls";
+    if (data_failed > 0) data_first = share(data_group, failed ? &why : nullptr);
+  }
   // (vocab_same, the same on every rank of the vocabulary group, says they all have one)
   double grid_failed = data_failed > 0 || !data_same ? 1 : 0;
   if (vocab_group && data_group && vocab_same)
@@ -115,14 +181,15 @@ void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_grou
     });
   if (rejected) std::rethrow_exception(rejected);
   if (own) std::rethrow_exception(own);
-  CHUNKLOSS_CHECK(vocab_failed == 0, who, ": ", failed_ranks(vocab_failed, "vocab_shard.group"),
+  CHUNKLOSS_CHECK(vocab_failed == 0, who, ": ",
+                  failed_ranks(vocab_failed, "vocab_shard.group", vocab_first),
                   "; this rank's call was valid, and nothing was written");
   // (a call without data_kind, SequenceLogProbs, never takes a data group)
   CHUNKLOSS_CHECK(vocab_same, who,
                   ": the ranks of vocab_shard.group make different kinds of calls (",
                   x.vocab_differs, x.data_kind.empty() ? "" : ", or whether they pass a data_group",
                   ", differ); nothing was written");
-  CHUNKLOSS_CHECK(data_failed == 0, who, ": ", failed_ranks(data_failed, "data_group"),
+  CHUNKLOSS_CHECK(data_failed == 0, who, ": ", failed_ranks(data_failed, "data_group", data_first),
                   "; this rank's call was valid, and nothing was written");
   CHUNKLOSS_CHECK(data_same, who, ": the ranks of data_group make different kinds of calls (",
                   x.data_differs, " differ); nothing was written");

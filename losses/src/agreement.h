@@ -41,7 +41,8 @@ struct GroupSum {
 /// data group); in a grid the data group's verdict then goes back over the vocabulary group. On
 /// CUDA the values pass through the context's scratch memory, not the workspace, so a rank whose
 /// workspace is wrong takes part too. Then rethrows `rejected`, or throws when any rank of the
-/// groups rejected its call or the kinds differ, naming the group; else returns with
+/// groups rejected its call (naming the group, and the first such rank of it with its message,
+/// which two more exchanges share) or the kinds differ, naming the group; else returns with
 /// x.data_sums summed over the data group. Without groups it only rethrows `rejected`.
 void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_group,
                    dist::Communicator* data_group, std::exception_ptr rejected,

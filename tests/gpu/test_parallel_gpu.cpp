@@ -453,8 +453,10 @@ TEST_CASE(
   std::vector<std::string> e = errors(
       true, [](CrossEntropyInputs& in, CrossEntropyOptions&) { in.vocab_shard.offset += 3; });
   INFO(e[0], " | ", e[1]);
-  CHECK(e[0].find("1 rank(s) of vocab_shard.group rejected their calls") != std::string::npos);
+  CHECK(e[0].find("1 rank(s) of vocab_shard.group rejected their calls (rank 1: ") !=
+        std::string::npos);
   CHECK(e[1].find("rank 1 of 2 must hold rows [501, 1003)") != std::string::npos);
+  CHECK(e[0].find("rank 1 of 2 must hold rows [501, 1003)") != std::string::npos);
   e = errors(true, [](CrossEntropyInputs&, CrossEntropyOptions& o) {
     o.memory_budget_bytes = std::size_t{64} << 10;  // other chunks (1 MiB held them all)
   });

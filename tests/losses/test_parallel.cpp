@@ -507,6 +507,10 @@ TEST_CASE("bad values on one rank: every rank of the groups throws") {
                                : "1 rank(s) of data_group rejected their calls") !=
           std::string::npos);
     CHECK(errors[1].find(vocab ? "non-finite" : "is outside [0, V=507)") != std::string::npos);
+    // Rank 0 names rank 1 and its reason.
+    INFO(errors[0]);
+    CHECK(errors[0].find(std::string("rejected their calls (rank 1: LinearCrossEntropy: ") +
+                         (vocab ? "weight" : "targets")) != std::string::npos);
   }
 }
 
@@ -570,6 +574,8 @@ TEST_CASE("a call one rank rejects, or calls whose collectives differ, fail on e
   INFO(e[0], " | ", e[1]);
   CHECK(e[0].find("1 rank(s) of vocab_shard.group rejected their calls") != std::string::npos);
   CHECK(e[1].find("rank 1 of 2 must hold rows [253, 507)") != std::string::npos);
+  CHECK(e[0].find("(rank 1: ") != std::string::npos);
+  CHECK(e[0].find("rank 1 of 2 must hold rows [253, 507)") != std::string::npos);
   // Budgets that give the ranks of a split different chunks; dH asked for on one rank only.
   e = pair_errors(
       true, [](std::size_t r, CrossEntropyInputs&, CrossEntropyGrads&, CrossEntropyOptions& o) {
@@ -764,8 +770,11 @@ TEST_CASE("a rank whose collectives take part with NaN values and throw: every r
       CHECK(e[1].find("a rank of vocab_shard.group could not take part") != std::string::npos);
     if (nr > 1)  // rank nv: rank 0's data peer
       CHECK(e[nv].find("a rank of data_group could not take part") != std::string::npos);
-    if (nr > 1 && nv > 1)  // rank 3: its data peer, rank 1, flagged its call as failed
+    if (nr > 1 && nv > 1) {  // rank 3: its data peer, rank 1, flagged its call as failed
       CHECK(e[3].find("1 rank(s) of data_group rejected their calls") != std::string::npos);
+      CHECK(e[3].find("(rank 0: in its vocab_shard.group, a rank of vocab_shard.group could not "
+                      "take part") != std::string::npos);
+    }
     for (const std::string& m : e) CHECK_FALSE(m.empty());
   }
 }

@@ -382,6 +382,8 @@ TEST_CASE(
   INFO(e[0], " | ", e[1]);
   CHECK(e[0].find("1 rank(s) of data_group rejected their calls") != std::string::npos);
   CHECK(e[1].find("regime resident") != std::string::npos);
+  CHECK(e[0].find("(rank 1: ") != std::string::npos);
+  CHECK(e[0].find("regime resident") != std::string::npos);
   // KTO with a KL batch on one rank and the KL point given on the other.
   const PrefData kto(kto_spec(RefMode::kLogps, true));
   std::vector<PrefData> parts = {data_part(kto, 0, 3, 0, 2), data_part(kto, 3, 7, 2, 5)};

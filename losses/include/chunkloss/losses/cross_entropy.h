@@ -118,7 +118,8 @@ struct CrossEntropyInputs {
   /// class weights and check_finite's values) or makes a call whose collectives differ (rows, H,
   /// chunks and the rows skip_ignored_rows computes, dH asked for, a data_group passed or not, the
   /// vocabulary's size, the options of the rows' terms and check_finite; over data_group, H, V,
-  /// dW and db summed or not, and check_finite), and then all throw. That agreement is inside the
+  /// dW and db summed or not, and check_finite), and then all throw (a valid rank's message names
+  /// the first rank that rejected its call and quotes its message). That agreement is inside the
   /// call: a rank whose workspace_bytes() or plan() throws must still make it (with any workspace),
   /// or the others wait in the exchange. On CUDA that exchange passes through the context's own
   /// scratch memory (gpu::Context::scratch(), not the workspace) and waits for the stream once per
