@@ -52,8 +52,10 @@ const std::vector<std::string> kLosses = {"ce", "dpo", "orpo", "simpo", "cpo", "
 const std::vector<std::pair<std::string, std::vector<std::string>>> kLossOptions = {
     {"beta", {"dpo", "orpo", "simpo", "cpo", "kto"}},
     {"label-smoothing", {"ce", "dpo", "simpo", "cpo"}},
+    {"z-loss", {"ce"}},
     {"skip-ignored-rows", {"ce"}},
     {"dpo-loss-type", {"dpo"}},
+    {"discopop-tau", {"dpo"}},
     {"rpo-alpha", {"dpo"}},
     {"gamma", {"simpo"}},
     {"simpo-alpha", {"simpo"}},
@@ -155,8 +157,10 @@ std::optional<Settings> parse(int argc, char** argv) {
   loss_opts.add_options()
     ("beta", po::value<double>()->default_value(0, "0 = the loss's default: 0.1, simpo 2.0"), "beta of dpo, orpo, simpo, cpo, kto")
     ("label-smoothing", po::value<double>()->default_value(0), "ce: label smoothing; dpo, simpo, cpo: the conservative eps")
+    ("z-loss", po::value<double>()->default_value(0, "0 = off"), "ce: weight of the z-loss, z_loss * lse^2 per valid token, added to the loss (reported as z_loss)")
     ("skip-ignored-rows", po::value<std::string>()->default_value("1"), "ce: leave the rows of long runs of ignored targets (prompts, padding) out of the loss's GEMMs (CrossEntropyOptions::skip_ignored_rows); the results agree to rounding")
     ("dpo-loss-type", po::value<std::string>()->default_value("sigmoid"), "dpo: sigmoid, hinge, ipo, robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop")
+    ("discopop-tau", po::value<double>()->default_value(0.05, "0.05"), "dpo --dpo-loss-type discopop: its temperature tau (> 0)")
     ("rpo-alpha", po::value<double>()->default_value(0, "0 = off"), "dpo: weight of the NLL term on chosen tokens (RPO)")
     ("gamma", po::value<double>()->default_value(0.5), "simpo: target margin in reward units")
     ("simpo-alpha", po::value<double>()->default_value(0, "0 = off"), "simpo: weight of the NLL term on chosen tokens")
@@ -276,6 +280,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   }
   s.loss.beta = in_range<double>(vm, "beta", 0, 1e6);
   s.loss.label_smoothing = in_range<double>(vm, "label-smoothing", 0, 1);
+  s.loss.z_loss = in_range<double>(vm, "z-loss", 0, 1e6);
   s.loss.skip_ignored_rows =
       apps::parse_bool("skip-ignored-rows", vm["skip-ignored-rows"].as<std::string>());
   s.loss.dpo_loss_type = vm["dpo-loss-type"].as<std::string>();
@@ -284,6 +289,10 @@ std::optional<Settings> parse(int argc, char** argv) {
   } catch (const Error& e) {
     throw apps::UsageError(std::string("--dpo-loss-type: ") + e.what());
   }
+  s.loss.discopop_tau = in_range<double>(vm, "discopop-tau", 0, 1e6);
+  if (!vm["discopop-tau"].defaulted() && s.loss.dpo_loss_type != "discopop")
+    throw apps::UsageError("--discopop-tau: --dpo-loss-type " + s.loss.dpo_loss_type +
+                           " does not take it (it is for discopop)");
   s.loss.rpo_alpha = in_range<double>(vm, "rpo-alpha", 0, 1e6);
   s.loss.gamma = in_range<double>(vm, "gamma", 0, 1e6);
   s.loss.simpo_alpha = in_range<double>(vm, "simpo-alpha", 0, 1e6);
@@ -441,11 +450,13 @@ std::map<std::string, std::string> run_options(const Settings& s, const std::str
   const std::map<std::string, std::map<std::string, std::string>> by_loss = {
       {"ce",
        {{"label_smoothing", num(l.label_smoothing)},
+        {"z_loss", num(l.z_loss)},
         {"skip_ignored_rows", l.skip_ignored_rows ? "true" : "false"}}},
       {"dpo",
        {{"beta", num(beta)},
         {"label_smoothing", num(l.label_smoothing)},
         {"dpo_loss_type", l.dpo_loss_type},
+        {"discopop_tau", num(l.discopop_tau)},
         {"rpo_alpha", num(l.rpo_alpha)}}},
       {"orpo", {{"beta", num(beta)}}},
       {"simpo",
@@ -471,8 +482,9 @@ std::map<std::string, std::string> run_options(const Settings& s, const std::str
 // Refuses to resume `st` (saved in `dir`) with other options than it was saved with, or from a
 // step the run cannot continue from. A value the save lacks (other than those every build
 // records) was not recorded by the build that saved it: those below were implied (builds before
-// skip_ignored_rows computed every row, and before grad_accum_weights weighed micro-batches
-// equally), the rest cannot be compared. Builds before 2026-12-05 saved the default budget as 0: it
+// skip_ignored_rows computed every row, before grad_accum_weights weighed micro-batches equally,
+// and before z_loss and discopop_tau had options used their defaults), the rest cannot be
+// compared. Builds before 2026-12-05 saved the default budget as 0: it
 // is the saved device's default.
 void check_resume(const Settings& s, const std::string& dir, const model::TrainerState& st,
                   const std::map<std::string, std::string>& now, std::int64_t optimizer_step) {
@@ -480,7 +492,9 @@ void check_resume(const Settings& s, const std::string& dir, const model::Traine
                                                               {"data_parallel", "1"},
                                                               {"vocab_parallel", "1"},
                                                               {"skip_ignored_rows", "false"},
-                                                              {"grad_accum_weights", "equal"}};
+                                                              {"grad_accum_weights", "equal"},
+                                                              {"z_loss", "0"},
+                                                              {"discopop_tau", "0.05"}};
   const auto saved_value = [&](const std::string& key) -> std::optional<std::string> {
     if (const auto it = st.strings.find(key); it != st.strings.end()) return it->second;
     if (const auto it = kImplied.find(key); it != kImplied.end()) return it->second;

@@ -29,6 +29,15 @@ class HiddenGrad {
   std::vector<float> buf_;
 };
 
+CrossEntropyOptions ce_options(const LossSettings& loss) {
+  CrossEntropyOptions o;
+  o.label_smoothing = static_cast<float>(loss.label_smoothing);
+  o.z_loss = static_cast<float>(loss.z_loss);
+  o.skip_ignored_rows = loss.skip_ignored_rows;
+  o.memory_budget_bytes = loss.budget_bytes;
+  return o;
+}
+
 class CeTrainer final : public Trainer {
  public:
   CeTrainer(const DataSettings& data, const LossSettings& loss, LossDevice& device) : dev_(device) {
@@ -36,11 +45,7 @@ class CeTrainer final : public Trainer {
     const std::vector<data::SftExample> examples = data::parse_sft_jsonl(data.text, data.file);
     seqs_ = data::encode_sft(tok, examples, data.encode);
     for (const data::SftExample& e : examples) lines_.push_back(e.line);
-    CrossEntropyOptions o;
-    o.label_smoothing = static_cast<float>(loss.label_smoothing);
-    o.skip_ignored_rows = loss.skip_ignored_rows;
-    o.memory_budget_bytes = loss.budget_bytes;
-    ce_ = LinearCrossEntropy(o);
+    ce_ = LinearCrossEntropy(ce_options(loss));
   }
   std::size_t size() const override { return seqs_.size(); }
   apps::Longest longest() const override {
@@ -84,7 +89,9 @@ class CeTrainer final : public Trainer {
         ce_.forward_backward(dev_.context(), in, g, {}, dev_.workspace(ce_.workspace_bytes(in, g)));
     dev_.end();
     if (runs_backward()) model.backward(d_hidden);
-    return {r.loss / weight, {{"token_accuracy", r.accuracy}}, input_tokens(batch)};
+    MicroStats stats{r.loss / weight, {{"token_accuracy", r.accuracy}}, input_tokens(batch)};
+    if (ce_.options().z_loss > 0) stats.metrics.emplace_back("z_loss", r.z_loss / weight);
+    return stats;
   }
 
  private:
@@ -156,6 +163,7 @@ SequenceLoss make_pair_loss(const LossSettings& s) {
     o.loss_type = parse_dpo_loss(s.dpo_loss_type);
     o.beta = beta_or(s.beta, o.beta);
     o.label_smoothing = ls;
+    o.discopop_tau = static_cast<float>(s.discopop_tau);
     o.nll = s.rpo_alpha > 0;
     o.nll_alpha = o.nll ? static_cast<float>(s.rpo_alpha) : o.nll_alpha;
     o.engine = engine;
@@ -336,9 +344,7 @@ class KtoTrainer final : public Trainer {
 
 void check_loss_settings(const LossSettings& loss) {
   if (loss.loss == "ce") {
-    CrossEntropyOptions o;
-    o.label_smoothing = static_cast<float>(loss.label_smoothing);
-    (void)LinearCrossEntropy(o);
+    (void)LinearCrossEntropy(ce_options(loss));
   } else if (loss.loss == "kto") {
     (void)make_kto_loss(loss);
   } else {

@@ -33,12 +33,14 @@ struct LossSettings {
   std::string loss = "ce";
   double beta = 0;  ///< 0: the loss's default
   double label_smoothing = 0;
+  double z_loss = 0;              ///< ce: CrossEntropyOptions::z_loss
   bool skip_ignored_rows = true;  ///< ce: CrossEntropyOptions::skip_ignored_rows
   std::string dpo_loss_type = "sigmoid";
-  double rpo_alpha = 0;                                 ///< DPO's NLL term weight (0: off)
-  double gamma = 0.5;                                   ///< SimPO
-  double simpo_alpha = 0;                               ///< SimPO's NLL term weight (0: off)
-  double cpo_alpha = 1;                                 ///< CPO
+  double discopop_tau = 0.05;  ///< DPO's discopop type: DpoOptions::discopop_tau
+  double rpo_alpha = 0;        ///< DPO's NLL term weight (0: off)
+  double gamma = 0.5;          ///< SimPO
+  double simpo_alpha = 0;      ///< SimPO's NLL term weight (0: off)
+  double cpo_alpha = 1;        ///< CPO
   double desirable_weight = 1, undesirable_weight = 1;  ///< KTO
   std::size_t budget_bytes = 0;
 };

@@ -524,6 +524,11 @@ def loss_options_case(train, work):
             (["--loss", "dpo", "--dpo-loss-type", "ipo", "--label-smoothing", "0.2"],
              ("--label-smoothing 0.2", "ipo")),
             (["--loss", "dpo", "--dpo-loss-type", "exo_pair"], ("--label-smoothing 0", "exo_pair")),
+            (["--loss", "dpo", "--z-loss", "0.01"], ("--z-loss", "--loss dpo")),
+            (["--discopop-tau", "0.1"], ("--discopop-tau", "--loss ce")),
+            (["--loss", "dpo", "--discopop-tau", "0.1"], ("--discopop-tau", "sigmoid", "discopop")),
+            (["--loss", "dpo", "--dpo-loss-type", "discopop", "--discopop-tau", "0"],
+             ("--loss dpo options", "discopop_tau must be finite and > 0")),
             (["--init", "a", "--resume", "b"], ("--init a", "--resume b")),
             (["--chart", os.path.join(work, "c.svg")], ("--chart", "--metrics", "--save"))):
         one_line(t + extra, 2, *words)
@@ -532,8 +537,21 @@ def loss_options_case(train, work):
     # The same options where they belong run (label smoothing shared by ce, dpo, simpo, cpo).
     for extra in (["--label-smoothing", "0.1"],
                   ["--loss", "dpo", "--dpo-loss-type", "exo_pair", "--label-smoothing", "0.1"],
+                  ["--loss", "dpo", "--dpo-loss-type", "discopop", "--discopop-tau", "0.1"],
                   ["--loss", "simpo", "--gamma", "1", "--label-smoothing", "0.5"]):
         run(t + extra)
+    # The z-loss is reported, and is part of the loss (the same run without it has a lower loss).
+    losses = []
+    for z in ("0", "0.5"):
+        m = os.path.join(work, "z%s.jsonl" % z)
+        run(t + ["--z-loss", z, "--metrics", m])
+        with open(m) as f:
+            first = json.loads(f.readline())
+        if (z == "0") != ("z_loss" not in first) or (z != "0" and not first["z_loss"] > 0):
+            fail("--z-loss %s: the metrics' z_loss, got %s" % (z, first))
+        losses.append(first["loss"])
+    if not losses[1] > losses[0]:
+        fail("--z-loss 0.5 must add to the step's loss, got %s" % losses)
 
 
 def stdout_case(train, evaluate, bench, work):
