@@ -41,19 +41,18 @@ std::pair<double, bool> exchange(const GroupSum& sum, bool failed, std::span<con
   return {v[0], same};
 }
 
-// An exception's message, cut to kMaxShared bytes for first_failure.
-constexpr std::size_t kMaxShared = 1000;
+// An exception's message.
 std::string message_of(const std::exception_ptr& e) {
-  std::string m = "an exception that is not a std::exception";
   try {
     std::rethrow_exception(e);
   } catch (const std::exception& x) {
-    m = x.what();
+    return x.what();
   } catch (...) {
   }
-  if (m.size() > kMaxShared) m = m.substr(0, kMaxShared - 3) + "...";
-  return m;
+  return "an exception that is not a std::exception";
 }
+
+constexpr std::size_t kMaxShared = 1000;  // bytes of a message first_failure shares
 
 // Once an exchange over `sum`'s group has counted failed ranks (so every rank of the group
 // makes these two collectives): the lowest failed rank and its message, as flags summed over the
@@ -67,9 +66,10 @@ std::string first_failure(const GroupSum& sum, const std::string* mine) {
       std::find_if(flags.begin(), flags.end(), [](double f) { return f != 0; }) - flags.begin());
   std::vector<double> bytes(kMaxShared + 1);  // the length, then the bytes
   if (mine && first == static_cast<std::size_t>(sum.group->rank())) {
-    bytes[0] = static_cast<double>(mine->size());
-    for (std::size_t i = 0; i < mine->size(); ++i)
-      bytes[i + 1] = static_cast<unsigned char>((*mine)[i]);
+    const std::string cut =
+        mine->size() > kMaxShared ? mine->substr(0, kMaxShared - 3) + "..." : *mine;
+    bytes[0] = static_cast<double>(cut.size());
+    for (std::size_t i = 0; i < cut.size(); ++i) bytes[i + 1] = static_cast<unsigned char>(cut[i]);
   }
   sum(bytes.data(), bytes.size());
   // (NaN values, from a rank that took part with them, read as an empty message or '?')

@@ -346,7 +346,8 @@ class ThrowingMetrics final : public SequenceObjective {
   Unit unit() const override { return Unit::kPair; }
   bool uses_reference() const override { return true; }
   std::vector<std::string> extra_metrics() const override {
-    throw std::runtime_error("ThrowingMetrics: no metrics today");
+    // (long: the other ranks quote its first 1000 bytes)
+    throw std::runtime_error("ThrowingMetrics: no metrics today" + std::string(3000, '!'));
   }
   UnitResult evaluate(std::span<const SequenceStats> s, const BatchConstants& b,
                       std::span<double> e) const override {
@@ -365,6 +366,11 @@ TEST_CASE("data parallel: an objective that throws while the ranks compare calls
   INFO(e[0], " | ", e[1]);
   CHECK(e[0].find("1 rank(s) of data_group rejected") != std::string::npos);
   CHECK(e[1].find("ThrowingMetrics: no metrics today") != std::string::npos);
+  // Rank 0 quotes rank 1's message, cut.
+  CHECK(e[0].find("(rank 1: ") != std::string::npos);
+  CHECK(e[0].find("ThrowingMetrics: no metrics today!!!") != std::string::npos);
+  CHECK(e[0].find("!!!...)") != std::string::npos);
+  CHECK(e[0].size() < 1500);
 }
 
 TEST_CASE(
