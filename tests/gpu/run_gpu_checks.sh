@@ -59,6 +59,7 @@ suites() {
   check memcheck_train_dp "${san[@]}" --tool memcheck "$train" --device cuda --data-parallel 2 \
     --loss dpo --init "$init" --steps 2 --warmup-steps 0 --batch-size 4 --save /tmp/chunkloss-memcheck-dp
   check memcheck_measured "${san[@]}" --tool memcheck "$ce" -tc='gpu: measured*'
+  check memcheck_refused "${san[@]}" --tool memcheck "$ce" -tc='gpu: a call with bad values*'
   check memcheck_ce "${san[@]}" --tool memcheck "$ce" \
     -tc='gpu: shapes*,gpu: all rows*,gpu: out-of-range*,gpu: results left*,gpu: skip_ignored_rows*'
   check memcheck_pref "${san[@]}" --tool memcheck "$pref" \
@@ -102,6 +103,7 @@ races() {
     -tc='gpu: shapes*,gpu: vocabularies*,gpu: bf16 logits*,gpu: bitwise*,gpu: results left*'
   check racecheck_all_pref "${rc_all[@]}" "$pref" -tc='gpu: P = 1*'
   check racecheck_all_skip "${rc_all[@]}" "$ce" -tc='gpu: skip_ignored_rows*'
+  check racecheck_all_refused "${rc_all[@]}" "$ce" -tc='gpu: a call with bad values*'
   check synccheck_ce "${san[@]}" --tool synccheck --kernel-name kns=chunkloss "$ce" -tc='gpu: shapes*'
   check synccheck_pref "${san[@]}" --tool synccheck --kernel-name kns=chunkloss "$pref" \
     -tc='gpu: P = 1*'
