@@ -85,12 +85,13 @@ __device__ __forceinline__ bool is_valid(const TokenParams& p, std::int64_t y) {
   return y != p.ignore_index && y >= 0 && y < p.vocab_total;
 }
 
-/// The call's inputs hold values it refuses (targets outside [0, V), bad class weights, or
-/// check_finite's NaN/Inf; counted by launch_token_begin and summed over a data group before any
-/// row is computed): every row's gradient coefficients are then 0 and no per-row output is
-/// written, so the call adds nothing to the caller's gradient buffers before it throws.
+/// The call's inputs hold values it refuses (targets outside [0, V) or bad class weights,
+/// counted by launch_token_begin and summed over a data group before any row is computed): every
+/// row's gradient coefficients are then 0 and no per-row output is written, so the call adds
+/// nothing to the caller's gradient buffers before it throws. (check_finite's counts are read on
+/// the host before any row, and a call with any throws there.)
 __device__ __forceinline__ bool refused_call(const TokenParams& p) {
-  return p.scalars[kBadTargets] + p.scalars[kBadClassWeights] + p.scalars[kNonFinite] != 0;
+  return p.scalars[kBadTargets] + p.scalars[kBadClassWeights] != 0;
 }
 
 /// Class weight of column j of the call's weight (1 without class weights).

@@ -15,8 +15,8 @@ constexpr int kFinishThreads = 1024;
 
 // The mean's 1/D from the divisor D in scalars[kWeightSum]: 1/D = alpha * 2^e with alpha in
 // [0.5, 1); the tile carries 2^e exactly, the GEMMs alpha. A divisor D <= 0 (valid rows whose
-// class weights sum to 0; bad class weights, also NaN, are thrown at the end) makes the mean and
-// its gradients 0, as on the CPU.
+// class weights sum to 0; bad class weights, also NaN, refuse the call) makes the mean and its
+// gradients 0, as on the CPU.
 __device__ void set_divisor(const TokenParams& p) {
   const double d = p.scalars[kWeightSum];
   const double inv = d > 0 ? 1.0 / d : 0.0;

@@ -63,7 +63,7 @@ std::string first_failure(const GroupSum& sum, const std::string* mine) {
   flags[static_cast<std::size_t>(sum.group->rank())] = mine ? 1.0 : 0.0;
   sum(flags.data(), flags.size());
   const auto first = static_cast<std::size_t>(
-      std::find_if(flags.begin(), flags.end(), [](double f) { return f != 0; }) - flags.begin());
+      std::find_if(flags.begin(), flags.end(), [](double f) { return f > 0; }) - flags.begin());
   std::vector<double> bytes(kMaxShared + 1);  // the length, then the bytes
   if (mine && first == static_cast<std::size_t>(sum.group->rank())) {
     const std::string cut =

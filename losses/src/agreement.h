@@ -44,6 +44,10 @@ struct GroupSum {
 /// groups rejected its call (naming the group, and the first such rank of it with its message,
 /// which two more exchanges share) or the kinds differ, naming the group; else returns with
 /// x.data_sums summed over the data group. Without groups it only rethrows `rejected`.
+/// The groups' collectives must either complete on every rank or, on a rank where one throws,
+/// have taken part with NaN values (as NcclCommunicator does for a context on another device):
+/// a rank whose collective throws after taking part with valid values (its device failing
+/// between the sum and the copy back) leaves the others waiting in the message exchanges.
 void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_group,
                    dist::Communicator* data_group, std::exception_ptr rejected,
                    const FirstExchange& x);

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <barrier>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -157,6 +158,8 @@ struct Part {
   bool keep_error = false;
 };
 
+constexpr float kUnwritten = -7.0f;
+
 // One call; gradient buffers hold 0.25 before it with accumulate.
 Result call(const Case& c, const Data& d, const Part& pt) {
   const Device dev = pt.device < 0 ? Device::kCpu : Device::kCuda;
@@ -177,7 +180,10 @@ Result call(const Case& c, const Data& d, const Part& pt) {
   Buffer gx = Buffer::floats(dev, fill_h.data(), fill_h.size(), t);
   Buffer gw = Buffer::floats(dev, fill_w.data(), fill_w.size(), t);
   Buffer gb = Buffer::floats(dev, fill_b.data(), d.b.empty() ? 0 : fill_b.size(), t);
-  Buffer lse(dev, sz(n) * 4, nullptr), loss(dev, sz(n) * 4, nullptr), pred(dev, sz(n) * 4, nullptr);
+  // The per-row outputs start as -7.0f (bits for the predictions) where the call may fail.
+  const std::vector<float> fill_out(sz(n), pt.keep_error ? kUnwritten : 0.0f);
+  Buffer lse(dev, sz(n) * 4, fill_out.data()), loss(dev, sz(n) * 4, fill_out.data()),
+      pred(dev, sz(n) * 4, fill_out.data());
 
   CrossEntropyOptions o = options_of(c);
   const int index = std::max(pt.device, 0);
@@ -526,7 +532,7 @@ TEST_CASE(
   // Without check_finite the bad target is counted over the group before any row is computed,
   // so both ranks refuse the call as it runs, rank 0 (whose rows are all valid) included: they
   // throw at the end, having added nothing to their gradients (0.25 before the call; zero when
-  // overwritten) and written no per-row output (0 before the call).
+  // overwritten) and written no per-row output (kUnwritten before the call).
   for (const bool accumulate : {true, false}) {
     CAPTURE(accumulate);
     Case ac = wc;
@@ -542,10 +548,12 @@ TEST_CASE(
                         std::string::npos,
                     r.error);
       for (const std::vector<float>* v : {&r.dx, &r.dw, &r.db, &r.lse, &r.row_loss}) {
-        const float expected = v == &r.lse || v == &r.row_loss ? 0.0f : before;
+        const float expected = v == &r.lse || v == &r.row_loss ? kUnwritten : before;
         CHECK(std::all_of(v->begin(), v->end(), [&](float f) { return f == expected; }));
       }
-      CHECK(std::all_of(r.pred.begin(), r.pred.end(), [](std::int32_t k) { return k == 0; }));
+      CHECK(std::all_of(r.pred.begin(), r.pred.end(), [](std::int32_t k) {
+        return k == std::bit_cast<std::int32_t>(kUnwritten);
+      }));
     }
   }
   Data nan_hidden = wd;

@@ -57,10 +57,10 @@ struct InProcessGroup::State {
     void all_gather(const Context& ctx, const void* send, void* recv, std::size_t bytes) override {
       s_.or_abort([&] {
         host_bytes_.resize(bytes);
+        gathered_.resize(bytes * s_.slots.size());
         copy(ctx, host_bytes_.data(), send, bytes, true);
       });
       s_.publish(rank_, host_bytes_.data(), bytes, "all_gather of bytes");
-      gathered_.resize(bytes * s_.slots.size());
       for (std::size_t r = 0; r < s_.slots.size(); ++r)
         std::memcpy(gathered_.data() + r * bytes, s_.slots[r], bytes);
       s_.wait();
@@ -74,12 +74,12 @@ struct InProcessGroup::State {
       s_.or_abort([&] {
         CHUNKLOSS_CHECK(n >= 0, "InProcessGroup::all_reduce_sum: n=", n, " < 0");
         host_bytes_.resize(count * sizeof(T));
+        sum_.assign(count, 0.0);
         copy(ctx, host_bytes_.data(), data, host_bytes_.size(), true);
       });
       s_.publish(
           rank_, host_bytes_.data(), host_bytes_.size(),
           std::is_same_v<T, float> ? "all_reduce_sum of floats" : "all_reduce_sum of doubles");
-      sum_.assign(count, 0.0);
       for (const void* p : s_.slots) {
         const auto* v = static_cast<const T*>(p);
         for (std::size_t i = 0; i < count; ++i) sum_[i] += v[i];
@@ -119,8 +119,10 @@ struct InProcessGroup::State {
                    other, " calls ", their_what, " with ", theirs, " bytes");
   }
 
-  // A rank's part of a collective before it publishes (checks, staging its buffer): if that
-  // throws, the others would wait for it in `publish` forever, so the group is aborted first.
+  // A rank's part of a collective before it publishes (checks, its buffers, staging its data):
+  // if that throws, the others would wait for it in `publish` forever, so the group is aborted
+  // first. (After publishing nothing allocates; a failed copy back to the device comes after the
+  // last barrier.)
   template <typename Fn>
   void or_abort(Fn&& fn) {
     try {

@@ -80,10 +80,10 @@ struct TokenParams {
 };
 
 /// Zeroes the scalars, counts valid rows, the mean's divisor D (sum of class weights of valid
-/// targets), 1/D, the class-weight sum, targets outside [0, V) and bad class weights. While any
-/// of those counts or kNonFinite is nonzero (after a data group's sum), the row rule gives every
-/// row zero gradient coefficients and launch_token_finish writes no per-row output, so a call
-/// that will throw adds nothing to the caller's gradients.
+/// targets), 1/D, the class-weight sum, targets outside [0, V) and bad class weights. While
+/// either count is nonzero (after a data group's sum), the row rule gives every row zero
+/// gradient coefficients and launch_token_finish writes no per-row output, so a call that will
+/// throw adds nothing to the caller's gradients.
 int launch_token_begin(const TokenParams& p, void* stream);
 
 /// Row statistics of rows [r0, r0 + rows) whose full-width logits are `logits` (leading

@@ -123,10 +123,11 @@ struct CrossEntropyInputs {
   /// call: a rank whose workspace_bytes() or plan() throws must still make it (with any workspace),
   /// or the others wait in the exchange. On CUDA that exchange passes through the context's own
   /// scratch memory (gpu::Context::scratch(), not the workspace) and waits for the stream once per
-  /// group (once more in a grid). On CUDA, out-of-range targets, bad class weights and
-  /// check_finite's findings are counted on the device (outputs.scalars[6]): with check_finite
-  /// all summed over the vocabulary group (each rank's weight and bias shard are its own), else
-  /// per rank (the ranks pass the same targets and class weights), so every rank refuses the call
+  /// group (once more in a grid; two more per group that found a rejected call). On CUDA,
+  /// out-of-range targets, bad class weights and check_finite's findings are counted on the
+  /// device: with check_finite all summed over the vocabulary group (each rank's weight and bias
+  /// shard are its own) and read at the start, where every rank throws; else per rank (the ranks
+  /// pass the same targets and class weights; outputs.scalars[6]), so every rank refuses the call
   /// (see LinearCrossEntropy). Unset: not split.
   VocabShard vocab_shard;
   /// Data parallelism: the ranks of this group each call with their own rows (same weight);
@@ -159,9 +160,9 @@ struct CrossEntropyGrads {
 /// predictions [N] i32 (argmax: the first column of the row's largest logit, NaN logits left
 /// out, 0 when every column is masked or NaN; -1 for ignored rows).
 /// scalars [7] f32 on the inputs' device receives loss, z_loss, accuracy, entropy, valid_rows,
-/// weight_sum and the number of invalid inputs found on the device (out-of-range targets,
-/// negative or non-finite class weights and, with check_finite, non-finite values: nonzero
-/// means the call was refused, and the other values are unspecified).
+/// weight_sum and the number of invalid inputs found on the device (out-of-range targets and
+/// negative or non-finite class weights: nonzero means the call was refused, and the other
+/// values are unspecified; with check_finite such a call throws at its start instead).
 struct CrossEntropyOutputs {
   TensorView row_loss;
   TensorView lse;
