@@ -35,6 +35,7 @@
 #include <optional>
 #include <span>
 #include <thread>
+#include <vector>
 
 #include "trainers.h"
 
@@ -685,11 +686,12 @@ class Ranks {
 
 // The checkpoint directories this run will save into that exist already (SAVE, and the
 // SAVE/checkpoint-N of --save-every after step `start`), checked before the first step: a save
-// that fails on what is there would lose the run's work.
+// that fails on what is there would lose the run's work. A new run (start 0) warns of the
+// SAVE/checkpoint-N it will not replace, an earlier run's, which would sit beside its own.
 void check_save_targets(const Settings& s, std::int64_t start) {
   model::check_save_target(s.save);
-  if (s.save_every == 0) return;
   constexpr std::string_view kPrefix = "checkpoint-";
+  std::vector<std::int64_t> kept;
   std::error_code ec;
   for (std::filesystem::directory_iterator it(s.save, ec), end; !ec && it != end;
        it.increment(ec)) {
@@ -697,12 +699,24 @@ void check_save_targets(const Settings& s, std::int64_t start) {
     std::int64_t n = 0;
     if (!name.starts_with(kPrefix) ||
         std::from_chars(name.data() + kPrefix.size(), name.data() + name.size(), n).ec !=
-            std::errc())
+            std::errc() ||
+        name != std::string(kPrefix) + std::to_string(n))
       continue;
-    if (name == std::string(kPrefix) + std::to_string(n) && n > start && n < s.steps &&
-        n % s.save_every == 0)
+    if (s.save_every > 0 && n > start && n < s.steps && n % s.save_every == 0)
       model::check_save_target(it->path().string());
+    else if (start == 0)
+      kept.push_back(n);
   }
+  if (kept.empty()) return;
+  std::sort(kept.begin(), kept.end());
+  std::string names;
+  for (std::size_t i = 0; i < kept.size() && i < 5; ++i)
+    names += (i ? ", " : "") + std::string(kPrefix) + std::to_string(kept[i]);
+  if (kept.size() > 5) names += " and " + std::to_string(kept.size() - 5) + " more";
+  std::fprintf(stderr,
+               "%s: warning: --save %s holds %s of an earlier run, which this run does not "
+               "replace\n",
+               kProg, apps::one_line(s.save).c_str(), names.c_str());
 }
 
 // Checks every output before any work (and makes their directories): --save, --metrics and

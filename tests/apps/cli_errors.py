@@ -101,7 +101,7 @@ def one_line(cmd, expect, *words, alone=False, **kw):
     its work) the only output at all: no model summary or progress line before it."""
     p = run(cmd, expect, **kw)
     lines = p.stderr.strip().splitlines()
-    errors = [l for l in lines if "error" in l or "see --help" in l]
+    errors = [l for l in lines if ": error: " in l or "see --help" in l]
     if len(errors) != 1 or any(w not in errors[0] for w in words):
         fail("%s: expected one line naming %s, got:\n%s" % (" ".join(cmd), words, p.stderr))
     if expect == 2 and len(lines) != 1:
@@ -258,6 +258,8 @@ def metrics_case(train, work):
                          "1"], 1, "step ")
     if "not finite" not in p.stderr and "made parameter" not in p.stderr:
         fail("run B must stop on its non-finite loss or parameters, got:\n" + p.stderr)
+    if "warning: --save %s holds checkpoint-2, checkpoint-4 of an earlier run" % d not in p.stderr:
+        fail("run B must warn of A's checkpoints it leaves, got:\n" + p.stderr)
     with open(m) as f:
         if f.read().splitlines() != a_records:
             fail("a run that failed changed " + m)
