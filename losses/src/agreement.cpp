@@ -173,12 +173,20 @@ void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_grou
     if (data_failed > 0) data_first = share(data_group, failed ? &why : nullptr);
   }
   // (vocab_same, the same on every rank of the vocabulary group, says they all have one)
-  double grid_failed = data_failed > 0 || !data_same ? 1 : 0;
-  if (vocab_group && data_group && vocab_same)
+  const bool data_failed_here = data_failed > 0 || !data_same;
+  double grid_failed = data_failed_here ? 1 : 0;
+  std::string grid_first;
+  if (vocab_group && data_group && vocab_same) {
     (void)guarded([&] {
       GroupSum{ctx, vocab_group}(&grid_failed, 1);
       return std::pair{0.0, true};
     });
+    // what this rank's data group found, for the ranks whose own data group found nothing
+    const std::string found = data_failed != 0
+                                  ? failed_ranks(data_failed, "data_group", data_first)
+                                  : "the ranks of its data_group make different kinds of calls";
+    if (grid_failed > 0) grid_first = share(vocab_group, data_failed_here ? &found : nullptr);
+  }
   if (rejected) std::rethrow_exception(rejected);
   if (own) std::rethrow_exception(own);
   CHUNKLOSS_CHECK(vocab_failed == 0, who, ": ",
@@ -194,8 +202,8 @@ void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_grou
   CHUNKLOSS_CHECK(data_same, who, ": the ranks of data_group make different kinds of calls (",
                   x.data_differs, " differ); nothing was written");
   CHUNKLOSS_CHECK(grid_failed == 0, who,
-                  ": a data group of another rank of vocab_shard.group rejected its calls; "
-                  "nothing was written");
+                  ": the data group of another rank of vocab_shard.group failed (", grid_first,
+                  "); nothing was written");
 }
 
 }  // namespace chunkloss::detail

@@ -42,7 +42,8 @@ struct GroupSum {
 /// CUDA the values pass through the context's scratch memory, not the workspace, so a rank whose
 /// workspace is wrong takes part too. Then rethrows `rejected`, or throws when any rank of the
 /// groups rejected its call (naming the group, and the first such rank of it with its message,
-/// which two more exchanges share) or the kinds differ, naming the group; else returns with
+/// which two more exchanges share; in a grid a rank whose data group agreed quotes, the same
+/// way, what a failed one found) or the kinds differ, naming the group; else returns with
 /// x.data_sums summed over the data group. Without groups it only rethrows `rejected`.
 /// The groups' collectives must either complete on every rank or, on a rank where one throws,
 /// have taken part with NaN values (as NcclCommunicator does for a context on another device):

@@ -123,7 +123,7 @@ struct CrossEntropyInputs {
   /// call: a rank whose workspace_bytes() or plan() throws must still make it (with any workspace),
   /// or the others wait in the exchange. On CUDA that exchange passes through the context's own
   /// scratch memory (gpu::Context::scratch(), not the workspace) and waits for the stream once per
-  /// group (once more in a grid; two more per group that found a rejected call). On CUDA,
+  /// group (once more in a grid; two more per group that found a failure). On CUDA,
   /// out-of-range targets, bad class weights and check_finite's findings are counted on the
   /// device: with check_finite all summed over the vocabulary group (each rank's weight and bias
   /// shard are its own) and read at the start, where every rank throws; else per rank (the ranks
