@@ -310,6 +310,12 @@ def outputs_case(train, evaluate, bench, work):
                   os.path.join(ck, "checkpoint-1", "trainer_state.json")], 2,
              ("--metrics", "checkpoint")),
             (t + ["--metrics", state], 2, ("--metrics", "checkpoint")),  # (--init's, below)
+            # A checkpoint the run does not use.
+            (t + ["--metrics", os.path.join(ck, "config.json")], 2,
+             ("--metrics", "checkpoint in " + ck, "holds model.safetensors")),
+            ([evaluate, "--model", os.path.join(ck, "checkpoint-1"), "--limit", "2", "--json",
+              os.path.join(ck, "optimizer.safetensors")], 2,
+             ("--json", "holds model.safetensors")),
             (t + ["--save", work, "--metrics", os.path.join(work, "checkpoint-1",
                                                              "model.safetensors")], 2,
              ("--metrics", "checkpoint-1")),

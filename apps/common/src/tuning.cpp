@@ -36,6 +36,12 @@ void check_not_checkpoint_file(std::string_view option, const std::string& path,
   if (!clashes.empty())
     throw UsageError("--" + std::string(option) + " " + path + ": a file of the checkpoint in " +
                      clashes.front() + ", which saving or loading it would clash with");
+  // Any other checkpoint there (its weights file marks it) would be damaged by the write.
+  std::error_code ec;
+  if (std::filesystem::exists(parent / model::kModelFile, ec))
+    throw UsageError("--" + std::string(option) + " " + path + ": a file of the checkpoint in " +
+                     parent.string() + " (it holds " + model::kModelFile +
+                     "), which writing it would damage");
 }
 
 void Longest::take(const data::Sequence& s, std::size_t at_line, const std::string& description) {
