@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <set>
 #include <sstream>
@@ -772,6 +773,24 @@ TEST_CASE("checkpoint: an interrupted save leaves the previous checkpoint loadab
     t.save(dir.path());  // and a retry succeeds
     CHECK(same_params(load_model(dir.path()), t.m));
   }
+}
+
+TEST_CASE("checkpoint errors: a first save that stopped before its commit record is named so") {
+  // The directory holds only the temporaries (a run killed during its first save there).
+  const LlamaConfig c = tiny_config(false, false);
+  const TempDir saved, killed;
+  Trained t(c);
+  t.save(saved.path());
+  for (const char* f : {"model.safetensors", "config.json"})
+    fs::copy_file(saved.file(f), killed.file(std::string(f) + ".tmp"));
+  for (const auto& load : std::vector<std::function<void()>>{
+           [&] { (void)load_model(killed.path()); }, [&] { (void)load_config(killed.path()); }})
+    CHECK(contains(error_message(load), killed.path() + ": no config.json, only " +
+                                            killed.file("config.json.tmp") +
+                                            ": a save into it stopped before it was complete"));
+  fs::copy_file(saved.file("config.json"), killed.file("config.json"));  // the weights' alone
+  CHECK(contains(error_message([&] { (void)load_model(killed.path()); }),
+                 ": no model.safetensors, only " + killed.file("model.safetensors.tmp")));
 }
 
 TEST_CASE("checkpoint: a save does not write through a symbolic link at a temporary's path") {

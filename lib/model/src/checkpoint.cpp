@@ -264,6 +264,18 @@ class CheckpointFiles {
     return !(commit_ && commit_->removed.count(file)) &&
            detail::file_type_of(path(file)) == fs::file_type::regular;
   }
+  // path(file) for reading it: a file missing beside its temporary (a save that stopped before
+  // its commit record, as one killed during its first save into the directory) is named so.
+  std::string read_path(const char* file) const {
+    const std::string p = path(file), tmp = detail::temp_path(p);
+    std::error_code ec, tmp_ec;  // (other troubles are the reader's to name)
+    const fs::file_type t = fs::symlink_status(tmp, tmp_ec).type();
+    if (fs::status(p, ec).type() == fs::file_type::not_found && t != fs::file_type::not_found &&
+        t != fs::file_type::none)
+      CHUNKLOSS_FAIL(dir_, ": no ", file, ", only ", tmp,
+                     ": a save into it stopped before it was complete, so it holds no checkpoint");
+    return p;
+  }
 
  private:
   std::string dir_;
@@ -423,7 +435,7 @@ void check_save_target(const std::string& dir) {
 }
 
 LlamaConfig load_config(const std::string& dir) {
-  const std::string path = CheckpointFiles(dir).path(kConfigFile);
+  const std::string path = CheckpointFiles(dir).read_path(kConfigFile);
   return config_from_json(read_text(path), path);
 }
 
@@ -434,10 +446,10 @@ void load_weights(const std::string& path, LlamaModel& model) {
 
 LlamaModel load_model(const std::string& dir, std::string* save_id) {
   const CheckpointFiles files(dir);
-  const std::string config_path = files.path(kConfigFile);
+  const std::string config_path = files.read_path(kConfigFile);
   const std::string config_text = read_text(config_path);
   const LlamaConfig config = config_from_json(config_text, config_path);
-  const std::string model_path = files.path(kModelFile);
+  const std::string model_path = files.read_path(kModelFile);
   const SafetensorsFile f = SafetensorsFile::read(model_path);
   const std::string id = meta_save_id(f);
   check_same_save(config_path, json_save_id(json::parse(config_text), config_path), model_path, id);
