@@ -162,15 +162,16 @@ void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_grou
     std::tie(data_failed, data_same) = guarded([&] {
       return exchange(GroupSum{ctx, data_group}, failed, x.data_kind, x.data_sums);
     });
-    // (a rank that failed for its vocabulary group's sake shares what its group found)
-    const std::string why = rejected ? mine
-                            : own    ? message_of(own)
-                            : vocab_failed != 0
-                                ? "in its vocab_shard.group, " +
-                                      failed_ranks(vocab_failed, "vocab_shard.group", vocab_first)
-                                : "its vocab_shard.group's ranks make different "
-                                  "kinds of calls";
-    if (data_failed > 0) data_first = share(data_group, failed ? &why : nullptr);
+    if (data_failed > 0) {
+      // (a rank that failed for its vocabulary group's sake shares what its group found)
+      const std::string why = rejected ? mine
+                              : own    ? message_of(own)
+                              : vocab_failed != 0
+                                  ? "in its vocab_shard.group, " +
+                                        failed_ranks(vocab_failed, "vocab_shard.group", vocab_first)
+                                  : "its vocab_shard.group's ranks make different kinds of calls";
+      data_first = share(data_group, failed ? &why : nullptr);
+    }
   }
   // (vocab_same, the same on every rank of the vocabulary group, says they all have one)
   const bool data_failed_here = data_failed > 0 || !data_same;
@@ -181,11 +182,13 @@ void agree_on_call(Context& ctx, const char* who, dist::Communicator* vocab_grou
       GroupSum{ctx, vocab_group}(&grid_failed, 1);
       return std::pair{0.0, true};
     });
-    // what this rank's data group found, for the ranks whose own data group found nothing
-    const std::string found = data_failed != 0
-                                  ? failed_ranks(data_failed, "data_group", data_first)
-                                  : "the ranks of its data_group make different kinds of calls";
-    if (grid_failed > 0) grid_first = share(vocab_group, data_failed_here ? &found : nullptr);
+    if (grid_failed > 0) {
+      // what this rank's data group found, for the ranks whose own data group found nothing
+      const std::string found = data_failed != 0
+                                    ? failed_ranks(data_failed, "data_group", data_first)
+                                    : "the ranks of its data_group make different kinds of calls";
+      grid_first = share(vocab_group, data_failed_here ? &found : nullptr);
+    }
   }
   if (rejected) std::rethrow_exception(rejected);
   if (own) std::rethrow_exception(own);
