@@ -1,6 +1,7 @@
 // The CPU backend of the token engine: Eigen GEMMs (multi-threaded through OpenMP) on fp32
 // operands, vectorised Eigen array epilogues, one thread per row. bf16 operands are staged as
-// fp32 copies (a tile of W rows at a time) in the workspace; nothing is allocated per call.
+// fp32 copies (a tile of W rows at a time) in the workspace, widened on the call's threads as
+// bf16 gradients are rounded on them; nothing is allocated per call.
 #include <omp.h>
 
 #include <Eigen/Core>
@@ -24,23 +25,33 @@ using CArrMap = Eigen::Map<const Eigen::ArrayXf>;
 
 constexpr std::int64_t kWeightTile = 256;  // rows of W converted at a time (matches plan.cpp)
 
-void to_f32(const TensorView& t, std::int64_t offset, std::int64_t count, float* dst) {
+constexpr std::int64_t kSumColumns = 1024;  // columns of the bias gradient's sums per thread
+
+// Conversions below this many values stay on the calling thread.
+constexpr std::int64_t kParallelValues = std::int64_t{1} << 16;
+
+// dst[i] = t[offset + i] as fp32, bf16 values widened on `threads` threads.
+void to_f32(int threads, const TensorView& t, std::int64_t offset, std::int64_t count, float* dst) {
   if (t.dtype() == DType::kF32) {
     std::copy_n(t.data_as<const float>() + offset, count, dst);
   } else {
     const BFloat16* s = t.data_as<const BFloat16>() + offset;
+#pragma omp parallel for num_threads(threads) schedule(static) if (count >= kParallelValues)
     for (std::int64_t i = 0; i < count; ++i) dst[i] = static_cast<float>(s[i]);
   }
 }
 
-// dst[offset + i] = factor ((add ? dst : 0) + src[i]), in dst's float dtype.
-void store_f32(const TensorView& dst, std::int64_t offset, std::int64_t count, const float* src,
-               bool add, float factor = 1.0f) {
+// dst[offset + i] = factor ((add ? dst : 0) + src[i]), in dst's float dtype, on `threads`
+// threads.
+void store_f32(int threads, const TensorView& dst, std::int64_t offset, std::int64_t count,
+               const float* src, bool add, float factor = 1.0f) {
   if (dst.dtype() == DType::kF32) {
     float* d = dst.data_as<float>() + offset;
+#pragma omp parallel for num_threads(threads) schedule(static) if (count >= kParallelValues)
     for (std::int64_t i = 0; i < count; ++i) d[i] = factor * (add ? d[i] + src[i] : src[i]);
   } else {
     BFloat16* d = dst.data_as<BFloat16>() + offset;
+#pragma omp parallel for num_threads(threads) schedule(static) if (count >= kParallelValues)
     for (std::int64_t i = 0; i < count; ++i)
       d[i] = BFloat16(factor * (add ? static_cast<float>(d[i]) + src[i] : src[i]));
   }
@@ -166,8 +177,9 @@ class CpuTokenBackend final : public TokenBackend {
       z.middleCols(t0 - v0, t1 - t0).noalias() = xm * CMatMap(w, t1 - t0, h_).transpose();
     });
     if (c_.bias.defined() && c_.bias.dtype() == DType::kF32) {
-      z.rowwise() +=
-          Eigen::Map<const Eigen::RowVectorXf>(c_.bias.data_as<const float>() + v0, cols);
+      const CArrMap b(c_.bias.data_as<const float>() + v0, cols);
+#pragma omp parallel for num_threads(threads_) schedule(static)
+      for (std::int64_t i = 0; i < rows; ++i) ArrMap(tile_ + i * cols, cols) += b;
     } else if (c_.bias.defined()) {
       const BFloat16* b = c_.bias.data_as<const BFloat16>() + v0;
 #pragma omp parallel for num_threads(threads_) schedule(static)
@@ -280,7 +292,7 @@ class CpuTokenBackend final : public TokenBackend {
     dh_gemm(rows, v0, v1, dst, first && !(into_caller && c_.accumulate));
     if (vp_.dh) c_.vocab_group->all_reduce_sum(ctx_, vp_.dh, rows * h_);
     if (dst == dh32_ || dst == vp_.dh)
-      store_f32(c_.grad_x, r0 * h_, rows * h_, dst, !first || c_.accumulate);
+      store_f32(threads_, c_.grad_x, r0 * h_, rows * h_, dst, !first || c_.accumulate);
   }
 
   // Several ranges: one GEMM into fp32 rows side by side (bf16 dH's staging, or fp32 dH's when
@@ -296,7 +308,7 @@ class CpuTokenBackend final : public TokenBackend {
     dh_gemm(total, 0, v_, rows, true);
     std::int64_t row = 0;
     for (const RowRange& r : ranges) {
-      store_f32(c_.grad_x, r.r0 * h_, (r.r1 - r.r0) * h_, rows + row * h_, c_.accumulate);
+      store_f32(threads_, c_.grad_x, r.r0 * h_, (r.r1 - r.r0) * h_, rows + row * h_, c_.accumulate);
       row += r.r1 - r.r0;
     }
   }
@@ -359,9 +371,9 @@ class CpuTokenBackend final : public TokenBackend {
       if (dw_acc_) c_.weight_grad_group->all_reduce_sum(ctx_, dw_acc_, v_ * h_);
       if (db_acc_) c_.weight_grad_group->all_reduce_sum(ctx_, db_acc_, v_);
     }
-    if (dw_acc_) store_f32(c_.grad_w, 0, v_ * h_, dw_acc_, c_.accumulate);
-    if (dh_acc_) store_f32(c_.grad_x, 0, c_.rows * h_, dh_acc_, c_.accumulate);
-    if (db_acc_) store_f32(c_.grad_bias, 0, v_, db_acc_, c_.accumulate);
+    if (dw_acc_) store_f32(threads_, c_.grad_w, 0, v_ * h_, dw_acc_, c_.accumulate);
+    if (dh_acc_) store_f32(threads_, c_.grad_x, 0, c_.rows * h_, dh_acc_, c_.accumulate);
+    if (db_acc_) store_f32(threads_, c_.grad_bias, 0, v_, db_acc_, c_.accumulate);
     TokenTotals tot;
     tot.valid_rows = valid_;
     tot.weight_sum = denom_;
@@ -441,7 +453,14 @@ class CpuTokenBackend final : public TokenBackend {
                    float factor) {
     const std::int64_t cols = v1 - v0;
     CMatMap gm(tile_, rows, cols);
-    if (db_acc_) Eigen::Map<Eigen::RowVectorXf>(db_acc_ + v0, cols) += gm.colwise().sum();
+    if (db_acc_) {  // column sums, a block of columns per thread
+#pragma omp parallel for num_threads(threads_) schedule(static)
+      for (std::int64_t j0 = 0; j0 < cols; j0 += kSumColumns) {
+        const std::int64_t n = std::min(kSumColumns, cols - j0);
+        Eigen::Map<Eigen::RowVectorXf>(db_acc_ + v0 + j0, n) +=
+            gm.middleCols(j0, n).colwise().sum();
+      }
+    }
     if (!c_.grad_w.defined()) return;
     CMatMap xm(x, rows, h_);
     if (dw_acc_ || c_.grad_w.dtype() == DType::kF32) {
@@ -459,7 +478,8 @@ class CpuTokenBackend final : public TokenBackend {
       const std::int64_t t1 = std::min(v1, t0 + kWeightTile);
       MatMap d(dw_tile_, t1 - t0, h_);
       d.noalias() = gm.middleCols(t0 - v0, t1 - t0).transpose() * xm;
-      store_f32(c_.grad_w, t0 * h_, (t1 - t0) * h_, dw_tile_, !first || c_.accumulate, factor);
+      store_f32(threads_, c_.grad_w, t0 * h_, (t1 - t0) * h_, dw_tile_, !first || c_.accumulate,
+                factor);
     }
   }
   std::int64_t call_vocab() const override { return v_; }
@@ -491,7 +511,7 @@ class CpuTokenBackend final : public TokenBackend {
     if (ranges == packed_) return true;
     std::int64_t row = 0;
     for (const RowRange& r : ranges) {
-      to_f32(c_.x, r.r0 * h_, (r.r1 - r.r0) * h_, x_pack_ + row * h_);
+      to_f32(threads_, c_.x, r.r0 * h_, (r.r1 - r.r0) * h_, x_pack_ + row * h_);
       row += r.r1 - r.r0;
     }
     x32_r0_ = x32_r1_ = -1;  // x32_ (which x_pack_ may be) no longer holds one range's rows
@@ -507,7 +527,7 @@ class CpuTokenBackend final : public TokenBackend {
   const float* x_rows(std::int64_t r0, std::int64_t r1) {
     if (!x32_) return c_.x.data_as<const float>() + r0 * h_;
     if (x32_r0_ != r0 || x32_r1_ != r1) {
-      to_f32(c_.x, r0 * h_, (r1 - r0) * h_, x32_);
+      to_f32(threads_, c_.x, r0 * h_, (r1 - r0) * h_, x32_);
       x32_r0_ = r0;
       x32_r1_ = r1;
       if (x_pack_ == x32_) packed_.clear();
@@ -524,7 +544,7 @@ class CpuTokenBackend final : public TokenBackend {
     }
     for (std::int64_t t0 = v0; t0 < v1; t0 += kWeightTile) {
       const std::int64_t t1 = std::min(v1, t0 + kWeightTile);
-      to_f32(c_.w, t0 * h_, (t1 - t0) * h_, w_tile_);
+      to_f32(threads_, c_.w, t0 * h_, (t1 - t0) * h_, w_tile_);
       fn(t0, t1, w_tile_);
     }
   }

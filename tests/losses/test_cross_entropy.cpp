@@ -1145,23 +1145,35 @@ TEST_CASE("skip_ignored_rows: vocab-block order skips nothing") {
   check_against_oracle(d, o, {}, run, oracle(d, o));  // lse of every row, none NaN
 }
 
-TEST_CASE("thread counts agree to rounding") {
-  for (LoopOrder order : kOrders) {
-    CeSpec s;
-    s.n = 130;
-    s.h = 64;
-    s.v = 400;
-    s.bias = true;
-    CrossEntropyOptions o;
-    o.loop_order = order;
-    const CeData d(s);
-    const LibRun one = run_library(d, o, {}, true, 1);
-    const LibRun two = run_library(d, o, {}, true, 2);
-    const double tol = tolerance(DType::kF32).chunking;
-    check_scalar("loss", two.result.loss, one.result.loss, tol);
-    check_close("grad_hidden", two.grads.hidden(), one.grads.hidden(), tol);
-    check_close("grad_weight", two.grads.weight(), one.grads.weight(), tol);
-    check_close("grad_bias", two.grads.bias(), one.grads.bias(), tol);
+TEST_CASE("thread counts agree to rounding, and with the oracle") {
+  // Large enough that the bf16 conversions and stores (64 Ki values and more) and the bias
+  // gradient's column sums (two blocks of columns) are shared out over the threads.
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (LoopOrder order : kOrders) {
+      for (bool acc : {false, true}) {
+        CeSpec s;
+        s.n = 300;
+        s.h = 300;
+        s.v = 1100;
+        s.bias = true;
+        s.dtype = dtype;
+        CrossEntropyOptions o;
+        o.loop_order = order;
+        o.fp32_weight_grad_accumulator = acc;
+        GradRequest g;
+        g.dtype = dtype;
+        const CeData d(s);
+        INFO(describe(s, o, g));
+        const LibRun one = run_library(d, o, g, true, 1);
+        const LibRun three = run_library(d, o, g, true, 3);
+        check_against_oracle(d, o, g, three, oracle(d, o));
+        const double tol = tolerance(dtype).chunking;
+        check_scalar("loss", three.result.loss, one.result.loss, tol);
+        check_close("grad_hidden", three.grads.hidden(), one.grads.hidden(), tol);
+        check_close("grad_weight", three.grads.weight(), one.grads.weight(), tol);
+        check_close("grad_bias", three.grads.bias(), one.grads.bias(), tol);
+      }
+    }
   }
 }
 
