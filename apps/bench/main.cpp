@@ -305,7 +305,10 @@ Cli parse(int argc, char** argv) {
 int run(const Cli& cli, int argc, char** argv) {
   const std::vector<std::string> words(argv, argv + argc);
   const std::string invoked = apps::shell_join(words);
-  if (!cli.json.empty()) apps::prepare_output_file("json", cli.json);  // before any case
+  if (!cli.json.empty()) {  // before any case
+    apps::check_not_checkpoint_file("json", cli.json, {});
+    apps::prepare_output_file("json", cli.json);
+  }
 #if CHUNKLOSS_BENCH_CUDA
   for (const CaseConfig& c : cli.cases)  // before the header, so a refusal is the only output
     if (c.device == "cuda") require_cuda_devices(std::max(1, c.vocab_ranks));

@@ -26,7 +26,8 @@ CASE is one of:
     device given as a file (eval --json, bench --json, train --chart, --metrics), a parent that is
     a file, an output that is an input (--train-file, --config, the --init checkpoint saved
     over, the metrics drawn as the chart) or a file of a checkpoint read or written (--resume's,
-    --save's checkpoint-N); a --save that is, holds or lies inside the --init checkpoint (a
+    --save's checkpoint-N) or of any directory holding a checkpoint's weights (bench --json
+    too); a --save that is, holds or lies inside the --init checkpoint (a
     resumed run's recorded one too), and a --config or --train-file that is a file of --save;
     the inputs stay intact.
   messages: runtime errors name what to fix: too few examples for a micro-batch with
@@ -300,6 +301,8 @@ def outputs_case(train, evaluate, bench, work):
             (e + ["--json", os.path.join(ck, "config.json")], 2, ("--json", "checkpoint")),
             (e + ["--json", os.path.join(afile, "x.json")], 1, ("--json", "afile")),
             (b + ["--json", work], 2, ("--json", "is a directory")),
+            (b + ["--json", os.path.join(ck, "checkpoint-1", "config.json")], 2,
+             ("--json", "holds model.safetensors")),
             (t + ["--metrics", m, "--chart", work], 2, ("--chart", "is a directory")),
             (t + ["--metrics", os.path.join(afile, "m.jsonl")], 1,
              ("--metrics", "cannot create directory", "afile")),

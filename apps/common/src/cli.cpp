@@ -19,6 +19,7 @@
 #include "chunkloss/losses/cross_entropy.h"
 #include "chunkloss/losses/plan.h"
 #include "chunkloss/losses/preference.h"
+#include "chunkloss/model/checkpoint.h"
 
 namespace chunkloss::apps {
 
@@ -296,6 +297,28 @@ bool path_within(const std::string& inner, const std::string& outer) {
     ++i;
   }
   return true;
+}
+
+void check_not_checkpoint_file(std::string_view option, const std::string& path,
+                               const std::vector<std::string>& dirs, const std::string& save) {
+  const std::filesystem::path p(path);
+  if (!model::is_checkpoint_file_name(p.filename().string())) return;
+  const std::filesystem::path parent = p.parent_path().empty() ? "." : p.parent_path();
+  std::vector<std::string> clashes;
+  for (const std::string& dir : dirs)
+    if (!dir.empty() && same_file(parent.string(), dir)) clashes.push_back(dir);
+  if (!save.empty() && parent.filename().string().rfind("checkpoint-", 0) == 0 &&
+      same_file(parent.parent_path().empty() ? "." : parent.parent_path().string(), save))
+    clashes.push_back(parent.string());
+  if (!clashes.empty())
+    throw UsageError("--" + std::string(option) + " " + path + ": a file of the checkpoint in " +
+                     clashes.front() + ", which saving or loading it would clash with");
+  // Any other checkpoint there (its weights file marks it) would be damaged by the write.
+  std::error_code ec;
+  if (std::filesystem::exists(parent / model::kModelFile, ec))
+    throw UsageError("--" + std::string(option) + " " + path + ": a file of the checkpoint in " +
+                     parent.string() + " (it holds " + model::kModelFile +
+                     "), which writing it would damage");
 }
 
 void prepare_output_file(std::string_view option, const std::string& path,

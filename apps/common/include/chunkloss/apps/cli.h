@@ -95,6 +95,14 @@ bool same_file(const std::string& a, const std::string& b);
 /// and normalised, with the symlinks of their existing parts resolved.
 bool path_within(const std::string& inner, const std::string& outer);
 
+/// Throws UsageError naming `option` when output file `path` would be a file of one of the
+/// checkpoint directories `dirs` (a name model::is_checkpoint_file_name gives, in the directory
+/// itself), which a save would overwrite or a load read. With `save` (chunkloss-train's --save),
+/// its DIR/checkpoint-N directories count too; so does any directory holding a checkpoint's
+/// weights file (model::kModelFile), whose checkpoint the write would damage.
+void check_not_checkpoint_file(std::string_view option, const std::string& path,
+                               const std::vector<std::string>& dirs, const std::string& save = "");
+
 /// Checks output file `path` of option `option` before the run's work, and creates its parent
 /// directory when missing (prepare_output_dir), so that a bad output fails at once rather than at
 /// the end. Throws UsageError naming the option when `path` is a directory or another

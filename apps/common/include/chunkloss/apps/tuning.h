@@ -41,14 +41,6 @@ struct Longest {
 /// whose message names the file it lacks.
 void check_checkpoint_dir(std::string_view option, const std::string& path);
 
-/// Throws UsageError naming `option` when output file `path` would be a file of one of the
-/// checkpoint directories `dirs` (a name model::is_checkpoint_file_name gives, in the directory
-/// itself), which a save would overwrite or a load read. With `save` (chunkloss-train's --save),
-/// its DIR/checkpoint-N directories count too; so does any directory holding a checkpoint's
-/// weights file (model::kModelFile), whose checkpoint the write would damage.
-void check_not_checkpoint_file(std::string_view option, const std::string& path,
-                               const std::vector<std::string>& dirs, const std::string& save = "");
-
 /// Throws chunkloss::Error naming `what` (the checkpoint, e.g. "--init runs/sft") when a model
 /// of `config` was not made for the apps' byte tokenizer (data::ByteTokenizer): a vocab_size
 /// below its 259 (the bytes, BOS, EOS and PAD), or a bos_token_id or eos_token_id in its
