@@ -1,7 +1,7 @@
 // The CPU backend of the token engine: Eigen GEMMs (multi-threaded through OpenMP) on fp32
 // operands, vectorised Eigen array epilogues, one thread per row. bf16 operands are staged as
-// fp32 copies (a tile of W rows at a time) in the workspace, widened on the call's threads as
-// bf16 gradients are rounded on them; nothing is allocated per call.
+// fp32 copies (a tile of W rows at a time) in the workspace; that widening, and the rounding
+// of bf16 gradients, run on the call's threads. Nothing is allocated per call.
 #include <omp.h>
 
 #include <Eigen/Core>
