@@ -470,7 +470,10 @@ class CpuTokenBackend final : public TokenBackend {
         d.noalias() = gm.transpose() * xm;
       else
         d.noalias() += gm.transpose() * xm;
-      if (factor != 1.0f) d *= factor;
+      if (factor != 1.0f) {
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (std::int64_t j = 0; j < cols; ++j) d.row(j) *= factor;
+      }
       return;
     }
     // bf16 dW without an fp32 accumulator: a tile of rows at a time through fp32 scratch.
