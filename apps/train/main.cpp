@@ -33,6 +33,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
+#include <set>
 #include <span>
 #include <thread>
 #include <vector>
@@ -87,7 +88,8 @@ struct Settings {
   int data_parallel = 1;
   int vocab_parallel = 1;
   std::string init, resume, save, metrics, chart;
-  std::string config_file;  ///< --config (an input no output may overwrite)
+  bool resume_inexact = false;  ///< --resume may change the options that only round differently
+  std::string config_file;      ///< --config (an input no output may overwrite)
   std::int64_t steps = 0, batch_size = 0, grad_accum = 1, log_every = 0, save_every = 0;
   model::LrSchedule schedule;
   model::AdamWOptions adam;
@@ -121,7 +123,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("loss", po::value<std::string>()->default_value("ce"), "ce (SFT) | dpo | orpo | simpo | cpo | kto")
     ("device", po::value<std::string>()->default_value("cpu"), "where the loss runs: cpu | cuda (CUDA device 0; each step's hidden states and lm_head are copied there and the gradients back; the model layer runs on the CPU)")
     ("gemm-selection", po::value<std::string>()->default_value("default"), "with --device cuda: default (cuBLAS's own algorithm for each GEMM shape, the same bits in every run) | measured (cuBLAS's and cuBLASLt's candidates timed on each shape's first calls, the fastest kept: faster on large heads, exact, but bits may differ between runs)")
-    ("threads", po::value<int>()->default_value(1), "CPU threads for the model and the loss (0: all cores; the bundled model is too small to gain from more than 1); the results differ by rounding between thread counts, so --resume asks for the same")
+    ("threads", po::value<int>()->default_value(1), "CPU threads for the model and the loss (0: all cores; the bundled model is too small to gain from more than 1); the results differ by rounding between thread counts, so --resume asks for the same (see --resume-inexact)")
     ("data-parallel", po::value<int>()->default_value(1), "ranks of a data group, threads of this process: each holds a model replica and takes its part of every micro-batch; their loss calls share the library's data group (the loss, metrics and gradients of the whole micro-batch) and the gradients are summed over them before each optimizer step; --threads is split between them; an epoch's last short micro-batch is dropped; with --device cuda every rank's loss runs on device 0")
     ("vocab-parallel", po::value<int>()->default_value(1), "ranks of a vocabulary split, threads of this process: each holds a model replica, steps on the same examples and passes its rows [V r / K, V (r + 1) / K) of the lm_head to the loss calls, which share the library's vocabulary split (vocab_shard); rank 0 runs the model's backward, the others add their rows' lm_head gradient; with --data-parallel D the D x K ranks form a grid; with --device cuda every rank's loss runs on device 0")
     ("seed", po::value<std::int64_t>()->default_value(0), "seed of the model init and the data order (>= 0)");
@@ -141,7 +143,8 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("max-positions", po::value<std::int64_t>()->default_value(64), "max_position_embeddings")
     ("tie-embeddings", po::value<std::string>()->default_value("0"), "tie lm_head to the token embedding")
     ("init", po::value<std::string>()->default_value("", "none"), "start from this checkpoint directory (the SFT model): the policy, and for dpo/kto also the frozen reference (not with --resume, which takes the --init its run was saved with)")
-    ("resume", po::value<std::string>()->default_value("", "none"), "continue the run saved in this directory (model, optimizer, step) exactly");
+    ("resume", po::value<std::string>()->default_value("", "none"), "continue the run saved in this directory (model, optimizer, step) exactly")
+    ("resume-inexact", po::value<std::string>()->default_value("0"), "with --resume: let the options that change only the rounding (--threads, --device, --gemm-selection, --budget-mib, --vocab-parallel) differ from the saved run's, as on another machine; the run continues the same optimisation, its numbers then differ from an uninterrupted run's by rounding, and a warning names each change");
   po::options_description optim("Optimiser");
   optim.add_options()
     ("steps", po::value<std::int64_t>()->default_value(300), "optimizer steps in total")
@@ -236,6 +239,11 @@ std::optional<Settings> parse(int argc, char** argv) {
                            "was saved with; give only --resume");
   if (!s.init.empty()) apps::check_checkpoint_dir("init", s.init);
   if (!s.resume.empty()) apps::check_checkpoint_dir("resume", s.resume);
+  s.resume_inexact = apps::parse_bool("resume-inexact", vm["resume-inexact"].as<std::string>());
+  if (s.resume_inexact && s.resume.empty())
+    throw apps::UsageError(
+        "--resume-inexact is for --resume, which it lets change the options "
+        "that only round differently");
   if (!s.init.empty() || !s.resume.empty()) {
     for (const auto& [name, field] : kArchitecture)
       if (!vm[name].defaulted()) s.architecture_given.push_back(name);
@@ -486,9 +494,14 @@ std::map<std::string, std::string> run_options(const Settings& s, const std::str
 // skip_ignored_rows computed every row, before grad_accum_weights weighed micro-batches equally,
 // and before z_loss and discopop_tau had options used their defaults), the rest cannot be
 // compared. Builds before 2026-12-05 saved the default budget as 0: it
-// is the saved device's default.
-void check_resume(const Settings& s, const std::string& dir, const model::TrainerState& st,
-                  const std::map<std::string, std::string>& now, std::int64_t optimizer_step) {
+// is the saved device's default. With --resume-inexact the options that change only the
+// rounding (the same optimisation on another machine) may differ: returns those changes, "" if
+// none.
+std::string check_resume(const Settings& s, const std::string& dir, const model::TrainerState& st,
+                         const std::map<std::string, std::string>& now,
+                         std::int64_t optimizer_step) {
+  static const std::set<std::string> kRoundingOnly = {"threads", "device", "gemm_selection",
+                                                      "budget_bytes", "vocab_parallel"};
   static const std::map<std::string, std::string> kImplied = {{"device", "cpu"},
                                                               {"data_parallel", "1"},
                                                               {"vocab_parallel", "1"},
@@ -505,13 +518,19 @@ void check_resume(const Settings& s, const std::string& dir, const model::Traine
   for (const char* key : {"loss", "seed", "batch_size", "grad_accum", "steps"})
     CHUNKLOSS_CHECK(st.strings.count(key), "--resume ", dir, ": trainer_state.json records no ",
                     key, ", which every save of chunkloss-train holds");
+  std::string changes;
   for (const auto& [key, value] : now) {
     std::optional<std::string> saved = saved_value(key);
     if (!saved) continue;
     if (key == "budget_bytes" && *saved == "0")
       saved = std::to_string(apps::budget_bytes(0, *saved_value("device")));
-    CHUNKLOSS_CHECK(*saved == value, "--resume ", dir, ": the run was saved with ", key, " = ",
-                    *saved, ", this one has ", value, " (exact resume needs the same)");
+    if (*saved == value) continue;
+    CHUNKLOSS_CHECK(s.resume_inexact && kRoundingOnly.count(key), "--resume ", dir,
+                    ": the run was saved with ", key, " = ", *saved, ", this one has ", value,
+                    s.resume_inexact || !kRoundingOnly.count(key)
+                        ? " (exact resume needs the same)"
+                        : " (exact resume needs the same; --resume-inexact allows it)");
+    changes += (changes.empty() ? "" : ", ") + key + " " + *saved + " -> " + value;
   }
   CHUNKLOSS_CHECK(st.global_step == optimizer_step, "--resume ", dir,
                   ": trainer_state.json's global_step ", st.global_step,
@@ -519,6 +538,7 @@ void check_resume(const Settings& s, const std::string& dir, const model::Traine
   CHUNKLOSS_CHECK(st.global_step >= 0 && st.global_step < s.steps, "--resume ", dir,
                   ": the run saved there is at step ", st.global_step, " of --steps ", s.steps,
                   st.global_step == s.steps ? " (it has finished)" : "");
+  return changes;
 }
 
 // Throws naming the step and the parameter when the optimizer step left a parameter NaN or Inf
@@ -857,7 +877,14 @@ int run(const Settings& s, const std::string& invocation) {
   DataSettings data = s.data;
   data.text = data::read_text_file(s.data.file);
   const std::map<std::string, std::string> options = run_options(s, data.text, reference);
-  if (resumed) check_resume(s, s.resume, *resumed, options, opt->step_count());
+  if (resumed) {
+    if (const std::string changes = check_resume(s, s.resume, *resumed, options, opt->step_count());
+        !changes.empty())
+      std::fprintf(stderr,
+                   "%s: warning: --resume-inexact: %s; the run continues the same optimisation, "
+                   "its numbers differing from an uninterrupted run's by rounding\n",
+                   kProg, changes.c_str());
+  }
 
   // Per rank of the grid (one rank: no groups): a loss device, a trainer and a model replica
   // (rank 0's is the policy; the others copy its parameters after each optimizer step).

@@ -8,7 +8,8 @@ one line per step, the chart is written), dpo|orpo|simpo|cpo|kto (a few steps fr
 case's checkpoint: on the training pairs, the implicit reward margin against the sft model is
 positive and most pairs rank chosen first), resume (12 steps straight == 7 steps, save, resume, 5
 more; bitwise; a resume with another option, from a finished run or with a global_step other than
-the optimizer's is refused; a new run into a used directory starts its metrics afresh), eval (chunkloss-eval --json on the sft checkpoint; its pref acc and avg pref acc against CPO's
+the optimizer's is refused; --resume-inexact allows another thread count and budget, within
+rounding of the straight run, and nothing else; a new run into a used directory starts its metrics afresh), eval (chunkloss-eval --json on the sft checkpoint; its pref acc and avg pref acc against CPO's
 and SimPO's/ORPO's rewards/accuracies on pairs of unequal lengths; a perplexity that overflows
 is left out), data_parallel (SFT, DPO
 and KTO over 1 and 3 ranks of --data-parallel agree step by step, KTO's counts are the whole
@@ -148,6 +149,42 @@ def main():
             if word not in p.stderr or len(p.stderr.strip().splitlines()) != 1:
                 fail("resume with %s: expected one line naming %s, got:\n%s" %
                      (" ".join(extra), word, p.stderr))
+        # --resume-inexact lets the options that only round differently change (one warning
+        # names them): the weights are the straight run's up to rounding, and the save records
+        # the new values. Any other option is still refused, and without --resume it is a usage
+        # error.
+        e = os.path.join(work, "resumed_inexact")
+        shutil.rmtree(e, ignore_errors=True)
+        p = run(resume + ["--save", e, "--threads", "2", "--budget-mib", "1",
+                          "--resume-inexact", "1"])
+        warn = [line for line in p.stderr.splitlines() if "--resume-inexact" in line]
+        if len(warn) != 1 or "threads 1 -> 2" not in warn[0] or \
+                "budget_bytes 268435456 -> 1048576" not in warn[0]:
+            fail("--resume-inexact must warn once naming both changes, got:\n" + p.stderr)
+        straight, inexact = tensors(os.path.join(a, "model.safetensors")), \
+            tensors(os.path.join(e, "model.safetensors"))
+        diff = norm = 0.0
+        for name, raw in straight.items():
+            x = struct.unpack("<%df" % (len(raw) // 4), raw)
+            y = struct.unpack("<%df" % (len(raw) // 4), inexact[name])
+            diff += sum((u - v) ** 2 for u, v in zip(x, y))
+            norm += sum(u * u for u in x)
+        if not (diff ** 0.5 <= 1e-5 * norm ** 0.5):
+            fail("--resume-inexact: the weights differ from the straight run's by %.3g of their "
+                 "norm, more than rounding" % ((diff / norm) ** 0.5))
+        with open(os.path.join(e, "trainer_state.json")) as f:
+            saved = json.load(f)["strings"]
+        if saved["threads"] != "2" or saved["budget_bytes"] != "1048576":
+            fail("a --resume-inexact run must save its own threads and budget, got %s and %s" %
+                 (saved["threads"], saved["budget_bytes"]))
+        print("resume: --resume-inexact with 2 threads and a 1 MiB budget, %.2g of the norm "
+              "from the straight run" % ((diff / norm) ** 0.5))
+        p = run(resume + ["--lr", "1e-2", "--resume-inexact", "1"], expect=1)
+        if "lr = " not in p.stderr or len(p.stderr.strip().splitlines()) != 1:
+            fail("--resume-inexact must still refuse another --lr in one line:\n" + p.stderr)
+        p = run([train, "--resume-inexact", "1"] + common, expect=2)
+        if "--resume-inexact" not in p.stderr or len(p.stderr.strip().splitlines()) != 1:
+            fail("--resume-inexact without --resume must be one usage line:\n" + p.stderr)
         p = run([train, "--resume", a] + common[:8] + ["--batch-size", "16"], expect=1)
         if "(it has finished)" not in p.stderr:
             fail("resuming a finished run must say so:\n" + p.stderr)
