@@ -16,25 +16,28 @@
 namespace chunkloss::detail {
 namespace {
 
+// The two largest primes below 2^20. The kinds' values (counts, sizes, flags, digests: integers
+// >= 0) are compared by their residues modulo each, so that two different values pass only when
+// they agree modulo the product (about 2^40), and the sums of squares stay exact in double over
+// up to 8192 ranks.
+constexpr std::uint64_t kPrimes[] = {1048573, 1048571};
+
 // One exchange over the group of `sum`: the ranks flagging `failed`, whether every rank sent the
-// same `kind` (each value's sum and sum of squares are the ranks' count times its own and its
-// square), and `sums` summed in place. Returns {failed ranks, same kind}. The kind's values
-// (counts, sizes, flags, digests: integers >= 0) are compared modulo a prime below 2^20, so that
-// the sums of squares stay exact in double over up to 8192 ranks.
+// same `kind` (each residue's sum and sum of squares are the ranks' count times its own and its
+// square), and `sums` summed in place. Returns {failed ranks, same kind}.
 std::pair<double, bool> exchange(const GroupSum& sum, bool failed, std::span<const double> kind,
                                  std::span<double> sums) {
-  constexpr double kPrime = 1048573;  // the largest prime below 2^20
   const double ranks = sum.group ? sum.group->size() : 1;
-  std::vector<double> reduced(kind.size());
-  std::transform(kind.begin(), kind.end(), reduced.begin(),
-                 [](double x) { return std::fmod(x, kPrime); });
+  std::vector<double> residues;
+  for (const double x : kind)
+    for (const std::uint64_t p : kPrimes) residues.push_back(std::fmod(x, static_cast<double>(p)));
   std::vector<double> v = {failed ? 1.0 : 0.0};
-  for (double x : reduced) v.insert(v.end(), {x, x * x});
+  for (const double x : residues) v.insert(v.end(), {x, x * x});
   v.insert(v.end(), sums.begin(), sums.end());
   sum(v.data(), v.size());
   bool same = true;
-  for (std::size_t i = 0; i < reduced.size(); ++i) {
-    const double x = reduced[i];
+  for (std::size_t i = 0; i < residues.size(); ++i) {
+    const double x = residues[i];
     same = same && v[1 + 2 * i] == ranks * x && v[2 + 2 * i] == ranks * x * x;
   }
   std::copy(v.end() - static_cast<std::ptrdiff_t>(sums.size()), v.end(), sums.begin());
@@ -97,9 +100,11 @@ std::string failed_ranks(double count, const char* group, const std::string& fir
 }  // namespace
 
 double kind_digest(std::span<const std::uint8_t> bytes) {
-  constexpr std::uint64_t kPrime = 1048573;  // the largest prime below 2^20
+  // A polynomial hash modulo the product of the primes (below 2^40, so exact in double, and
+  // told apart by its two residues).
+  constexpr std::uint64_t kModulus = kPrimes[0] * kPrimes[1];
   std::uint64_t h = 0;
-  for (const std::uint8_t b : bytes) h = (h * 257 + b + 1) % kPrime;
+  for (const std::uint8_t b : bytes) h = (h * 257 + b + 1) % kModulus;  // (h * 257 < 2^49)
   return static_cast<double>(h);
 }
 

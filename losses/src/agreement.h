@@ -22,7 +22,7 @@ struct FirstExchange {
   const char* data_differs = "";       ///< ... and the data kind
 };
 
-/// A digest of bytes for a kind (below 2^20, as the exchange compares kinds) ...
+/// A digest of bytes for a kind (below 2^40, as the exchange compares kinds) ...
 double kind_digest(std::span<const std::uint8_t> bytes);
 /// ... and of values' bytes.
 double kind_digest(std::span<const double> values);

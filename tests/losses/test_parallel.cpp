@@ -646,6 +646,23 @@ TEST_CASE("a call one rank rejects, or calls whose collectives differ, fail on e
     for (const std::string& m : pair_errors(vocab, narrower))
       CHECK(m.find(vocab ? "vocab_shard.group make different kinds of calls"
                          : "data_group make different kinds of calls") != std::string::npos);
+  // H = 3 on one rank and 3 + 1048573 (the largest prime below 2^20) on the other: kinds equal
+  // modulo one prime of the exchange but not the other. Forward only, one row and V = 2, so that
+  // the wide rank's buffers stay small.
+  e = pair_errors(
+      false, [](std::size_t r, CrossEntropyInputs& in, CrossEntropyGrads& g, CrossEntropyOptions&) {
+        static std::vector<float> x[2], w[2];
+        static std::vector<std::int32_t> y = {1};
+        const std::int64_t h = r == 0 ? 3 : 3 + 1048573;
+        x[r].assign(static_cast<std::size_t>(h), 0.5f);
+        w[r].assign(static_cast<std::size_t>(2 * h), 0.25f);
+        in.hidden = TensorView::of(x[r].data(), {1, h});
+        in.weight = TensorView::of(w[r].data(), {2, h});
+        in.targets = TensorView::of(y.data(), {1});
+        g = {};
+      });
+  for (const std::string& m : e)
+    CHECK(m.find("data_group make different kinds of calls") != std::string::npos);
   // A data group's rank with a gradient buffer of the wrong shape.
   e = pair_errors(
       false, [](std::size_t r, CrossEntropyInputs&, CrossEntropyGrads& g, CrossEntropyOptions&) {
