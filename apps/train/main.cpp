@@ -518,6 +518,9 @@ std::string check_resume(const Settings& s, const std::string& dir, const model:
   for (const char* key : {"loss", "seed", "batch_size", "grad_accum", "steps"})
     CHUNKLOSS_CHECK(st.strings.count(key), "--resume ", dir, ": trainer_state.json records no ",
                     key, ", which every save of chunkloss-train holds");
+  std::string rounding_only;
+  for (const std::string& key : kRoundingOnly)
+    rounding_only += (rounding_only.empty() ? "" : ", ") + key;
   std::string changes;
   for (const auto& [key, value] : now) {
     std::optional<std::string> saved = saved_value(key);
@@ -525,11 +528,13 @@ std::string check_resume(const Settings& s, const std::string& dir, const model:
     if (key == "budget_bytes" && *saved == "0")
       saved = std::to_string(apps::budget_bytes(0, *saved_value("device")));
     if (*saved == value) continue;
-    CHUNKLOSS_CHECK(s.resume_inexact && kRoundingOnly.count(key), "--resume ", dir,
-                    ": the run was saved with ", key, " = ", *saved, ", this one has ", value,
-                    s.resume_inexact || !kRoundingOnly.count(key)
-                        ? " (exact resume needs the same)"
-                        : " (exact resume needs the same; --resume-inexact allows it)");
+    CHUNKLOSS_CHECK(
+        s.resume_inexact && kRoundingOnly.count(key), "--resume ", dir, ": the run was saved with ",
+        key, " = ", *saved, ", this one has ", value,
+        !kRoundingOnly.count(key)
+            ? (s.resume_inexact ? " (--resume-inexact lets only " + rounding_only + " differ)"
+                                : std::string(" (exact resume needs the same)"))
+            : " (exact resume needs the same; --resume-inexact allows it)");
     changes += (changes.empty() ? "" : ", ") + key + " " + *saved + " -> " + value;
   }
   CHUNKLOSS_CHECK(st.global_step == optimizer_step, "--resume ", dir,
@@ -877,14 +882,8 @@ int run(const Settings& s, const std::string& invocation) {
   DataSettings data = s.data;
   data.text = data::read_text_file(s.data.file);
   const std::map<std::string, std::string> options = run_options(s, data.text, reference);
-  if (resumed) {
-    if (const std::string changes = check_resume(s, s.resume, *resumed, options, opt->step_count());
-        !changes.empty())
-      std::fprintf(stderr,
-                   "%s: warning: --resume-inexact: %s; the run continues the same optimisation, "
-                   "its numbers differing from an uninterrupted run's by rounding\n",
-                   kProg, changes.c_str());
-  }
+  const std::string inexact =
+      resumed ? check_resume(s, s.resume, *resumed, options, opt->step_count()) : "";
 
   // Per rank of the grid (one rank: no groups): a loss device, a trainer and a model replica
   // (rank 0's is the policy; the others copy its parameters after each optimizer step).
@@ -932,6 +931,11 @@ int run(const Settings& s, const std::string& invocation) {
 
   // Everything a run can be refused for before its first step has been checked: a refused run
   // prints its error line alone.
+  if (!inexact.empty())
+    std::fprintf(stderr,
+                 "%s: warning: --resume-inexact: %s; the run continues the same optimisation, "
+                 "its numbers differing from an uninterrupted run's by rounding\n",
+                 kProg, inexact.c_str());
   std::fprintf(stderr, "%s: %s\n", kProg, policy->summary().c_str());
   std::fprintf(
       stderr,

@@ -180,8 +180,22 @@ def main():
         print("resume: --resume-inexact with 2 threads and a 1 MiB budget, %.2g of the norm "
               "from the straight run" % ((diff / norm) ** 0.5))
         p = run(resume + ["--lr", "1e-2", "--resume-inexact", "1"], expect=1)
-        if "lr = " not in p.stderr or len(p.stderr.strip().splitlines()) != 1:
-            fail("--resume-inexact must still refuse another --lr in one line:\n" + p.stderr)
+        if "lr = " not in p.stderr or "lets only budget_bytes, device" not in p.stderr or \
+                len(p.stderr.strip().splitlines()) != 1:
+            fail("--resume-inexact must still refuse another --lr in one line naming what may "
+                 "differ:\n" + p.stderr)
+        # A change it allows, refused later (no CUDA here): the error line alone, no warning;
+        # where CUDA runs it, the warning once.
+        e = os.path.join(work, "resumed_inexact_cuda")
+        shutil.rmtree(e, ignore_errors=True)
+        p = subprocess.run(resume + ["--save", e, "--device", "cuda", "--resume-inexact", "1"],
+                           capture_output=True, text=True)
+        warned = sum("warning: --resume-inexact: device cpu -> cuda" in line
+                     for line in p.stderr.splitlines())
+        if (p.returncode != 0 and len(p.stderr.strip().splitlines()) != 1) or \
+                (p.returncode == 0 and warned != 1):
+            fail("--resume-inexact with --device cuda exited %d; expected its error line alone, "
+                 "or one warning:\n%s" % (p.returncode, p.stderr))
         p = run([train, "--resume-inexact", "1"] + common, expect=2)
         if "--resume-inexact" not in p.stderr or len(p.stderr.strip().splitlines()) != 1:
             fail("--resume-inexact without --resume must be one usage line:\n" + p.stderr)
