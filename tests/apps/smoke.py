@@ -8,7 +8,7 @@ one line per step, the chart is written), dpo|orpo|simpo|cpo|kto (a few steps fr
 case's checkpoint: on the training pairs, the implicit reward margin against the sft model is
 positive and most pairs rank chosen first), resume (12 steps straight == 7 steps, save, resume, 5
 more; bitwise; a resume with another option, from a finished run or with a global_step other than
-the optimizer's is refused; --resume-inexact allows another thread count and budget, within
+the optimizer's is refused; --resume-inexact allows another thread count, budget and vocabulary split, within
 rounding of the straight run, and nothing else; a new run into a used directory starts its metrics afresh), eval (chunkloss-eval --json on the sft checkpoint; its pref acc and avg pref acc against CPO's
 and SimPO's/ORPO's rewards/accuracies on pairs of unequal lengths; a perplexity that overflows
 is left out), data_parallel (SFT, DPO
@@ -156,11 +156,12 @@ def main():
         e = os.path.join(work, "resumed_inexact")
         shutil.rmtree(e, ignore_errors=True)
         p = run(resume + ["--save", e, "--threads", "2", "--budget-mib", "1",
-                          "--resume-inexact", "1"])
+                          "--vocab-parallel", "2", "--resume-inexact", "1"])
         warn = [line for line in p.stderr.splitlines() if "--resume-inexact" in line]
         if len(warn) != 1 or "threads 1 -> 2" not in warn[0] or \
-                "budget_bytes 268435456 -> 1048576" not in warn[0]:
-            fail("--resume-inexact must warn once naming both changes, got:\n" + p.stderr)
+                "budget_bytes 268435456 -> 1048576" not in warn[0] or \
+                "vocab_parallel 1 -> 2" not in warn[0]:
+            fail("--resume-inexact must warn once naming the three changes, got:\n" + p.stderr)
         straight, inexact = tensors(os.path.join(a, "model.safetensors")), \
             tensors(os.path.join(e, "model.safetensors"))
         diff = norm = 0.0
@@ -174,10 +175,13 @@ def main():
                  "norm, more than rounding" % ((diff / norm) ** 0.5))
         with open(os.path.join(e, "trainer_state.json")) as f:
             saved = json.load(f)["strings"]
-        if saved["threads"] != "2" or saved["budget_bytes"] != "1048576":
-            fail("a --resume-inexact run must save its own threads and budget, got %s and %s" %
-                 (saved["threads"], saved["budget_bytes"]))
-        print("resume: --resume-inexact with 2 threads and a 1 MiB budget, %.2g of the norm "
+        if (saved["threads"], saved["budget_bytes"], saved["vocab_parallel"]) != \
+                ("2", "1048576", "2"):
+            fail("a --resume-inexact run must save its own threads, budget and vocabulary "
+                 "split, got %s, %s and %s" %
+                 (saved["threads"], saved["budget_bytes"], saved["vocab_parallel"]))
+        print("resume: --resume-inexact with 2 threads, a 1 MiB budget and 2 vocabulary ranks, "
+              "%.2g of the norm "
               "from the straight run" % ((diff / norm) ** 0.5))
         p = run(resume + ["--lr", "1e-2", "--resume-inexact", "1"], expect=1)
         if "lr = " not in p.stderr or "lets only budget_bytes, device" not in p.stderr or \
