@@ -71,6 +71,18 @@ def tensors(path):
             for k, v in header.items()}
 
 
+def weight_gap(a, b):
+    """The relative norm of the difference between two checkpoints' fp32 weights."""
+    diff = norm = 0.0
+    wb = tensors(os.path.join(b, "model.safetensors"))
+    for name, raw in tensors(os.path.join(a, "model.safetensors")).items():
+        x = struct.unpack("<%df" % (len(raw) // 4), raw)
+        y = struct.unpack("<%df" % (len(raw) // 4), wb[name])
+        diff += sum((u - v) ** 2 for u, v in zip(x, y))
+        norm += sum(u * u for u in x)
+    return (diff / norm) ** 0.5
+
+
 def main():
     train, evaluate, work, case = sys.argv[1:5]
     os.makedirs(work, exist_ok=True)
@@ -162,17 +174,10 @@ def main():
                 "budget_bytes 268435456 -> 1048576" not in warn[0] or \
                 "vocab_parallel 1 -> 2" not in warn[0]:
             fail("--resume-inexact must warn once naming the three changes, got:\n" + p.stderr)
-        straight, inexact = tensors(os.path.join(a, "model.safetensors")), \
-            tensors(os.path.join(e, "model.safetensors"))
-        diff = norm = 0.0
-        for name, raw in straight.items():
-            x = struct.unpack("<%df" % (len(raw) // 4), raw)
-            y = struct.unpack("<%df" % (len(raw) // 4), inexact[name])
-            diff += sum((u - v) ** 2 for u, v in zip(x, y))
-            norm += sum(u * u for u in x)
-        if not (diff ** 0.5 <= 1e-5 * norm ** 0.5):
+        gap = weight_gap(a, e)
+        if not gap <= 1e-5:
             fail("--resume-inexact: the weights differ from the straight run's by %.3g of their "
-                 "norm, more than rounding" % ((diff / norm) ** 0.5))
+                 "norm, more than rounding" % gap)
         with open(os.path.join(e, "trainer_state.json")) as f:
             saved = json.load(f)["strings"]
         if (saved["threads"], saved["budget_bytes"], saved["vocab_parallel"]) != \
@@ -181,15 +186,14 @@ def main():
                  "split, got %s, %s and %s" %
                  (saved["threads"], saved["budget_bytes"], saved["vocab_parallel"]))
         print("resume: --resume-inexact with 2 threads, a 1 MiB budget and 2 vocabulary ranks, "
-              "%.2g of the norm "
-              "from the straight run" % ((diff / norm) ** 0.5))
+              "%.2g of the norm from the straight run" % gap)
         p = run(resume + ["--lr", "1e-2", "--resume-inexact", "1"], expect=1)
         if "lr = " not in p.stderr or "lets only budget_bytes, device" not in p.stderr or \
                 len(p.stderr.strip().splitlines()) != 1:
             fail("--resume-inexact must still refuse another --lr in one line naming what may "
                  "differ:\n" + p.stderr)
         # A change it allows, refused later (no CUDA here): the error line alone, no warning;
-        # where CUDA runs it, the warning once.
+        # where CUDA runs it, the warning once and the straight run's weights up to rounding.
         e = os.path.join(work, "resumed_inexact_cuda")
         shutil.rmtree(e, ignore_errors=True)
         p = subprocess.run(resume + ["--save", e, "--device", "cuda", "--resume-inexact", "1"],
@@ -200,6 +204,13 @@ def main():
                 (p.returncode == 0 and warned != 1):
             fail("--resume-inexact with --device cuda exited %d; expected its error line alone, "
                  "or one warning:\n%s" % (p.returncode, p.stderr))
+        if p.returncode == 0:
+            gap = weight_gap(a, e)
+            if not gap <= 1e-4:
+                fail("--resume-inexact on CUDA: the weights differ from the straight CPU run's "
+                     "by %.3g of their norm, more than rounding" % gap)
+            print("resume: --resume-inexact from the CPU to CUDA, %.2g of the norm from the "
+                  "straight run" % gap)
         p = run([train, "--resume-inexact", "1"] + common, expect=2)
         if "--resume-inexact" not in p.stderr or len(p.stderr.strip().splitlines()) != 1:
             fail("--resume-inexact without --resume must be one usage line:\n" + p.stderr)
