@@ -198,7 +198,7 @@ def main():
         shutil.rmtree(e, ignore_errors=True)
         p = subprocess.run(resume + ["--save", e, "--device", "cuda", "--resume-inexact", "1"],
                            capture_output=True, text=True)
-        warned = sum("warning: --resume-inexact: device cpu -> cuda" in line
+        warned = sum("warning: --resume-inexact:" in line and "device cpu -> cuda" in line
                      for line in p.stderr.splitlines())
         if (p.returncode != 0 and len(p.stderr.strip().splitlines()) != 1) or \
                 (p.returncode == 0 and warned != 1):
