@@ -71,6 +71,14 @@ HeadShape check_head(const char* who, const std::string& name, const Head& head,
   return hs;
 }
 
+// Refuses a head (`name`, checked as `got`) whose H, V or dtype differs from the policy head's.
+void check_like_policy(const char* who, const std::string& name, const Head& head,
+                       const HeadShape& got, const Head& policy, const HeadShape& ps) {
+  CHUNKLOSS_CHECK(got.h == ps.h && got.v == ps.v && got.dtype == ps.dtype, who, ": ", name,
+                  " must match the policy head's H, V and dtype: ", name, ".weight ",
+                  head.weight.str(), ", policy.weight ", policy.weight.str());
+}
+
 TensorView as_rows(const TensorView& x, std::int64_t n, std::int64_t h) {
   return {x.data(), x.dtype(), {n, h}, x.device(), x.device_index()};
 }
@@ -216,10 +224,7 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
   c.has_reference = ref_head || ref_given;
   if (ref_head) {
     const HeadShape rs = check_head(who, "reference", in.reference, dev, s, t);
-    CHUNKLOSS_CHECK(rs.h == h && rs.v == v && rs.dtype == hs.dtype, who,
-                    ": the reference head must match the policy head's H, V and dtype: reference."
-                    "weight ",
-                    in.reference.weight.str(), ", policy.weight ", in.policy.weight.str());
+    check_like_policy(who, "reference", in.reference, rs, in.policy, hs);
   }
   CHUNKLOSS_CHECK(pairs || in.labels.defined(), who, ": labels [", s,
                   "] i32 (1 desirable, 0 undesirable) are required");
@@ -297,8 +302,7 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
     c.kl_seq_len = kb.targets.size(1);
     const HeadShape ks =
         check_head(who, "kl_batch.policy", kb.policy, dev, c.kl_sequences, c.kl_seq_len);
-    CHUNKLOSS_CHECK(ks.h == h && ks.v == v && ks.dtype == hs.dtype, who,
-                    ": kl_batch.policy must match the policy head's H, V and dtype");
+    check_like_policy(who, "kl_batch.policy", kb.policy, ks, in.policy, hs);
     const bool kref_head = given(kb.reference);
     CHUNKLOSS_CHECK(kref_head != kb.reference_logps.defined(), who,
                     ": kl_batch needs exactly one of a reference head and reference_logps");
@@ -312,8 +316,7 @@ Checked check_call(const SequenceObjective& obj, const SequenceOptions& o, Devic
     if (kref_head) {
       const HeadShape kr =
           check_head(who, "kl_batch.reference", kb.reference, dev, c.kl_sequences, c.kl_seq_len);
-      CHUNKLOSS_CHECK(kr.h == h && kr.v == v && kr.dtype == hs.dtype, who,
-                      ": kl_batch.reference must match the policy head's H, V and dtype");
+      check_like_policy(who, "kl_batch.reference", kb.reference, kr, in.policy, hs);
       c.kl_reference = head_call(kb.reference, ks, krows, o.ignore_index, shard, c.v_total);
     }
     c.kl_plan = plan_token_objective(head_request(ks, dev, o, shard, c.v_total));

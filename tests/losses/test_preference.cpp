@@ -1799,6 +1799,18 @@ TEST_CASE("bad input: the KL batch") {
   PreferenceInputs in = b.d.inputs();
   in.kl_batch.policy.hidden = TensorView::of(b.d.kl_hidden.data(), {s.kl_s * s.kl_t - 1, s.h});
   b.expect(KtoOptions{}, in, "kl_batch");
+  // A KL head whose vocabulary differs from the policy head's, named with both weights' shapes.
+  for (const char* name : {"kl_batch.policy", "kl_batch.reference"}) {
+    in = b.d.inputs();
+    Head& head =
+        name == std::string("kl_batch.policy") ? in.kl_batch.policy : in.kl_batch.reference;
+    const TensorView w = head.weight;
+    head.weight = TensorView(w.data(), w.dtype(), {s.v - 1, s.h}, w.device(), w.device_index());
+    head.bias = {};
+    b.expect(KtoOptions{}, in,
+             std::string(name) + " must match the policy head's H, V and dtype: " + name +
+                 ".weight " + head.weight.str() + ", policy.weight " + in.policy.weight.str());
+  }
   // A KL batch without a reference (head or sums), or with both; and one for a batch without a
   // reference, whose KL point would be max(0, a mean log-prob) = 0 whatever the batch.
   in = b.d.inputs();
