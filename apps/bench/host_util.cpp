@@ -44,7 +44,9 @@ std::vector<std::int64_t> ce_targets(const CaseConfig& c, CaseResult& res) {
 HostBuffer::HostBuffer(std::size_t bytes) : bytes_(bytes) {
   if (bytes == 0) return;
   p_ = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  CHUNKLOSS_CHECK(p_ != MAP_FAILED, "bench: cannot map ", bytes, " bytes");
+  CHUNKLOSS_CHECK(p_ != MAP_FAILED, "bench: cannot map ", bytes,
+                  " bytes of host memory for a buffer of the case (smaller --rows, --pairs, "
+                  "--seq-len, --hidden or --vocab need less)");
 }
 
 HostBuffer::~HostBuffer() {

@@ -14,6 +14,7 @@
 #include <iostream>
 #include <optional>
 #include <thread>
+#include <tuple>
 
 #include "bench.h"
 #include "report.h"
@@ -62,22 +63,22 @@ std::string case_command(const std::string& prog, const CaseConfig& c) {
   std::vector<std::string> w = {prog, "--loss", c.loss, "--device", c.device};
   if (c.preference()) {
     w.insert(w.end(), {"--pairs", std::to_string(c.pairs), "--seq-len", std::to_string(c.seq_len),
-                       "--prompt-frac", fmt("%g", c.prompt_frac), "--reference", c.reference,
+                       "--prompt-frac", apps::number(c.prompt_frac), "--reference", c.reference,
                        "--regime", std::string(regime_name(c.regime))});
     if (c.loss == "dpo") w.insert(w.end(), {"--dpo-loss-type", c.dpo_loss});
     if (c.label_smoothing != 0)
-      w.insert(w.end(), {"--label-smoothing", fmt("%g", c.label_smoothing)});
+      w.insert(w.end(), {"--label-smoothing", apps::number(c.label_smoothing)});
   } else {
     w.insert(w.end(), {"--rows", std::to_string(c.rows)});
     if (c.ce_seq_len)
       w.insert(w.end(), {"--ce-seq-len", std::to_string(c.ce_seq_len), "--prompt-frac",
-                         fmt("%g", c.prompt_frac)});
+                         apps::number(c.prompt_frac)});
     if (c.skip_ignored_rows) w.emplace_back("--skip-ignored-rows");
   }
   w.insert(w.end(), {"--hidden", std::to_string(c.hidden), "--vocab", std::to_string(c.vocab),
                      "--dtype", std::string(dtype_name(c.dtype)), "--logits-dtype",
                      std::string(dtype_name(c.logits_dtype)), "--budget-mib",
-                     fmt("%g", c.budget_mib), "--order", std::string(loop_order_name(c.order)),
+                     apps::number(c.budget_mib), "--order", std::string(loop_order_name(c.order)),
                      "--repeats", std::to_string(c.repeats), "--threads", std::to_string(c.threads),
                      "--seed", std::to_string(c.seed)});
   if (!c.naive) w.emplace_back("--no-naive");
@@ -87,7 +88,7 @@ std::string case_command(const std::string& prog, const CaseConfig& c) {
   if (c.exact) w.emplace_back("--exact");
   if (c.measured_gemms) w.insert(w.end(), {"--gemm-selection", "measured"});
   if (c.vocab_ranks > 1) w.insert(w.end(), {"--vocab-parallel", std::to_string(c.vocab_ranks)});
-  if (c.device == "cuda") w.insert(w.end(), {"--logit-std", fmt("%g", c.logit_std)});
+  if (c.device == "cuda") w.insert(w.end(), {"--logit-std", apps::number(c.logit_std)});
   return apps::shell_join(w);
 }
 
@@ -135,6 +136,7 @@ Cli parse(int argc, char** argv) {
   po::variables_map vm;
   po::store(po::command_line_parser(argc, argv).options(desc).positional({}).run(), vm);
   po::notify(vm);
+  apps::check_utf8_options(vm);  // --json's name goes into its records
   Cli cli;
   if (vm.count("help")) {
     std::cout << desc << "\n";
@@ -191,7 +193,8 @@ Cli parse(int argc, char** argv) {
     throw apps::UsageError("--dpo-loss-type is for --loss dpo");
   base.prompt_frac = vm["prompt-frac"].as<double>();
   if (!(base.prompt_frac >= 0 && base.prompt_frac < 1))
-    throw apps::UsageError("--prompt-frac: " + fmt("%g", base.prompt_frac) + " is not in [0, 1)");
+    throw apps::UsageError("--prompt-frac: " + apps::number(base.prompt_frac) +
+                           " is not in [0, 1)");
   base.ce_seq_len = vm["ce-seq-len"].as<std::int64_t>();
   base.skip_ignored_rows = vm["skip-ignored-rows"].as<bool>();
   if (pref && (base.ce_seq_len || base.skip_ignored_rows))
@@ -241,7 +244,7 @@ Cli parse(int argc, char** argv) {
   base.exact = vm["exact"].as<bool>();
   base.logit_std = vm["logit-std"].as<double>();
   if (!(base.logit_std > 0 && base.logit_std <= 1000))
-    throw apps::UsageError("--logit-std: " + fmt("%g", base.logit_std) + " is not in (0, 1000]");
+    throw apps::UsageError("--logit-std: " + apps::number(base.logit_std) + " is not in (0, 1000]");
   if (!vm["logit-std"].defaulted() && base.device != "cuda")
     throw apps::UsageError("--logit-std: only the cuda cases take it (--device " + base.device +
                            ")");
@@ -282,6 +285,24 @@ Cli parse(int argc, char** argv) {
       c.rows = n;
       shapes.push_back(c);
     }
+  }
+  // A case holds N x H, V x H and (the floor's and the naive run's fp32 logits) N x V values in
+  // memory; past 2^40 values a buffer's byte count could wrap, so such a shape is refused here.
+  constexpr std::int64_t kMaxValues = std::int64_t{1} << 40;
+  for (const CaseConfig& shape : shapes) {
+    const std::string n_opts = pref ? "--pairs " + std::to_string(shape.pairs) + " --seq-len " +
+                                          std::to_string(shape.seq_len) +
+                                          " (N = 2 P T = " + std::to_string(shape.rows) + ")"
+                                    : "--rows " + std::to_string(shape.rows);
+    for (auto h : hidden)
+      for (auto v : vocab)
+        for (const auto& [what, a, b] :
+             {std::tuple{n_opts + " --hidden " + std::to_string(h), shape.rows, h},
+              std::tuple{"--vocab " + std::to_string(v) + " --hidden " + std::to_string(h), v, h},
+              std::tuple{n_opts + " --vocab " + std::to_string(v), shape.rows, v}})
+          if (a > kMaxValues / b)
+            throw apps::UsageError(what + ": a buffer of " + std::to_string(a) + " x " +
+                                   std::to_string(b) + " values is more than 2^40");
   }
   for (const CaseConfig& shape : shapes)
     for (auto h : hidden)

@@ -90,24 +90,28 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.reference = apps::path_option(vm, "reference");
   if (!s.reference.empty()) apps::check_checkpoint_dir("reference", s.reference);
   s.beta = vm["beta"].as<double>();
-  if (!(s.beta > 0 && s.beta < 1e6)) throw apps::UsageError("--beta: must be in (0, 1e6)");
+  if (!(s.beta > 0 && s.beta < 1e6))
+    throw apps::UsageError("--beta: " + apps::number(s.beta) + " is not in (0, 1e6)");
   s.sft_file = vm["sft-file"].as<std::string>();
   s.pref_file = vm["pref-file"].as<std::string>();
   for (const auto& [option, path] : {std::pair{"sft-file", s.sft_file}, {"pref-file", s.pref_file}})
     (void)apps::input_status(option, path);
   s.max_new_tokens = vm["max-new-tokens"].as<std::int64_t>();
   if (s.max_new_tokens < 1 || s.max_new_tokens > 4096)
-    throw apps::UsageError("--max-new-tokens: must be in [1, 4096]");
+    throw apps::UsageError("--max-new-tokens: " + std::to_string(s.max_new_tokens) +
+                           " is not in [1, 4096]");
   s.limit = vm["limit"].as<std::int64_t>();
-  if (s.limit < 0) throw apps::UsageError("--limit: must be >= 0");
+  if (s.limit < 0) throw apps::UsageError("--limit: " + std::to_string(s.limit) + " is not >= 0");
   s.batch_size = vm["batch-size"].as<std::int64_t>();
   if (s.batch_size < 1 || s.batch_size > (1 << 20))
-    throw apps::UsageError("--batch-size: must be in [1, 1048576]");
+    throw apps::UsageError("--batch-size: " + std::to_string(s.batch_size) +
+                           " is not in [1, 1048576]");
   s.threads = vm["threads"].as<int>();
   s.device = vm["device"].as<std::string>();
   if (const std::string bad = apps::LossDevice::usage_error(s.device); !bad.empty())
     throw apps::UsageError(bad);
-  if (s.threads < 0 || s.threads > 4096) throw apps::UsageError("--threads: must be in [0, 4096]");
+  if (s.threads < 0 || s.threads > 4096)
+    throw apps::UsageError("--threads: " + std::to_string(s.threads) + " is not in [0, 4096]");
   s.budget_bytes = apps::budget_bytes(vm["budget-mib"].as<double>(), s.device);
   s.json = apps::path_option(vm, "json");
   return s;
@@ -138,10 +142,12 @@ struct Data {
   apps::Longest longest_sft, longest_pair;
 
   // Throws when a sequence is longer than the positions of a model of `config`.
-  void check_fits(const model::LlamaConfig& config, const Settings& s) const {
+  // `model` names the checkpoint; a reference (`with_sft` false) runs on the pairs only.
+  void check_fits(const model::LlamaConfig& config, const std::string& model, bool with_sft,
+                  const Settings& s) const {
     const char* hint = "this app does not truncate: use shorter examples or --limit";
-    apps::check_fits(longest_sft, s.sft_file, config, hint);
-    apps::check_fits(longest_pair, s.pref_file, config, hint);
+    if (with_sft) apps::check_fits(longest_sft, s.sft_file, config, model, hint);
+    apps::check_fits(longest_pair, s.pref_file, config, model, hint);
   }
 };
 
@@ -302,12 +308,12 @@ int run(const Settings& s) {
   for (const std::string& dir : s.models) {
     const model::LlamaConfig config = model::load_model(dir).config();
     apps::check_tokenizer(config, "--model " + dir);
-    d.check_fits(config, s);
+    d.check_fits(config, "--model " + dir, true, s);
   }
   if (!s.reference.empty()) {
     const model::LlamaConfig config = model::load_config(s.reference);
     apps::check_tokenizer(config, "--reference " + s.reference);
-    d.check_fits(config, s);
+    d.check_fits(config, "--reference " + s.reference, false, s);
   }
 
   // Exact match needs a completion's bytes and its EOS within --max-new-tokens (noted after the
@@ -331,6 +337,13 @@ int run(const Settings& s) {
   if (!s.reference.empty()) {
     model::LlamaModel r = model::load_model(s.reference);
     ref = pair_logps(dev, r, d, s);
+    for (std::size_t i = 0; i < ref->size(); ++i)  // (else every --model's rewards would be)
+      CHUNKLOSS_CHECK(std::isfinite((*ref)[i].first) && std::isfinite((*ref)[i].second),
+                      "--reference ", s.reference, ": its log-probs of the pair of ", s.pref_file,
+                      ":", pref[i].line, " are ", (*ref)[i].first, " (chosen) and ",
+                      (*ref)[i].second,
+                      " (rejected); the model's outputs are not finite: a diverged or damaged "
+                      "checkpoint?");
   }
   std::vector<nlohmann::json> rows;
   for (std::size_t i = 0; i < s.models.size(); ++i) {

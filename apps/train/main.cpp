@@ -24,6 +24,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -35,7 +36,9 @@
 #include <optional>
 #include <set>
 #include <span>
+#include <system_error>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "trainers.h"
@@ -105,11 +108,15 @@ std::string default_train_file(const std::string& loss) {
 template <typename T>
 T in_range(const po::variables_map& vm, const char* name, T lo, T hi) {
   const T v = vm[name].as<T>();
-  if (!(v >= lo && v <= hi)) {
-    std::ostringstream os;
-    os << "--" << name << ": " << v << " is not in [" << lo << ", " << hi << "]";
-    throw apps::UsageError(os.str());
-  }
+  const auto text = [](T x) {
+    if constexpr (std::is_floating_point_v<T>)
+      return apps::number(x);
+    else
+      return std::to_string(x);
+  };
+  if (!(v >= lo && v <= hi))
+    throw apps::UsageError("--" + std::string(name) + ": " + text(v) + " is not in [" + text(lo) +
+                           ", " + text(hi) + "]");
   return v;
 }
 
@@ -677,7 +684,8 @@ class Ranks {
 
   /// fn(i) for each rank, each on its own thread (one rank: on this one). A rank that fails
   /// aborts every group, so that the others do not wait for it in a collective, and the first
-  /// rank to fail has its error rethrown once every thread has ended.
+  /// rank to fail has its error rethrown once every thread has ended. A thread the system
+  /// cannot start (a process limit) fails the call the same way, naming the rank.
   template <typename Fn>
   void run(Fn&& fn) {
     if (size_ == 1) {
@@ -686,20 +694,30 @@ class Ranks {
     }
     std::mutex mutex;
     std::exception_ptr first;
+    const auto fail = [&](std::exception_ptr e) {
+      {
+        const std::lock_guard lock(mutex);
+        if (!first) first = e;
+      }
+      for (auto& g : vocab_groups_) g->abort();
+      for (auto& g : data_groups_) g->abort();
+    };
     std::vector<std::thread> threads;
-    for (int i = 0; i < size_; ++i)
-      threads.emplace_back([&, i] {
-        try {
-          fn(i);
-        } catch (...) {
-          {
-            const std::lock_guard lock(mutex);
-            if (!first) first = std::current_exception();
+    for (int i = 0; i < size_; ++i) {
+      try {
+        threads.emplace_back([&, i] {
+          try {
+            fn(i);
+          } catch (...) {
+            fail(std::current_exception());
           }
-          for (auto& g : vocab_groups_) g->abort();
-          for (auto& g : data_groups_) g->abort();
-        }
-      });
+        });
+      } catch (const std::system_error& e) {
+        fail(std::make_exception_ptr(Error("cannot start the thread of rank " + std::to_string(i) +
+                                           " of " + std::to_string(size_) + ": " + e.what())));
+        break;
+      }
+    }
     for (std::thread& t : threads) t.join();
     if (first) std::rethrow_exception(first);
   }
@@ -908,6 +926,9 @@ int run(const Settings& s, const std::string& invocation) {
   const std::unique_ptr<Trainer>& trainer = trainers.front();
   const std::int64_t max_positions = policy->config().max_position_embeddings;
   apps::check_fits(trainer->longest(), s.data.file, policy->config(),
+                   !s.resume.empty() ? "--resume " + s.resume
+                   : !s.init.empty() ? "--init " + s.init
+                                     : "the new model",
                    "shorten the examples or pass --max-length " + std::to_string(max_positions));
   // Over a data group every rank needs an example; KTO's KL estimate needs two per micro-batch.
   const bool drop_last =

@@ -56,18 +56,22 @@ CASE is one of:
   stdout: eval's table, bench's report and --help written to a full device (/dev/full) exit 1
     with one line saying that standard output could not be written.
   utf8: an option value (the command line's or the --config file's) that is not valid UTF-8,
-    which the checkpoint's trainer_state.json or eval's --json could not record, is a usage
-    error naming the option, before any work (train and eval); so is a --train-file whose
+    which the checkpoint's trainer_state.json or eval's and bench's --json could not record, is
+    a usage error naming the option, before any work (all three apps); so is a --train-file whose
     absolute path (as the checkpoint records it) is not.
   bench_options: chunkloss-bench refuses at option parsing (exit 2, one line naming the option)
-    --pairs x --seq-len whose N = 2 P T overflows, a negative --seed, bf16 logits and --phases on
+    --pairs x --seq-len whose N = 2 P T overflows, a shape with a buffer of more than 2^40
+    values (whose byte count could wrap), a negative --seed, bf16 logits and --phases on
     the CPU, a --label-smoothing the loss (or DPO loss type) does not take, and --dpo-loss-type
     (chunkloss-train's name) for a loss other than dpo.
 """
 import fcntl
 import json
 import os
+import pty
+import resource
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -197,6 +201,8 @@ def bench_options_case(bench):
             (["--loss", "dpo", "--pairs", "1", "--seq-len", "8", "--phases"],
              ("--phases", "--device cuda"))):
         one_line(b + extra, 2, *words)
+    one_line([bench, "--rows", "2147483648", "--hidden", "2147483648", "--no-naive"], 2,
+             "--rows 2147483648 --hidden 2147483648", "more than 2^40")
     # A value the loss takes runs, under chunkloss-train's option name, which the case's
     # reproducing command uses too.
     p = run(b + ["--loss", "dpo", "--dpo-loss-type", "exo_pair", "--label-smoothing", "0.1",
@@ -501,16 +507,46 @@ def messages_case(train, evaluate, work):
     out = os.path.join(work, "huge.json")
     one_line([evaluate, "--model", huge, "--limit", "2", "--json", out], 1,
              "--model " + huge + ": its eval_loss", "not finite", alone=True)
+    # The same as the reference: named as the reference, not as the model it measures.
+    one_line([evaluate, "--model", good, "--reference", huge, "--limit", "2", "--json", out], 1,
+             "--reference " + huge + ": its log-probs of the pair of", "not finite", alone=True)
     if os.path.exists(out):
         fail("eval wrote --json for a model whose loss is not finite")
+    for cmd, words in (([evaluate, "--model", good, "--batch-size", "-1"],
+                        "--batch-size: -1 is not in [1, 1048576]"),
+                       ([evaluate, "--model", good, "--beta", "1e6"], "--beta: 1e+06 is not in"),
+                       ([train, "--beta2", "0.99999999999"], "--beta2: 0.99999999999 is not in")):
+        one_line(cmd, 2, words, alone=True)
 
     long_file = os.path.join(work, "long.jsonl")
     with open(long_file, "w") as f:
         f.write(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n\n")
         f.write(json.dumps({"prompt": "1+1=", "completion": "2" * 80}) + "\n")
-    for cmd in ([train, "--train-file", long_file, "--max-length", "0", "--steps", "2"] + TINY,
-                [evaluate, "--model", good, "--sft-file", long_file]):
-        one_line(cmd, 1, long_file + ":3: the example encodes to 85 positions", alone=True)
+    for cmd, model in (([train, "--train-file", long_file, "--max-length", "0", "--steps", "2"] +
+                        TINY, "the new model"),
+                       ([evaluate, "--model", good, "--sft-file", long_file], "--model " + good)):
+        one_line(cmd, 1, long_file + ":3: the example encodes to 85 positions",
+                 "max_position_embeddings = 64 of " + model, alone=True)
+    # On a terminal, an error during the run starts a line of its own, after the progress line.
+    master, slave = pty.openpty()
+    p = subprocess.Popen([train, "--steps", "40", "--max-grad-norm", "0", "--warmup-steps", "0",
+                          "--lr", "10", "--hidden-size", "32", "--intermediate-size", "64",
+                          "--threads", "1"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=slave)
+    os.close(slave)
+    tty = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # (EIO once the app has exited)
+            break
+        if not chunk:
+            break
+        tty += chunk
+    os.close(master)
+    lines = tty.decode(errors="replace").replace("\r", "\n").split("\n")
+    if p.wait() != 1 or not any(l.startswith("chunkloss-train: error: step ") for l in lines):
+        fail("on a terminal, the error must start its own line, got: %r" % tty[-300:])
     kto = os.path.join(work, "kto.jsonl")
     with open(kto, "w") as f:
         f.write(json.dumps({"prompt": "p" * 40, "completion": "a", "label": True}) + "\n\n")
@@ -600,7 +636,22 @@ def config_case(train, evaluate, work):
         for value in ("", "maybe", "2"):
             one_line([train, option, value], 2, option + ": '" + value + "' is not a boolean",
                      alone=True)
+    # A NUL byte (which would cut Boost's message short) names its line; a file that never ends
+    # is refused at 1 MiB; a UTF-8 byte order mark is skipped.
+    nul = os.path.join(work, "nul.ini")
+    with open(nul, "wb") as f:
+        f.write(b"threads = 1\n\0\1\2\n")
+    zero = os.path.join(work, "zero.ini")
+    if not os.path.lexists(zero):
+        os.symlink("/dev/zero", zero)
+    bom = os.path.join(work, "bom.ini")
+    with open(bom, "wb") as f:
+        f.write(b"\xef\xbb\xbfsteps = 1\nwarmup-steps = 0\n")
+    run([train, "--config", bom] + TINY)
     for app in (train, evaluate):
+        one_line([app, "--config", nul], 2, "--config " + nul + ": line 2 holds a NUL byte",
+                 alone=True)
+        one_line([app, "--config", zero], 2, "--config " + zero + ": more than 1 MiB", alone=True)
         one_line([app, "--config", loop], 2, "--config", loop)
         one_line([app, "--config", long_name], 2, "--config", "name too long")
         one_line([app, "--config", outer], 2, "--config " + outer + ": 'config = " + inner + "'",
@@ -667,6 +718,23 @@ def before_work_case(train, work):
         one_line(t + extra, 1, *words, alone=True)
     one_line(t + ["--metrics", metrics], 2, "--metrics", metrics + ".partial", "not a regular file",
              alone=True)
+    # The output directories a refused run made (to check them before the work) are removed.
+    new = [os.path.join(work, "new" + str(i)) for i in range(3)]
+    one_line(t + ["--train-file", empty, "--save", os.path.join(new[0], "a"), "--metrics",
+                  os.path.join(new[1], "m.jsonl"), "--chart", os.path.join(new[2], "c.svg")], 1,
+             empty + ": no examples", alone=True)
+    if any(os.path.lexists(d) for d in new):
+        fail("a refused run left its new output directories: %s" % new)
+    # A save that fails (files limited to 4 KiB here, as a full disk would) leaves no empty
+    # checkpoint directory; --save keeps only the metrics of the steps run (FILE.partial).
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    saved = os.path.join(work, "new-save")
+    one_line([train, "--steps", "2", "--warmup-steps", "0", "--save", saved, "--save-every", "1"] +
+             TINY, 1, "checkpoint-1/model.safetensors.tmp: File too large", preexec_fn=small_files)
+    if os.listdir(saved) != ["metrics.jsonl.partial"]:
+        fail("a failed save left: %s" % os.listdir(saved))
     # About 5.2e10 parameters, within the model layer's 2^36, on 64 ranks: 16 bytes each for the
     # policy and 8 for each further replica, about 25 TiB, exceed any test machine's memory, which
     # the run names before allocating.
@@ -776,7 +844,7 @@ def file_hazards_case(train, evaluate, bench, work):
     one_line(t + ["--resume", resumable], 1, "trainer_state.json records no loss", alone=True)
 
 
-def utf8_case(train, evaluate, work):
+def utf8_case(train, evaluate, bench, work):
     bad = os.fsdecode(b"\xff\xfe")  # (surrogate escapes: the bytes themselves reach the app)
     ck = os.path.join(work, "ck")
     run([train, "--steps", "1", "--warmup-steps", "0", "--save", ck] + TINY)
@@ -792,7 +860,9 @@ def utf8_case(train, evaluate, work):
                         (t + ["--train-file", data], "--train-file"),
                         (t + ["--config", ini], "--save"),
                         ([evaluate, "--model", ck, "--limit", "2", "--name", "a" + bad], "--name"),
-                        ([evaluate, "--model", ck, "--limit", "2", "--json", out], "--json")):
+                        ([evaluate, "--model", ck, "--limit", "2", "--json", out], "--json"),
+                        ([bench, "--rows", "8", "--hidden", "8", "--vocab", "8", "--json", out],
+                         "--json")):
         one_line(cmd, 2, option + ": not valid UTF-8", alone=True)
     if os.path.exists(out):
         fail("a refused --save or --json was written")
@@ -820,7 +890,7 @@ def main():
              "before_work": lambda: before_work_case(train, work),
              "loss_options": lambda: loss_options_case(train, work),
              "stdout": lambda: stdout_case(train, evaluate, bench, work),
-             "utf8": lambda: utf8_case(train, evaluate, work),
+             "utf8": lambda: utf8_case(train, evaluate, bench, work),
              "file_hazards": lambda: file_hazards_case(train, evaluate, bench, work)}
     if case not in cases:
         fail("unknown case " + case)

@@ -13,7 +13,9 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <mutex>
 #include <sstream>
+#include <vector>
 
 #include "chunkloss/core/error.h"
 #include "chunkloss/losses/cross_entropy.h"
@@ -76,6 +78,12 @@ std::vector<std::string> split_list(std::string_view option, std::string_view te
   return out;
 }
 
+std::string number(double v) {
+  char buf[32];  // the longest shortest form of a double is 24 characters
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  return ec == std::errc() ? std::string(buf, end) : std::string("?");
+}
+
 std::vector<std::int64_t> parse_int_list(std::string_view option, std::string_view text,
                                          std::int64_t lo, std::int64_t hi) {
   std::vector<std::int64_t> out;
@@ -102,7 +110,8 @@ std::vector<double> parse_number_list(std::string_view option, std::string_view 
     const double v = std::strtod(item.c_str(), &end);
     if (errno != 0 || end != item.c_str() + item.size() || !std::isfinite(v) || v < lo || v > hi) {
       std::ostringstream os;
-      os << "--" << option << ": '" << item << "' is not a number in [" << lo << ", " << hi << "]";
+      os << "--" << option << ": '" << item << "' is not a number in [" << number(lo) << ", "
+         << number(hi) << "]";
       throw UsageError(os.str());
     }
     out.push_back(v);
@@ -200,13 +209,33 @@ std::filesystem::file_status input_status(std::string_view option, const std::st
   return st;
 }
 
+namespace {
+
+std::mutex new_dirs_mutex;
+std::vector<std::filesystem::path> new_dirs;  // prepare_output_dir's, in creation order
+
+}  // namespace
+
 void prepare_output_dir(std::string_view option, const std::string& dir) {
   const std::string d = dir.empty() ? "." : dir;
+  std::vector<std::filesystem::path> missing;  // d and its missing parents, deepest first
   std::error_code ec;
+  std::filesystem::path p = std::filesystem::absolute(d, ec).lexically_normal();
+  if (!p.has_filename()) p = p.parent_path();  // "DIR/"
+  for (std::error_code status_ec; !ec && p.has_relative_path() &&
+                                  std::filesystem::symlink_status(p, status_ec).type() ==
+                                      std::filesystem::file_type::not_found;
+       p = p.parent_path())
+    missing.push_back(p);
+  ec.clear();
   std::filesystem::create_directories(d, ec);
   if (ec)
     throw std::runtime_error("--" + std::string(option) + ": cannot create directory " + d + ": " +
                              ec.message());
+  {
+    const std::lock_guard<std::mutex> lock(new_dirs_mutex);
+    new_dirs.insert(new_dirs.end(), missing.rbegin(), missing.rend());
+  }
   // A file made and removed: access() would let root pass on a read-only file system.
   std::string probe = (std::filesystem::path(d) / ".chunkloss-probe-XXXXXX").string();
   const int fd = ::mkostemp(probe.data(), O_CLOEXEC);  // a fresh name: no stale probe collides
@@ -217,6 +246,15 @@ void prepare_output_dir(std::string_view option, const std::string& dir) {
   if (::unlink(probe.c_str()) != 0)
     throw std::runtime_error("--" + std::string(option) + ": cannot remove " + probe + ": " +
                              std::strerror(errno));
+}
+
+void remove_new_empty_dirs() {
+  const std::lock_guard<std::mutex> lock(new_dirs_mutex);
+  for (auto p = new_dirs.rbegin(); p != new_dirs.rend(); ++p) {
+    std::error_code ec;  // (one holding anything is not removed, and that is no error here)
+    std::filesystem::remove(*p, ec);
+  }
+  new_dirs.clear();
 }
 
 std::string lock_directory(std::string_view option, const std::string& dir) {
@@ -313,12 +351,13 @@ void check_not_checkpoint_file(std::string_view option, const std::string& path,
   if (!clashes.empty())
     throw UsageError("--" + std::string(option) + " " + path + ": a file of the checkpoint in " +
                      clashes.front() + ", which saving or loading it would clash with");
-  // Any other checkpoint there (its weights file marks it) would be damaged by the write.
+  // Any other checkpoint there (its weights file marks it): an output would damage it, and an
+  // input (--train-file, --config) named there is a mistake.
   std::error_code ec;
   if (std::filesystem::exists(parent / model::kModelFile, ec))
     throw UsageError("--" + std::string(option) + " " + path + ": a file of the checkpoint in " +
                      parent.string() + " (it holds " + model::kModelFile +
-                     "), which writing it would damage");
+                     "), which an app neither writes nor takes as its data or options");
 }
 
 void prepare_output_file(std::string_view option, const std::string& path,
@@ -359,13 +398,14 @@ void prepare_output_file(std::string_view option, const std::string& path,
 std::size_t budget_bytes(double mib, const std::string& device) {
   if (!(mib >= 0 && mib <= 1048576)) {
     std::ostringstream os;
-    os << "--budget-mib: " << mib << " is not in [0, 1048576]";
+    os << "--budget-mib: " << number(mib) << " is not in [0, 1048576]";
     throw UsageError(os.str());
   }
   const auto bytes = static_cast<std::size_t>(mib * 1048576.0);
   if (mib > 0 && bytes == 0) {
     std::ostringstream os;
-    os << "--budget-mib: " << mib << " MiB is less than a byte (0 gives the library's default)";
+    os << "--budget-mib: " << number(mib)
+       << " MiB is less than a byte (0 gives the library's default)";
     throw UsageError(os.str());
   }
   return bytes ? bytes : default_memory_budget(device == "cuda" ? Device::kCuda : Device::kCpu);

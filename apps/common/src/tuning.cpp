@@ -45,12 +45,12 @@ void check_tokenizer(const model::LlamaConfig& config, const std::string& what) 
 }
 
 void check_fits(const Longest& longest, const std::string& file, const model::LlamaConfig& config,
-                const std::string& hint) {
+                const std::string& model, const std::string& hint) {
   CHUNKLOSS_CHECK(longest.positions <= config.max_position_embeddings, file,
                   longest.line ? ":" + std::to_string(longest.line) : std::string(), ": ",
                   longest.what, " encodes to ", longest.positions,
-                  " positions, more than the model's max_position_embeddings = ",
-                  config.max_position_embeddings, " (", hint, ")");
+                  " positions, more than the max_position_embeddings = ",
+                  config.max_position_embeddings, " of ", model, " (", hint, ")");
 }
 
 CrossEntropyResult batch_cross_entropy(LossDevice& device, model::LlamaModel& model,

@@ -298,33 +298,9 @@ void finish_commit(const std::string& dir) {
   detail::sync_parent_dir(in_dir(dir, kCommitFile));
 }
 
-}  // namespace
-
-bool is_checkpoint_file_name(std::string_view name) {
-  if (name == kCommitFile || name == detail::temp_path(kCommitFile)) return true;
-  for (const std::string& f : kCheckpointFiles)
-    if (name == f || name == detail::temp_path(f)) return true;
-  return false;
-}
-
-void save_checkpoint(const std::string& dir, const LlamaModel& model, const AdamW* optimizer,
-                     const TrainerState* state) {
-  check_saveable(model.params(), model, "the parameter");
-  if (optimizer && optimizer->size() == model.params().size()) {
-    check_saveable(optimizer->exp_avg(), model, "the optimizer's exp_avg");
-    check_saveable(optimizer->exp_avg_sq(), model, "the optimizer's exp_avg_sq", true);
-  }
-  bool created = false;
-  try {
-    created = fs::create_directories(dir);
-  } catch (const fs::filesystem_error& e) {
-    CHUNKLOSS_FAIL("cannot create checkpoint directory ", dir, ": ", e.what());
-  }
-  if (created) {  // its entry in the parent made durable, as the files' renames are
-    fs::path d = fs::path(dir).lexically_normal();
-    if (!d.has_filename()) d = d.parent_path();  // "DIR/"
-    detail::sync_parent_dir(d.string());
-  }
+// save_checkpoint's files, written into existing directory `dir`.
+void write_checkpoint(const std::string& dir, const LlamaModel& model, const AdamW* optimizer,
+                      const TrainerState* state) {
   const std::string id = new_save_id();
   const json id_field = {{kSaveIdKey, id}};
 
@@ -411,6 +387,44 @@ void save_checkpoint(const std::string& dir, const LlamaModel& model, const Adam
   }
   staging.keep();
   finish_commit(dir);  // the renames and removals the record names, then the record's removal
+}
+
+}  // namespace
+
+bool is_checkpoint_file_name(std::string_view name) {
+  if (name == kCommitFile || name == detail::temp_path(kCommitFile)) return true;
+  for (const std::string& f : kCheckpointFiles)
+    if (name == f || name == detail::temp_path(f)) return true;
+  return false;
+}
+
+void save_checkpoint(const std::string& dir, const LlamaModel& model, const AdamW* optimizer,
+                     const TrainerState* state) {
+  check_saveable(model.params(), model, "the parameter");
+  if (optimizer && optimizer->size() == model.params().size()) {
+    check_saveable(optimizer->exp_avg(), model, "the optimizer's exp_avg");
+    check_saveable(optimizer->exp_avg_sq(), model, "the optimizer's exp_avg_sq", true);
+  }
+  bool created = false;
+  try {
+    created = fs::create_directories(dir);
+  } catch (const fs::filesystem_error& e) {
+    CHUNKLOSS_FAIL("cannot create checkpoint directory ", dir, ": ", e.what());
+  }
+  try {
+    if (created) {  // its entry in the parent made durable, as the files' renames are
+      fs::path d = fs::path(dir).lexically_normal();
+      if (!d.has_filename()) d = d.parent_path();  // "DIR/"
+      detail::sync_parent_dir(d.string());
+    }
+    write_checkpoint(dir, model, optimizer, state);
+  } catch (...) {
+    // A failed save into a directory it made (a full disk at --save-every's checkpoint-N)
+    // leaves no empty directory behind; remove() takes only an empty one.
+    std::error_code ec;
+    if (created) fs::remove(dir, ec);
+    throw;
+  }
 }
 
 void check_save_target(const std::string& dir) {

@@ -2,6 +2,7 @@
 // with kExitUsage, a runtime failure prints one line and exits with kExitFailure.
 #pragma once
 
+#include <algorithm>
 #include <boost/program_options.hpp>
 #include <cerrno>
 #include <cstdio>
@@ -11,6 +12,7 @@
 #include <fstream>
 #include <iostream>
 #include <new>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -31,20 +33,32 @@ inline std::string path_option(const boost::program_options::variables_map& vm,
 /// Adds the options of the INI file `path` (--config) to `vm`; the command line's, stored
 /// first, win. Throws UsageError naming the file when it cannot be read (missing, a directory, a
 /// symlink loop, a name too long, ...), holds an unknown or malformed option, or names another
-/// config file (`config = FILE`: one file cannot include another). Pipes work too
-/// (--config <(...)).
+/// config file (`config = FILE`: one file cannot include another), holds a NUL byte or is larger
+/// than 1 MiB. A UTF-8 byte order mark is skipped. Pipes work too (--config <(...)).
 inline void store_config_file(const std::string& path,
                               const boost::program_options::options_description& options,
                               boost::program_options::variables_map& vm) {
   if (std::filesystem::is_directory(input_status("config", path)))
     throw UsageError("--config: " + path + " is a directory, not a file");
-  std::ifstream in(path);
-  if (!in.is_open() || !in) throw UsageError("--config: cannot open " + path + " as a file");
+  std::ifstream file(path, std::ios::binary);
+  if (!file.is_open() || !file) throw UsageError("--config: cannot open " + path + " as a file");
+  constexpr std::size_t kMaxBytes = std::size_t{1} << 20;  // (/dev/zero would never end)
+  std::string text(kMaxBytes + 1, '\0');
+  file.read(text.data(), static_cast<std::streamsize>(text.size()));
+  if (file.bad()) throw UsageError("--config: cannot read " + path + " to its end");
+  text.resize(static_cast<std::size_t>(file.gcount()));
+  if (text.size() > kMaxBytes)
+    throw UsageError("--config " + path + ": more than 1 MiB, which no options file needs");
+  if (text.rfind("\xEF\xBB\xBF", 0) == 0) text.erase(0, 3);  // a UTF-8 byte order mark
+  // Boost's messages are C strings, which a NUL byte would cut short.
+  if (const std::size_t nul = text.find('\0'); nul != std::string::npos)
+    throw UsageError("--config " + path + ": line " +
+                     std::to_string(1 + std::count(text.begin(), text.begin() + nul, '\n')) +
+                     " holds a NUL byte");
+  std::istringstream in(text);
   try {
     const boost::program_options::parsed_options parsed =
         boost::program_options::parse_config_file(in, options);
-    if (in.bad())  // (a read error ends the parse like the end of the file)
-      throw UsageError("--config: cannot read " + path + " to its end");
     for (const boost::program_options::option& o : parsed.options)
       if (o.string_key == "config")
         throw UsageError("--config " + path +
@@ -84,8 +98,9 @@ inline int check_stdout(const char* prog, int code) {
 /// exit 0), then `run(settings)` returns the exit code. A boost::program_options error or a
 /// UsageError (from either step) prints "PROG: MESSAGE (see --help)" and gives kExitUsage; any
 /// other std::exception from run prints "PROG: error: MESSAGE" ("out of memory" for
-/// std::bad_alloc) and gives kExitFailure. Messages print on one line. Either way, a failed write
-/// to standard output gives kExitFailure (check_stdout).
+/// std::bad_alloc) and gives kExitFailure, after removing the output directories the run made
+/// that are still empty (remove_new_empty_dirs). Messages print on one line. Either way, a
+/// failed write to standard output gives kExitFailure (check_stdout).
 template <typename Parse, typename Run>
 int guarded_main(const char* prog, Parse&& parse, Run&& run) {
   auto usage = [prog](const std::exception& e) {
@@ -104,11 +119,14 @@ int guarded_main(const char* prog, Parse&& parse, Run&& run) {
   try {
     return check_stdout(prog, run(*settings));
   } catch (const UsageError& e) {
+    remove_new_empty_dirs();
     return usage(e);
   } catch (const std::bad_alloc&) {
+    remove_new_empty_dirs();
     std::fprintf(stderr, "%s: error: out of memory (std::bad_alloc)\n", prog);
     return kExitFailure;
   } catch (const std::exception& e) {
+    remove_new_empty_dirs();
     std::fprintf(stderr, "%s: error: %s\n", prog, one_line(e.what()).c_str());
     return kExitFailure;
   }

@@ -31,6 +31,11 @@ class UsageError : public std::runtime_error {
 /// that a name or value quoted from a hostile file cannot make the line megabytes long.
 std::string one_line(std::string_view text);
 
+/// The shortest decimal text that reads back as `v` ("0.99999999999", "1e-06", "10.000000001"),
+/// for option values in messages and reproducing commands, where printf's 6 significant digits
+/// would turn 0.99999999999 into "1".
+std::string number(double v);
+
 /// Splits "a,b,c" on commas. Throws UsageError naming `option` on an empty item.
 std::vector<std::string> split_list(std::string_view option, std::string_view text);
 
@@ -72,8 +77,14 @@ std::filesystem::file_status input_status(std::string_view option, const std::st
 
 /// Creates directory `dir` of option `option` (e.g. "save") when missing and checks that files
 /// can be created in it, so that a run fails before its work rather than at its end. Throws
-/// std::runtime_error naming the option, the directory and the reason.
+/// std::runtime_error naming the option, the directory and the reason. The directories it
+/// creates are noted for remove_new_empty_dirs.
 void prepare_output_dir(std::string_view option, const std::string& dir);
+
+/// Removes the directories prepare_output_dir created that are still empty, deepest first:
+/// guarded_main calls it when a run fails, so that a refused run leaves no empty output
+/// directory behind. A directory holding anything (a checkpoint, a partial metrics file) stays.
+void remove_new_empty_dirs();
 
 /// What is wrong with --label-smoothing `eps` for `loss` ("" when nothing): what the loss object
 /// refuses (for dpo of loss type `dpo_loss`, the value of --dpo-loss-type), or any value but 0

@@ -24,6 +24,10 @@ class Progress {
   /// `interactive`: rewrite one line (a terminal); otherwise print every `every` steps.
   Progress(std::int64_t first_step, std::int64_t total_steps, std::int64_t every, bool interactive,
            std::FILE* out = stderr);
+  /// Ends the line (finish()), so that an error unwinding the run prints on a line of its own.
+  ~Progress() { finish(); }
+  Progress(const Progress&) = delete;
+  Progress& operator=(const Progress&) = delete;
 
   /// Shows a step (rate limited to 10 lines per second on a terminal).
   void update(const ProgressFields& f);

@@ -49,10 +49,11 @@ void check_checkpoint_dir(std::string_view option, const std::string& path);
 void check_tokenizer(const model::LlamaConfig& config, const std::string& what);
 
 /// Throws chunkloss::Error naming `file` and the example's line ("file:7: the example encodes
-/// to ...", as the JSONL readers name lines) and both lengths when `longest` has more positions
-/// than a model of `config` takes; `hint` says how to shorten it.
+/// to ...", as the JSONL readers name lines), both lengths and `model` (the checkpoint, e.g.
+/// "--model runs/sft") when `longest` has more positions than a model of `config` takes; `hint`
+/// says how to shorten it.
 void check_fits(const Longest& longest, const std::string& file, const model::LlamaConfig& config,
-                const std::string& hint);
+                const std::string& model, const std::string& hint);
 
 /// The mean token cross-entropy of `model` over the batch's trained targets (forward only; long
 /// runs of prompt and padding rows skipped), with the number of those targets and the token
