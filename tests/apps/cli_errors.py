@@ -718,13 +718,6 @@ def before_work_case(train, work):
         one_line(t + extra, 1, *words, alone=True)
     one_line(t + ["--metrics", metrics], 2, "--metrics", metrics + ".partial", "not a regular file",
              alone=True)
-    # The output directories a refused run made (to check them before the work) are removed.
-    new = [os.path.join(work, "new" + str(i)) for i in range(3)]
-    one_line(t + ["--train-file", empty, "--save", os.path.join(new[0], "a"), "--metrics",
-                  os.path.join(new[1], "m.jsonl"), "--chart", os.path.join(new[2], "c.svg")], 1,
-             empty + ": no examples", alone=True)
-    if any(os.path.lexists(d) for d in new):
-        fail("a refused run left its new output directories: %s" % new)
     # A save that fails (files limited to 4 KiB here, as a full disk would) leaves no empty
     # checkpoint directory; --save keeps only the metrics of the steps run (FILE.partial).
     def small_files():

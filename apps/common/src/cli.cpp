@@ -13,9 +13,7 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
-#include <mutex>
 #include <sstream>
-#include <vector>
 
 #include "chunkloss/core/error.h"
 #include "chunkloss/losses/cross_entropy.h"
@@ -209,33 +207,13 @@ std::filesystem::file_status input_status(std::string_view option, const std::st
   return st;
 }
 
-namespace {
-
-std::mutex new_dirs_mutex;
-std::vector<std::filesystem::path> new_dirs;  // prepare_output_dir's, in creation order
-
-}  // namespace
-
 void prepare_output_dir(std::string_view option, const std::string& dir) {
   const std::string d = dir.empty() ? "." : dir;
-  std::vector<std::filesystem::path> missing;  // d and its missing parents, deepest first
   std::error_code ec;
-  std::filesystem::path p = std::filesystem::absolute(d, ec).lexically_normal();
-  if (!p.has_filename()) p = p.parent_path();  // "DIR/"
-  for (std::error_code status_ec; !ec && p.has_relative_path() &&
-                                  std::filesystem::symlink_status(p, status_ec).type() ==
-                                      std::filesystem::file_type::not_found;
-       p = p.parent_path())
-    missing.push_back(p);
-  ec.clear();
   std::filesystem::create_directories(d, ec);
   if (ec)
     throw std::runtime_error("--" + std::string(option) + ": cannot create directory " + d + ": " +
                              ec.message());
-  {
-    const std::lock_guard<std::mutex> lock(new_dirs_mutex);
-    new_dirs.insert(new_dirs.end(), missing.rbegin(), missing.rend());
-  }
   // A file made and removed: access() would let root pass on a read-only file system.
   std::string probe = (std::filesystem::path(d) / ".chunkloss-probe-XXXXXX").string();
   const int fd = ::mkostemp(probe.data(), O_CLOEXEC);  // a fresh name: no stale probe collides
@@ -246,15 +224,6 @@ void prepare_output_dir(std::string_view option, const std::string& dir) {
   if (::unlink(probe.c_str()) != 0)
     throw std::runtime_error("--" + std::string(option) + ": cannot remove " + probe + ": " +
                              std::strerror(errno));
-}
-
-void remove_new_empty_dirs() {
-  const std::lock_guard<std::mutex> lock(new_dirs_mutex);
-  for (auto p = new_dirs.rbegin(); p != new_dirs.rend(); ++p) {
-    std::error_code ec;  // (one holding anything is not removed, and that is no error here)
-    std::filesystem::remove(*p, ec);
-  }
-  new_dirs.clear();
 }
 
 std::string lock_directory(std::string_view option, const std::string& dir) {
@@ -277,7 +246,7 @@ std::string lock_directory(std::string_view option, const std::string& dir) {
 
 std::string label_smoothing_error(std::string_view loss, std::string_view dpo_loss, double eps) {
   std::ostringstream os;
-  os << "--label-smoothing " << eps << ": --loss " << loss;
+  os << "--label-smoothing " << number(eps) << ": --loss " << loss;
   if (loss == "dpo") os << " --dpo-loss-type " << dpo_loss;
   // The loss object's own check decides (its message gives the range); ORPO and KTO have none.
   const auto ls = static_cast<float>(eps);

@@ -98,9 +98,8 @@ inline int check_stdout(const char* prog, int code) {
 /// exit 0), then `run(settings)` returns the exit code. A boost::program_options error or a
 /// UsageError (from either step) prints "PROG: MESSAGE (see --help)" and gives kExitUsage; any
 /// other std::exception from run prints "PROG: error: MESSAGE" ("out of memory" for
-/// std::bad_alloc) and gives kExitFailure, after removing the output directories the run made
-/// that are still empty (remove_new_empty_dirs). Messages print on one line. Either way, a
-/// failed write to standard output gives kExitFailure (check_stdout).
+/// std::bad_alloc) and gives kExitFailure. Messages print on one line. Either way, a failed write
+/// to standard output gives kExitFailure (check_stdout).
 template <typename Parse, typename Run>
 int guarded_main(const char* prog, Parse&& parse, Run&& run) {
   auto usage = [prog](const std::exception& e) {
@@ -119,14 +118,11 @@ int guarded_main(const char* prog, Parse&& parse, Run&& run) {
   try {
     return check_stdout(prog, run(*settings));
   } catch (const UsageError& e) {
-    remove_new_empty_dirs();
     return usage(e);
   } catch (const std::bad_alloc&) {
-    remove_new_empty_dirs();
     std::fprintf(stderr, "%s: error: out of memory (std::bad_alloc)\n", prog);
     return kExitFailure;
   } catch (const std::exception& e) {
-    remove_new_empty_dirs();
     std::fprintf(stderr, "%s: error: %s\n", prog, one_line(e.what()).c_str());
     return kExitFailure;
   }

@@ -77,14 +77,8 @@ std::filesystem::file_status input_status(std::string_view option, const std::st
 
 /// Creates directory `dir` of option `option` (e.g. "save") when missing and checks that files
 /// can be created in it, so that a run fails before its work rather than at its end. Throws
-/// std::runtime_error naming the option, the directory and the reason. The directories it
-/// creates are noted for remove_new_empty_dirs.
+/// std::runtime_error naming the option, the directory and the reason.
 void prepare_output_dir(std::string_view option, const std::string& dir);
-
-/// Removes the directories prepare_output_dir created that are still empty, deepest first:
-/// guarded_main calls it when a run fails, so that a refused run leaves no empty output
-/// directory behind. A directory holding anything (a checkpoint, a partial metrics file) stays.
-void remove_new_empty_dirs();
 
 /// What is wrong with --label-smoothing `eps` for `loss` ("" when nothing): what the loss object
 /// refuses (for dpo of loss type `dpo_loss`, the value of --dpo-loss-type), or any value but 0
