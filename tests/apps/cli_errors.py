@@ -7,7 +7,8 @@ input makes an app print one line naming the problem and exit non-zero (2 for a 
 
 CASE is one of:
   config: --config naming a symlink loop or a name too long, or a config file with a line
-    `config = FILE` (one cannot include another), is a usage error (train and eval).
+    `config = FILE` (one cannot include another), a NUL byte (named by its line) or more than
+    1 MiB (/dev/zero), is a usage error (train and eval); a UTF-8 byte order mark is skipped.
   checkpoint_paths: a checkpoint directory option (train's --resume and --init, eval's --model
     and --reference) naming a symlink loop or a file is a usage error naming the option and the
     path; a data file option (train's --train-file, eval's --sft-file and --pref-file) naming a
@@ -34,14 +35,18 @@ CASE is one of:
     --data-parallel names the file and both options; a checkpoint whose vocab_size is below the
     tokenizer's, or whose config.json's bos_token_id or eos_token_id is not the tokenizer's, is
     refused when loaded (--init, --model), naming it; a too long example is named
-    by its line, as JSON errors are (blank lines count), in train and eval; eval names a model
-    whose held-out loss is not finite (and counts a generated id that is no byte, from a model
-    of vocab_size 300, as a miss of exact match); a tensor name holding control characters is
-    printed with them escaped (ESC as \\x1b). Each is refused before any output: its error line is
-    all the app prints.
+    by its line, as JSON errors are (blank lines count), and by the checkpoint's option, in train
+    and eval; eval names a model whose held-out loss is not finite, or a reference whose
+    log-probs are not (and counts a generated id that is no byte, from a model of vocab_size
+    300, as a miss of exact match); a tensor name holding control characters is printed with
+    them escaped (ESC as \\x1b); a value out of range is shown as given (0.99999999999, not 1).
+    Each is refused before any output: its error line is all the app prints. On a terminal (a
+    pty), an error during the run starts its own line after the progress line.
   before_work: chunkloss-train refuses a training file with bad JSON, one missing the loss's
     field, an empty one, a KTO file of one example, and a metrics file whose FILE.partial is a
-    directory before any work: its error line alone, not after the model summary.
+    directory before any work: its error line alone, not after the model summary. A
+    --save-every save that fails (files limited to 4 KiB, as a full disk would) leaves no empty
+    checkpoint-N directory.
   file_hazards: an empty path given for a path option (`--resume "$DIR"` with DIR unset) is a
     usage error, not "not given", and the checkpoint it would have replaced stays; an output's
     FILE.tmp or FILE.partial that is a directory or a symlink is refused before any work (the
