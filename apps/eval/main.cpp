@@ -95,7 +95,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.sft_file = vm["sft-file"].as<std::string>();
   s.pref_file = vm["pref-file"].as<std::string>();
   for (const auto& [option, path] : {std::pair{"sft-file", s.sft_file}, {"pref-file", s.pref_file}})
-    (void)apps::input_status(option, path);
+    apps::check_input_file(option, path);
   s.max_new_tokens = vm["max-new-tokens"].as<std::int64_t>();
   if (s.max_new_tokens < 1 || s.max_new_tokens > 4096)
     throw apps::UsageError("--max-new-tokens: " + std::to_string(s.max_new_tokens) +

@@ -229,7 +229,7 @@ std::optional<Settings> parse(int argc, char** argv) {
 
   s.data.file = apps::path_option(vm, "train-file");
   if (s.data.file.empty()) s.data.file = default_train_file(s.loss.loss);
-  (void)apps::input_status("train-file", s.data.file);
+  apps::check_input_file("train-file", s.data.file);
   s.data.encode.max_length = in_range<std::int64_t>(vm, "max-length", 0, 1 << 20);
   s.data.encode.max_prompt_length = in_range<std::int64_t>(vm, "max-prompt-length", 0, 1 << 20);
   s.batch_size = in_range<std::int64_t>(vm, "batch-size", s.loss.loss == "kto" ? 2 : 1, 1 << 20);

@@ -12,7 +12,7 @@ CASE is one of:
   checkpoint_paths: a checkpoint directory option (train's --resume and --init, eval's --model
     and --reference) naming a symlink loop or a file is a usage error naming the option and the
     path; a data file option (train's --train-file, eval's --sft-file and --pref-file) naming a
-    symlink loop too. A resumed DPO run whose recorded --init became a loop names --resume and
+    symlink loop, a missing file or a directory too. A resumed DPO run whose recorded --init became a loop names --resume and
     that checkpoint; eval refuses a later --model with cut-short weights before any pass.
   resume_state: --resume from an optimizer state with a negative second moment is refused,
     naming the file and the tensor; one whose finite moments blow a parameter up to Inf stops
@@ -697,6 +697,13 @@ def checkpoint_paths_case(train, evaluate, work):
                         ([evaluate, "--model", ck, "--sft-file", loop], "--sft-file"),
                         ([evaluate, "--model", ck, "--pref-file", loop], "--pref-file")):
         one_line(cmd, 2, option + ": cannot open " + loop)
+    # A missing data file or a directory is a usage error naming the option.
+    missing = os.path.join(work, "missing.jsonl")
+    for path, problem in ((missing, " does not exist"), (work, " is a directory, not a file")):
+        for cmd, option in ((t + ["--train-file", path], "--train-file"),
+                            ([evaluate, "--model", ck, "--sft-file", path], "--sft-file"),
+                            ([evaluate, "--model", ck, "--pref-file", path], "--pref-file")):
+            one_line(cmd, 2, option + ": " + path + problem, alone=True)
 
 
 def before_work_case(train, work):

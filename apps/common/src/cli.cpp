@@ -207,6 +207,14 @@ std::filesystem::file_status input_status(std::string_view option, const std::st
   return st;
 }
 
+void check_input_file(std::string_view option, const std::string& path) {
+  const std::filesystem::file_type t = input_status(option, path).type();
+  if (t == std::filesystem::file_type::not_found)
+    throw UsageError("--" + std::string(option) + ": " + path + " does not exist");
+  if (t == std::filesystem::file_type::directory)
+    throw UsageError("--" + std::string(option) + ": " + path + " is a directory, not a file");
+}
+
 void prepare_output_dir(std::string_view option, const std::string& dir) {
   const std::string d = dir.empty() ? "." : dir;
   std::error_code ec;

@@ -75,6 +75,11 @@ void check_utf8(std::string_view option, std::string_view value);
 /// "--OPTION: the path is empty" for an empty path (which would name the working directory).
 std::filesystem::file_status input_status(std::string_view option, const std::string& path);
 
+/// input_status for a data file the run reads (--train-file, --sft-file, --pref-file), which
+/// must exist and not be a directory: UsageError "--OPTION: PATH does not exist" or "... is a
+/// directory, not a file" otherwise.
+void check_input_file(std::string_view option, const std::string& path);
+
 /// Creates directory `dir` of option `option` (e.g. "save") when missing and checks that files
 /// can be created in it, so that a run fails before its work rather than at its end. Throws
 /// std::runtime_error naming the option, the directory and the reason.
