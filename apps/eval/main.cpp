@@ -238,6 +238,16 @@ std::string cell(const nlohmann::json& r, const char* key, const char* fmt) {
   return out;
 }
 
+// A row label as a table cell: control characters escaped (one_line), '|' written as "\|".
+std::string label_cell(const std::string& name) {
+  std::string out;
+  for (const char ch : apps::one_line(name)) {
+    if (ch == '|') out += '\\';
+    out += ch;
+  }
+  return out;
+}
+
 void print_table(const std::vector<nlohmann::json>& rows, const Settings& s) {
   const std::vector<std::pair<const char*, const char*>> cols = {
       {"eval_loss", "%.4f"},          {"perplexity", "%#.4g"},    {"token_accuracy", "%.3f"},
@@ -248,7 +258,7 @@ void print_table(const std::vector<nlohmann::json>& rows, const Settings& s) {
                                           "avg pref acc", "reward acc",  "margin"};
   std::vector<std::vector<std::string>> table = {heads};
   for (const nlohmann::json& r : rows) {
-    std::vector<std::string> line = {r["name"].get<std::string>()};
+    std::vector<std::string> line = {label_cell(r["name"].get<std::string>())};
     for (const auto& [k, f] : cols) line.push_back(cell(r, k, f));
     table.push_back(line);
   }

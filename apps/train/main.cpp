@@ -556,6 +556,12 @@ std::string check_resume(const Settings& s, const std::string& dir, const model:
 // Throws naming the step and the parameter when the optimizer step left a parameter NaN or Inf
 // (the loss and the gradients were finite: the optimizer's state or --lr is to blame), so that a
 // diverged model is never saved nor the run reported done.
+// Where the run's first weights come from: "--resume DIR", "--init DIR" or "the new model".
+std::string weights_origin(const Settings& s) {
+  if (!s.resume.empty()) return "--resume " + s.resume;
+  return s.init.empty() ? "the new model" : "--init " + s.init;
+}
+
 void check_finite_parameters(const model::LlamaModel& m, std::int64_t step, bool resumed) {
   const std::span<const float> p = m.params();
   const auto bad = std::find_if(p.begin(), p.end(), [](float x) { return !std::isfinite(x); });
@@ -925,10 +931,7 @@ int run(const Settings& s, const std::string& invocation) {
   };
   const std::unique_ptr<Trainer>& trainer = trainers.front();
   const std::int64_t max_positions = policy->config().max_position_embeddings;
-  apps::check_fits(trainer->longest(), s.data.file, policy->config(),
-                   !s.resume.empty() ? "--resume " + s.resume
-                   : !s.init.empty() ? "--init " + s.init
-                                     : "the new model",
+  apps::check_fits(trainer->longest(), s.data.file, policy->config(), weights_origin(s),
                    "shorten the examples or pass --max-length " + std::to_string(max_positions));
   // Over a data group every rank needs an example; KTO's KL estimate needs two per micro-batch.
   const bool drop_last =
@@ -1026,9 +1029,14 @@ int run(const Settings& s, const std::string& invocation) {
     const double inv = 1.0 / static_cast<double>(s.grad_accum);
     if (s.grad_accum > 1) policy->scale_grads(static_cast<float>(inv));
     const double norm = model::clip_grad_norm(policy->grads(), s.max_grad_norm);
+    // At the run's first step no update has run: the weights are the checkpoint's (or new).
     CHUNKLOSS_CHECK(std::isfinite(norm) && std::isfinite(sum.loss), "step ", step + 1,
                     ": the loss or the gradient norm is not finite (loss ", sum.loss * inv,
-                    ", grad norm ", norm, "); try a lower --lr");
+                    ", grad norm ", norm, "); ",
+                    step == start
+                        ? "no update has run yet, so the weights of " + weights_origin(s) +
+                              " give non-finite outputs (a damaged checkpoint?)"
+                        : std::string("try a lower --lr"));
     const double lr = model::learning_rate(s.schedule, step);
     opt->step(*policy, lr);
     check_finite_parameters(*policy, step + 1, !s.resume.empty());

@@ -41,7 +41,9 @@ CASE is one of:
     300, as a miss of exact match); a tensor name holding control characters is printed with
     them escaped (ESC as \\x1b); a value out of range is shown as given (0.99999999999, not 1).
     Each is refused before any output: its error line is all the app prints. On a terminal (a
-    pty), an error during the run starts its own line after the progress line.
+    pty), an error during the run starts its own line after the progress line. A loss that is
+    not finite at a run's first step (no update yet) names the --init checkpoint, not --lr; eval's
+    table escapes a label's line break and '|'.
   before_work: chunkloss-train refuses a training file with bad JSON, one missing the loss's
     field, an empty one, a KTO file of one example, and a metrics file whose FILE.partial is a
     directory before any work: its error line alone, not after the model summary. A
@@ -504,6 +506,12 @@ def messages_case(train, evaluate, work):
     with open(out) as f:
         if json.load(f)[0]["exact_match"] != 0:
             fail("a generated id that is no byte must count as a miss")
+    # Row labels holding a line break or '|' stay one table cell each: escaped, not breaking rows.
+    p = run([evaluate, "--model", good, "--model", good, "--name", "a\nb", "--name", "x|y",
+             "--limit", "2"])
+    rows = [l for l in p.stdout.splitlines() if l.startswith("|")]
+    if len(rows) != 4 or "| a\\x0ab " not in rows[2] or "| x\\|y " not in rows[3]:
+        fail("eval's table must escape its labels, got:\n" + p.stdout)
     # Finite weights whose logits overflow: eval refuses the NaN loss rather than printing it
     # and writing null to --json.
     huge = os.path.join(work, "huge")
@@ -515,6 +523,11 @@ def messages_case(train, evaluate, work):
     # The same as the reference: named as the reference, not as the model it measures.
     one_line([evaluate, "--model", good, "--reference", huge, "--limit", "2", "--json", out], 1,
              "--reference " + huge + ": its log-probs of the pair of", "not finite", alone=True)
+    # Training from it fails at its first step, before any update: the checkpoint is named, not
+    # --lr.
+    one_line([train, "--init", huge, "--steps", "2", "--warmup-steps", "0", "--batch-size", "2",
+              "--threads", "1"], 1, "step 1: the loss or the gradient norm is not finite",
+             "no update has run yet, so the weights of --init " + huge + " give non-finite")
     if os.path.exists(out):
         fail("eval wrote --json for a model whose loss is not finite")
     for cmd, words in (([evaluate, "--model", good, "--batch-size", "-1"],
