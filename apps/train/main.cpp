@@ -553,15 +553,15 @@ std::string check_resume(const Settings& s, const std::string& dir, const model:
   return changes;
 }
 
-// Throws naming the step and the parameter when the optimizer step left a parameter NaN or Inf
-// (the loss and the gradients were finite: the optimizer's state or --lr is to blame), so that a
-// diverged model is never saved nor the run reported done.
 // Where the run's first weights come from: "--resume DIR", "--init DIR" or "the new model".
 std::string weights_origin(const Settings& s) {
   if (!s.resume.empty()) return "--resume " + s.resume;
   return s.init.empty() ? "the new model" : "--init " + s.init;
 }
 
+// Throws naming the step and the parameter when the optimizer step left a parameter NaN or Inf
+// (the loss and the gradients were finite: the optimizer's state or --lr is to blame), so that a
+// diverged model is never saved nor the run reported done.
 void check_finite_parameters(const model::LlamaModel& m, std::int64_t step, bool resumed) {
   const std::span<const float> p = m.params();
   const auto bad = std::find_if(p.begin(), p.end(), [](float x) { return !std::isfinite(x); });
