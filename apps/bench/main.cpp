@@ -134,7 +134,7 @@ Cli parse(int argc, char** argv) {
     ("exact", po::bool_switch()->default_value(false, "off"), "also compare the loss and gradients with a float64 computation on the same input values");
   // clang-format on
   po::variables_map vm;
-  po::store(po::command_line_parser(argc, argv).options(desc).positional({}).run(), vm);
+  apps::store_command_line(argc, argv, desc, vm);
   po::notify(vm);
   apps::check_utf8_options(vm);  // --json's name goes into its records
   Cli cli;

@@ -64,7 +64,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("json", po::value<std::string>()->default_value("", "none"), "also write the results as a JSON array to this file (atomically)");
   // clang-format on
   po::variables_map vm;
-  po::store(po::command_line_parser(argc, argv).options(desc).positional({}).run(), vm);
+  apps::store_command_line(argc, argv, desc, vm);
   if (vm.count("help")) {
     std::cout << desc << "\n";
     return std::nullopt;

@@ -193,7 +193,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   all.add(general).add(data_opts).add(model_opts).add(optim).add(loss_opts).add(output);
 
   po::variables_map vm;
-  po::store(po::command_line_parser(argc, argv).options(all).positional({}).run(), vm);
+  apps::store_command_line(argc, argv, all, vm);
   if (vm.count("help")) {
     std::cout << all << "\n";
     return std::nullopt;

@@ -66,6 +66,8 @@ CASE is one of:
     which the checkpoint's trainer_state.json or eval's and bench's --json could not record, is
     a usage error naming the option, before any work (all three apps); so is a --train-file whose
     absolute path (as the checkpoint records it) is not.
+  names: each app takes an option only by its full name (a prefix such as train's --step for
+    --steps is an unrecognised option) and refuses a word that is no option's value, naming it.
   bench_options: chunkloss-bench refuses at option parsing (exit 2, one line naming the option)
     --pairs x --seq-len whose N = 2 P T overflows, a shape with a buffer of more than 2^40
     values (whose byte count could wrap), a negative --seed, bf16 logits and --phases on
@@ -183,6 +185,25 @@ def stdin_case(train, work):
         f.write(data)
     run([train, "--train-file", same, "--steps", "4", "--warmup-steps", "0", "--resume",
          os.path.join(a, "checkpoint-2"), "--save", os.path.join(work, "b")] + TINY)
+
+
+def names_case(train, evaluate, bench, work):
+    ck = os.path.join(work, "ck")
+    t = [train, "--warmup-steps", "0", "--save", ck] + TINY
+    b = [bench, "--threads", "1", "--hidden", "16", "--vocab", "64", "--rows", "64"]
+    for cmd, word in ((t + ["--step", "1"], "'--step'"),
+                      ([evaluate, "--model", ck, "--limi", "2"], "'--limi'"),
+                      (b + ["--repeat", "1"], "'--repeat'"),
+                      (t + ["--steps", "1", "extra"], "'extra' is not an option"),
+                      ([evaluate, "--model", ck, "--limit", "2", "3"], "'3' is not an option"),
+                      (b + ["--repeats", "1", "--exact", "true"], "'true' is not an option")):
+        one_line(cmd, 2, word, alone=True)
+    if os.path.exists(ck):
+        fail("a refused command line wrote " + ck)
+    # The full names run.
+    run(t + ["--steps", "1"])
+    run([evaluate, "--model", ck, "--limit", "2"])
+    run(b + ["--repeats", "1", "--exact"])
 
 
 def bench_options_case(bench):
@@ -902,6 +923,7 @@ def main():
              "resume_state": lambda: resume_state_case(train, work),
              "stdin": lambda: stdin_case(train, work),
              "bench_options": lambda: bench_options_case(bench),
+             "names": lambda: names_case(train, evaluate, bench, work),
              "metrics": lambda: metrics_case(train, work),
              "outputs": lambda: outputs_case(train, evaluate, bench, work),
              "messages": lambda: messages_case(train, evaluate, work),

@@ -30,6 +30,33 @@ inline std::string path_option(const boost::program_options::variables_map& vm,
   return value;
 }
 
+/// Stores the command line's options in `vm`. Names must be given in full: Boost's default of
+/// taking an unambiguous prefix (`--step` for `--steps`) is off, so that a typo or an option of
+/// another app is an error rather than another option, and a script keeps its meaning when a
+/// later version adds an option that shares the prefix. A word that is no option's value (a
+/// positional argument) is a UsageError naming it.
+inline void store_command_line(int argc, const char* const argv[],
+                               const boost::program_options::options_description& options,
+                               boost::program_options::variables_map& vm) {
+  namespace po = boost::program_options;
+  static const std::string kWords = " words";  // a name no command line can give
+  po::options_description with_words;
+  with_words.add(options).add_options()(kWords.c_str(), po::value<std::vector<std::string>>());
+  po::positional_options_description words;
+  words.add(kWords.c_str(), -1);
+  const po::parsed_options parsed =
+      po::command_line_parser(argc, argv)
+          .options(with_words)
+          .positional(words)
+          .style(po::command_line_style::default_style & ~po::command_line_style::allow_guessing)
+          .run();
+  for (const po::option& o : parsed.options)
+    if (o.string_key == kWords)
+      throw UsageError("'" + o.original_tokens.front() +
+                       "' is not an option: options are --NAME VALUE or --NAME=VALUE");
+  po::store(parsed, vm);
+}
+
 /// Adds the options of the INI file `path` (--config) to `vm`; the command line's, stored
 /// first, win. Throws UsageError naming the file when it cannot be read (missing, a directory, a
 /// symlink loop, a name too long, ...), holds an unknown or malformed option, or names another
