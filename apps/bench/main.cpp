@@ -177,10 +177,7 @@ Cli parse(int argc, char** argv) {
   base.measured_gemms = selection == "measured";
   if (base.measured_gemms && (pref || vm["device"].as<std::string>() != "cuda"))
     throw apps::UsageError("--gemm-selection measured is for --loss ce --device cuda");
-  base.vocab_ranks = vm["vocab-parallel"].as<int>();
-  if (base.vocab_ranks < 1 || base.vocab_ranks > 64)
-    throw apps::UsageError("--vocab-parallel: " + std::to_string(base.vocab_ranks) +
-                           " is not in [1, 64]");
+  base.vocab_ranks = apps::in_range<int>(vm, "vocab-parallel", 1, 64);
   if (base.vocab_ranks > 1 && (pref || vm["device"].as<std::string>() != "cuda"))
     throw apps::UsageError("--vocab-parallel is for --loss ce --device cuda");
   if (base.vocab_ranks > 1 &&
@@ -199,9 +196,7 @@ Cli parse(int argc, char** argv) {
   base.skip_ignored_rows = vm["skip-ignored-rows"].as<bool>();
   if (pref && (base.ce_seq_len || base.skip_ignored_rows))
     throw apps::UsageError("--ce-seq-len and --skip-ignored-rows are for --loss ce");
-  if (base.ce_seq_len < 0 || base.ce_seq_len > kMaxDim)
-    throw apps::UsageError("--ce-seq-len: " + std::to_string(base.ce_seq_len) + " is not in [0, " +
-                           std::to_string(kMaxDim) + "]");
+  apps::in_range<std::int64_t>(vm, "ce-seq-len", 0, kMaxDim);
   base.label_smoothing = vm["label-smoothing"].as<double>();
   base.dpo_loss = vm["dpo-loss-type"].as<std::string>();
   try {
@@ -223,12 +218,8 @@ Cli parse(int argc, char** argv) {
     throw apps::UsageError("--reference " + base.reference + ": --loss " + base.loss +
                            " is reference-free");
   base.order = parse_order(vm["order"].as<std::string>());
-  base.repeats = vm["repeats"].as<int>();
-  if (base.repeats < 1 || base.repeats > 1000)
-    throw apps::UsageError("--repeats: " + std::to_string(base.repeats) + " is not in [1, 1000]");
-  base.threads = vm["threads"].as<int>();
-  if (base.threads < 0 || base.threads > 4096)
-    throw apps::UsageError("--threads: " + std::to_string(base.threads) + " is not in [0, 4096]");
+  base.repeats = apps::in_range<int>(vm, "repeats", 1, 1000);
+  base.threads = apps::in_range<int>(vm, "threads", 0, 4096);
   if (base.threads == 0) base.threads = cores;
   const std::int64_t seed = vm["seed"].as<std::int64_t>();
   if (seed < 0) throw apps::UsageError("--seed: " + std::to_string(seed) + " is not >= 0");

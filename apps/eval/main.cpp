@@ -96,22 +96,14 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.pref_file = vm["pref-file"].as<std::string>();
   for (const auto& [option, path] : {std::pair{"sft-file", s.sft_file}, {"pref-file", s.pref_file}})
     apps::check_input_file(option, path);
-  s.max_new_tokens = vm["max-new-tokens"].as<std::int64_t>();
-  if (s.max_new_tokens < 1 || s.max_new_tokens > 4096)
-    throw apps::UsageError("--max-new-tokens: " + std::to_string(s.max_new_tokens) +
-                           " is not in [1, 4096]");
+  s.max_new_tokens = apps::in_range<std::int64_t>(vm, "max-new-tokens", 1, 4096);
   s.limit = vm["limit"].as<std::int64_t>();
   if (s.limit < 0) throw apps::UsageError("--limit: " + std::to_string(s.limit) + " is not >= 0");
-  s.batch_size = vm["batch-size"].as<std::int64_t>();
-  if (s.batch_size < 1 || s.batch_size > (1 << 20))
-    throw apps::UsageError("--batch-size: " + std::to_string(s.batch_size) +
-                           " is not in [1, 1048576]");
-  s.threads = vm["threads"].as<int>();
+  s.batch_size = apps::in_range<std::int64_t>(vm, "batch-size", 1, 1 << 20);
+  s.threads = apps::in_range<int>(vm, "threads", 0, 4096);
   s.device = vm["device"].as<std::string>();
   if (const std::string bad = apps::LossDevice::usage_error(s.device); !bad.empty())
     throw apps::UsageError(bad);
-  if (s.threads < 0 || s.threads > 4096)
-    throw apps::UsageError("--threads: " + std::to_string(s.threads) + " is not in [0, 4096]");
   s.budget_bytes = apps::budget_bytes(vm["budget-mib"].as<double>(), s.device);
   s.json = apps::path_option(vm, "json");
   return s;

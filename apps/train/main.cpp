@@ -38,7 +38,6 @@
 #include <span>
 #include <system_error>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 #include "trainers.h"
@@ -103,21 +102,6 @@ std::string default_train_file(const std::string& loss) {
   if (loss == "ce") return apps::bundled_data("sft_train.jsonl");
   if (loss == "kto") return apps::bundled_data("kto_train.jsonl");
   return apps::bundled_data("pref_train.jsonl");
-}
-
-template <typename T>
-T in_range(const po::variables_map& vm, const char* name, T lo, T hi) {
-  const T v = vm[name].as<T>();
-  const auto text = [](T x) {
-    if constexpr (std::is_floating_point_v<T>)
-      return apps::number(x);
-    else
-      return std::to_string(x);
-  };
-  if (!(v >= lo && v <= hi))
-    throw apps::UsageError("--" + std::string(name) + ": " + text(v) + " is not in [" + text(lo) +
-                           ", " + text(hi) + "]");
-  return v;
 }
 
 // Parses the command line (and --config FILE); nullopt after --help.
@@ -217,22 +201,24 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.measured_gemms = selection == "measured";
   if (s.measured_gemms && s.device != "cuda")
     throw apps::UsageError("--gemm-selection measured is for --device cuda");
-  s.threads = in_range<int>(vm, "threads", 0, 4096);
-  s.data_parallel = in_range<int>(vm, "data-parallel", 1, 256);
-  s.vocab_parallel = in_range<int>(vm, "vocab-parallel", 1, 256);
+  s.threads = apps::in_range<int>(vm, "threads", 0, 4096);
+  s.data_parallel = apps::in_range<int>(vm, "data-parallel", 1, 256);
+  s.vocab_parallel = apps::in_range<int>(vm, "vocab-parallel", 1, 256);
   if (s.data_parallel * s.vocab_parallel > 256)  // threads, each with a model replica
     throw apps::UsageError("--data-parallel " + std::to_string(s.data_parallel) +
                            " x --vocab-parallel " + std::to_string(s.vocab_parallel) +
                            " is more than 256 ranks");
   s.seed = static_cast<std::uint64_t>(
-      in_range<std::int64_t>(vm, "seed", 0, std::numeric_limits<std::int64_t>::max()));
+      apps::in_range<std::int64_t>(vm, "seed", 0, std::numeric_limits<std::int64_t>::max()));
 
   s.data.file = apps::path_option(vm, "train-file");
   if (s.data.file.empty()) s.data.file = default_train_file(s.loss.loss);
   apps::check_input_file("train-file", s.data.file);
-  s.data.encode.max_length = in_range<std::int64_t>(vm, "max-length", 0, 1 << 20);
-  s.data.encode.max_prompt_length = in_range<std::int64_t>(vm, "max-prompt-length", 0, 1 << 20);
-  s.batch_size = in_range<std::int64_t>(vm, "batch-size", s.loss.loss == "kto" ? 2 : 1, 1 << 20);
+  s.data.encode.max_length = apps::in_range<std::int64_t>(vm, "max-length", 0, 1 << 20);
+  s.data.encode.max_prompt_length =
+      apps::in_range<std::int64_t>(vm, "max-prompt-length", 0, 1 << 20);
+  s.batch_size =
+      apps::in_range<std::int64_t>(vm, "batch-size", s.loss.loss == "kto" ? 2 : 1, 1 << 20);
   if (s.batch_size < s.data_parallel)  // every rank needs an example
     throw apps::UsageError("--batch-size " + std::to_string(s.batch_size) +
                            " gives no example to some of the " + std::to_string(s.data_parallel) +
@@ -255,12 +241,12 @@ std::optional<Settings> parse(int argc, char** argv) {
     for (const auto& [name, field] : kArchitecture)
       if (!vm[name].defaulted()) s.architecture_given.push_back(name);
   }
-  s.config.hidden_size = in_range<std::int64_t>(vm, "hidden-size", 2, 1 << 16);
-  s.config.intermediate_size = in_range<std::int64_t>(vm, "intermediate-size", 1, 1 << 18);
-  s.config.num_hidden_layers = in_range<std::int64_t>(vm, "layers", 1, 256);
-  s.config.num_attention_heads = in_range<std::int64_t>(vm, "heads", 1, 1024);
-  s.config.num_key_value_heads = in_range<std::int64_t>(vm, "kv-heads", 1, 1024);
-  s.config.max_position_embeddings = in_range<std::int64_t>(vm, "max-positions", 2, 1 << 20);
+  s.config.hidden_size = apps::in_range<std::int64_t>(vm, "hidden-size", 2, 1 << 16);
+  s.config.intermediate_size = apps::in_range<std::int64_t>(vm, "intermediate-size", 1, 1 << 18);
+  s.config.num_hidden_layers = apps::in_range<std::int64_t>(vm, "layers", 1, 256);
+  s.config.num_attention_heads = apps::in_range<std::int64_t>(vm, "heads", 1, 1024);
+  s.config.num_key_value_heads = apps::in_range<std::int64_t>(vm, "kv-heads", 1, 1024);
+  s.config.max_position_embeddings = apps::in_range<std::int64_t>(vm, "max-positions", 2, 1 << 20);
   s.config.tie_word_embeddings =
       apps::parse_bool("tie-embeddings", vm["tie-embeddings"].as<std::string>());
   if (s.init.empty() && s.resume.empty()) {
@@ -271,19 +257,19 @@ std::optional<Settings> parse(int argc, char** argv) {
     }
   }
 
-  s.steps = in_range<std::int64_t>(vm, "steps", 1, std::int64_t{1} << 40);
-  s.schedule.lr = in_range<double>(vm, "lr", 0, 10);
+  s.steps = apps::in_range<std::int64_t>(vm, "steps", 1, std::int64_t{1} << 40);
+  s.schedule.lr = apps::in_range<double>(vm, "lr", 0, 10);
   s.schedule.warmup_steps = vm["warmup-steps"].defaulted()
                                 ? std::min(vm["warmup-steps"].as<std::int64_t>(), s.steps)
-                                : in_range<std::int64_t>(vm, "warmup-steps", 0, s.steps);
-  s.schedule.min_lr_ratio = in_range<double>(vm, "min-lr-ratio", 0, 1);
+                                : apps::in_range<std::int64_t>(vm, "warmup-steps", 0, s.steps);
+  s.schedule.min_lr_ratio = apps::in_range<double>(vm, "min-lr-ratio", 0, 1);
   s.schedule.total_steps = s.steps;
-  s.adam.weight_decay = in_range<double>(vm, "weight-decay", 0, 10);
-  s.adam.beta1 = in_range<double>(vm, "beta1", 0, 0.999999);
-  s.adam.beta2 = in_range<double>(vm, "beta2", 0, 0.999999999);
-  s.adam.eps = in_range<double>(vm, "adam-eps", 1e-30, 1);
-  s.max_grad_norm = in_range<double>(vm, "max-grad-norm", 0, 1e9);
-  s.grad_accum = in_range<std::int64_t>(vm, "grad-accum", 1, 1 << 20);
+  s.adam.weight_decay = apps::in_range<double>(vm, "weight-decay", 0, 10);
+  s.adam.beta1 = apps::in_range<double>(vm, "beta1", 0, 0.999999);
+  s.adam.beta2 = apps::in_range<double>(vm, "beta2", 0, 0.999999999);
+  s.adam.eps = apps::in_range<double>(vm, "adam-eps", 1e-30, 1);
+  s.max_grad_norm = apps::in_range<double>(vm, "max-grad-norm", 0, 1e9);
+  s.grad_accum = apps::in_range<std::int64_t>(vm, "grad-accum", 1, 1 << 20);
 
   for (const auto& [option, losses] : kLossOptions) {
     if (vm[option].defaulted() ||
@@ -294,9 +280,9 @@ std::optional<Settings> parse(int argc, char** argv) {
     throw apps::UsageError("--" + option + ": --loss " + s.loss.loss +
                            " does not take it (it is for " + takers + ")");
   }
-  s.loss.beta = in_range<double>(vm, "beta", 0, 1e6);
-  s.loss.label_smoothing = in_range<double>(vm, "label-smoothing", 0, 1);
-  s.loss.z_loss = in_range<double>(vm, "z-loss", 0, 1e6);
+  s.loss.beta = apps::in_range<double>(vm, "beta", 0, 1e6);
+  s.loss.label_smoothing = apps::in_range<double>(vm, "label-smoothing", 0, 1);
+  s.loss.z_loss = apps::in_range<double>(vm, "z-loss", 0, 1e6);
   s.loss.skip_ignored_rows =
       apps::parse_bool("skip-ignored-rows", vm["skip-ignored-rows"].as<std::string>());
   s.loss.dpo_loss_type = vm["dpo-loss-type"].as<std::string>();
@@ -305,16 +291,16 @@ std::optional<Settings> parse(int argc, char** argv) {
   } catch (const Error& e) {
     throw apps::UsageError(std::string("--dpo-loss-type: ") + e.what());
   }
-  s.loss.discopop_tau = in_range<double>(vm, "discopop-tau", 0, 1e6);
+  s.loss.discopop_tau = apps::in_range<double>(vm, "discopop-tau", 0, 1e6);
   if (!vm["discopop-tau"].defaulted() && s.loss.dpo_loss_type != "discopop")
     throw apps::UsageError("--discopop-tau: --dpo-loss-type " + s.loss.dpo_loss_type +
                            " does not take it (it is for discopop)");
-  s.loss.rpo_alpha = in_range<double>(vm, "rpo-alpha", 0, 1e6);
-  s.loss.gamma = in_range<double>(vm, "gamma", 0, 1e6);
-  s.loss.simpo_alpha = in_range<double>(vm, "simpo-alpha", 0, 1e6);
-  s.loss.cpo_alpha = in_range<double>(vm, "cpo-alpha", 0, 1e6);
-  s.loss.desirable_weight = in_range<double>(vm, "desirable-weight", 0, 1e6);
-  s.loss.undesirable_weight = in_range<double>(vm, "undesirable-weight", 0, 1e6);
+  s.loss.rpo_alpha = apps::in_range<double>(vm, "rpo-alpha", 0, 1e6);
+  s.loss.gamma = apps::in_range<double>(vm, "gamma", 0, 1e6);
+  s.loss.simpo_alpha = apps::in_range<double>(vm, "simpo-alpha", 0, 1e6);
+  s.loss.cpo_alpha = apps::in_range<double>(vm, "cpo-alpha", 0, 1e6);
+  s.loss.desirable_weight = apps::in_range<double>(vm, "desirable-weight", 0, 1e6);
+  s.loss.undesirable_weight = apps::in_range<double>(vm, "undesirable-weight", 0, 1e6);
   s.loss.budget_bytes = apps::budget_bytes(vm["budget-mib"].as<double>(), s.device);
   if (const std::string bad =
           apps::label_smoothing_error(s.loss.loss, s.loss.dpo_loss_type, s.loss.label_smoothing);
@@ -327,7 +313,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   }
 
   s.save = apps::path_option(vm, "save");
-  s.save_every = in_range<std::int64_t>(vm, "save-every", 0, std::int64_t{1} << 40);
+  s.save_every = apps::in_range<std::int64_t>(vm, "save-every", 0, std::int64_t{1} << 40);
   if (s.save_every > 0 && s.save.empty()) throw apps::UsageError("--save-every needs --save DIR");
   s.metrics = apps::path_option(vm, "metrics");
   s.chart = apps::path_option(vm, "chart");
@@ -338,7 +324,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   if (!s.chart.empty() && s.metrics.empty())
     throw apps::UsageError("--chart " + s.chart +
                            " needs --metrics FILE or --save DIR (it is drawn from the metrics)");
-  s.log_every = in_range<std::int64_t>(vm, "log-every", 1, std::int64_t{1} << 40);
+  s.log_every = apps::in_range<std::int64_t>(vm, "log-every", 1, std::int64_t{1} << 40);
   return s;
 }
 

@@ -14,6 +14,7 @@
 #include <new>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "chunkloss/apps/cli.h"
@@ -28,6 +29,22 @@ inline std::string path_option(const boost::program_options::variables_map& vm,
   std::string value = vm[name].as<std::string>();
   if (value.empty() && !vm[name].defaulted()) throw UsageError("--" + name + ": the path is empty");
   return value;
+}
+
+/// The value of option `name`, which must lie in [lo, hi]; a UsageError shows it as given.
+template <typename T>
+T in_range(const boost::program_options::variables_map& vm, const char* name, T lo, T hi) {
+  const T v = vm[name].as<T>();
+  const auto text = [](T x) {
+    if constexpr (std::is_floating_point_v<T>)
+      return number(x);
+    else
+      return std::to_string(x);
+  };
+  if (!(v >= lo && v <= hi))
+    throw UsageError("--" + std::string(name) + ": " + text(v) + " is not in [" + text(lo) + ", " +
+                     text(hi) + "]");
+  return v;
 }
 
 /// Stores the command line's options in `vm`. Names must be given in full: Boost's default of
