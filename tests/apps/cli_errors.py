@@ -38,7 +38,8 @@ CASE is one of:
     by its line, as JSON errors are (blank lines count), and by the checkpoint's option, in train
     and eval; eval names a model whose held-out loss is not finite, or a reference whose
     log-probs are not (and counts a generated id that is no byte, from a model of vocab_size
-    300, as a miss of exact match); a tensor name holding control characters is printed with
+    300, as a miss of exact match); a rank thread that cannot start (limited address space) is
+    named by its rank; a tensor name holding control characters is printed with
     them escaped (ESC as \\x1b); a value out of range is shown as given (0.99999999999, not 1).
     Each is refused before any output: its error line is all the app prints. On a terminal (a
     pty), an error during the run starts its own line after the progress line. A loss that is
@@ -478,6 +479,15 @@ def messages_case(train, evaluate, work):
         f.write(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
     one_line([train, "--train-file", one, "--steps", "2", "--data-parallel", "2"] + TINY, 1,
              one, "1 example", "--batch-size 2", "--data-parallel 2", alone=True)
+
+    # A rank thread the system cannot start fails the run naming the rank: with thread stacks of
+    # 1 GiB in 32 GiB of address space, about 30 of the 256 ranks' threads start.
+    def few_threads():
+        resource.setrlimit(resource.RLIMIT_STACK, (1 << 30, 1 << 30))
+        resource.setrlimit(resource.RLIMIT_AS, (32 << 30, 32 << 30))
+    one_line([train, "--data-parallel", "256", "--batch-size", "256", "--steps", "1"] +
+             TINY[:-4] + ["--threads", "1"], 1, "cannot start the thread of rank", "of 256",
+             preexec_fn=few_threads)
 
     ck = os.path.join(work, "v258")
     run([train, "--steps", "1", "--warmup-steps", "0", "--save", ck] + TINY)
