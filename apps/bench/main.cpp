@@ -192,11 +192,10 @@ Cli parse(int argc, char** argv) {
   if (!(base.prompt_frac >= 0 && base.prompt_frac < 1))
     throw apps::UsageError("--prompt-frac: " + apps::number(base.prompt_frac) +
                            " is not in [0, 1)");
-  base.ce_seq_len = vm["ce-seq-len"].as<std::int64_t>();
+  base.ce_seq_len = apps::in_range<std::int64_t>(vm, "ce-seq-len", 0, kMaxDim);
   base.skip_ignored_rows = vm["skip-ignored-rows"].as<bool>();
   if (pref && (base.ce_seq_len || base.skip_ignored_rows))
     throw apps::UsageError("--ce-seq-len and --skip-ignored-rows are for --loss ce");
-  apps::in_range<std::int64_t>(vm, "ce-seq-len", 0, kMaxDim);
   base.label_smoothing = vm["label-smoothing"].as<double>();
   base.dpo_loss = vm["dpo-loss-type"].as<std::string>();
   try {

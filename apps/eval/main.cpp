@@ -100,10 +100,10 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.limit = vm["limit"].as<std::int64_t>();
   if (s.limit < 0) throw apps::UsageError("--limit: " + std::to_string(s.limit) + " is not >= 0");
   s.batch_size = apps::in_range<std::int64_t>(vm, "batch-size", 1, 1 << 20);
-  s.threads = apps::in_range<int>(vm, "threads", 0, 4096);
   s.device = vm["device"].as<std::string>();
   if (const std::string bad = apps::LossDevice::usage_error(s.device); !bad.empty())
     throw apps::UsageError(bad);
+  s.threads = apps::in_range<int>(vm, "threads", 0, 4096);
   s.budget_bytes = apps::budget_bytes(vm["budget-mib"].as<double>(), s.device);
   s.json = apps::path_option(vm, "json");
   return s;

@@ -195,9 +195,9 @@ def names_case(train, evaluate, bench, work):
     for cmd, word in ((t + ["--step", "1"], "'--step'"),
                       ([evaluate, "--model", ck, "--limi", "2"], "'--limi'"),
                       (b + ["--repeat", "1"], "'--repeat'"),
-                      (t + ["--steps", "1", "extra"], "'extra' is not an option"),
-                      ([evaluate, "--model", ck, "--limit", "2", "3"], "'3' is not an option"),
-                      (b + ["--repeats", "1", "--exact", "true"], "'true' is not an option")):
+                      (t + ["--steps", "1", "extra"], "'extra' is neither an option"),
+                      ([evaluate, "--model", ck, "--limit", "2", "3"], "'3' is neither an option"),
+                      (b + ["--repeats", "1", "--exact", "true"], "'true' is neither an option")):
         one_line(cmd, 2, word, alone=True)
     if os.path.exists(ck):
         fail("a refused command line wrote " + ck)
@@ -481,13 +481,21 @@ def messages_case(train, evaluate, work):
              one, "1 example", "--batch-size 2", "--data-parallel 2", alone=True)
 
     # A rank thread the system cannot start fails the run naming the rank: with thread stacks of
-    # 1 GiB in 32 GiB of address space, about 30 of the 256 ranks' threads start.
+    # 1 GiB in 32 GiB of address space, about 30 of the 256 ranks' threads start. (A sanitizer's
+    # shadow memory needs more address space than that, so a sanitized app cannot be checked so.)
     def few_threads():
         resource.setrlimit(resource.RLIMIT_STACK, (1 << 30, 1 << 30))
         resource.setrlimit(resource.RLIMIT_AS, (32 << 30, 32 << 30))
-    one_line([train, "--data-parallel", "256", "--batch-size", "256", "--steps", "1"] +
-             TINY[:-4] + ["--threads", "1"], 1, "cannot start the thread of rank", "of 256",
-             preexec_fn=few_threads)
+    with open(train, "rb") as f:
+        sanitized = any(s in f.read() for s in (b"__asan_init", b"__tsan_init"))
+    if sanitized:
+        print("messages: a rank thread that cannot start is not checked: %s is built with a "
+              "sanitizer" % train)
+    else:
+        tiny = TINY[:]
+        del tiny[tiny.index("--batch-size"):tiny.index("--batch-size") + 2]
+        one_line([train, "--data-parallel", "256", "--batch-size", "256", "--steps", "1"] + tiny,
+                 1, "cannot start the thread of rank", "of 256", preexec_fn=few_threads)
 
     ck = os.path.join(work, "v258")
     run([train, "--steps", "1", "--warmup-steps", "0", "--save", ck] + TINY)

@@ -70,7 +70,8 @@ inline void store_command_line(int argc, const char* const argv[],
   for (const po::option& o : parsed.options)
     if (o.string_key == kWords)
       throw UsageError("'" + o.original_tokens.front() +
-                       "' is not an option: options are --NAME VALUE or --NAME=VALUE");
+                       "' is neither an option nor an option's value (options are --NAME VALUE "
+                       "or --NAME=VALUE, and a switch takes no value)");
   po::store(parsed, vm);
 }
 
