@@ -283,6 +283,10 @@ void print_table(const std::vector<nlohmann::json>& rows, const Settings& s) {
 
 int run(const Settings& s) {
   if (s.threads > 0) omp_set_num_threads(s.threads);
+  const int threads = s.threads > 0 ? s.threads : omp_get_max_threads();
+  apps::check_threads_start("--threads " + std::to_string(s.threads) +
+                                (s.threads > 0 ? "" : " (" + std::to_string(threads) + " threads)"),
+                            threads - 1);
   if (!s.json.empty()) {  // before any work: a file that overwrites no input
     std::vector<std::string> checkpoints = s.models;
     checkpoints.push_back(s.reference);

@@ -843,8 +843,34 @@ void check_host_memory(const Settings& s, const model::LlamaConfig& c, const std
                   " this process may use (the machine's memory or its cgroup's limit)");
 }
 
+// The OpenMP threads of the whole process and of each rank: --threads split between the ranks of
+// the grid (one rank: --threads itself, 0 for all cores).
+struct ThreadCounts {
+  int all, per_rank;
+};
+ThreadCounts thread_counts(const Settings& s) {
+  const int ranks = s.data_parallel * s.vocab_parallel;
+  const int all = s.threads > 0 ? s.threads : omp_get_max_threads();
+  return {all, ranks == 1 ? s.threads : std::max(1, all / ranks)};
+}
+
+// Whether the system lets the run start its threads (apps::check_threads_start): this thread's
+// OpenMP team, or with ranks, each rank's thread and its team (this thread then only waits).
+void check_run_threads(const Settings& s) {
+  const int ranks = s.data_parallel * s.vocab_parallel;
+  const ThreadCounts t = thread_counts(s);
+  std::string what = "--threads " + std::to_string(s.threads);
+  if (s.threads == 0) what += " (" + std::to_string(t.all) + " threads)";
+  if (s.data_parallel > 1) what += " with --data-parallel " + std::to_string(s.data_parallel);
+  if (s.vocab_parallel > 1)
+    what += (s.data_parallel > 1 ? " and" : " with") + std::string(" --vocab-parallel ") +
+            std::to_string(s.vocab_parallel);
+  apps::check_threads_start(what, ranks > 1 ? ranks * t.per_rank : t.all - 1);
+}
+
 int run(const Settings& s, const std::string& invocation) {
   if (s.threads > 0) omp_set_num_threads(s.threads);
+  check_run_threads(s);
   // The paths the checkpoints record, made absolute (the working directory or a symlink's target
   // may take them out of UTF-8).
   const std::string train_file = absolute_path(s.data.file);
@@ -899,8 +925,7 @@ int run(const Settings& s, const std::string& invocation) {
   // (rank 0's is the policy; the others copy its parameters after each optimizer step).
   Ranks grid(s.data_parallel, s.vocab_parallel);
   const int ranks = grid.size();
-  const int all_threads = s.threads > 0 ? s.threads : omp_get_max_threads();
-  const int rank_threads = ranks == 1 ? s.threads : std::max(1, all_threads / ranks);
+  const int rank_threads = thread_counts(s).per_rank;
   std::vector<std::unique_ptr<LossDevice>> devices;
   std::vector<std::unique_ptr<Trainer>> trainers;
   std::vector<model::LlamaModel> replicas;

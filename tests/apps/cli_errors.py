@@ -38,8 +38,10 @@ CASE is one of:
     by its line, as JSON errors are (blank lines count), and by the checkpoint's option, in train
     and eval; eval names a model whose held-out loss is not finite, or a reference whose
     log-probs are not (and counts a generated id that is no byte, from a model of vocab_size
-    300, as a miss of exact match); a rank thread that cannot start (limited address space) is
-    named by its rank; a tensor name holding control characters is printed with
+    300, as a miss of exact match); threads that cannot start (limited address space) are
+    refused before any work by train (ranks included), eval and bench, naming --threads, how many
+    started and the stack size (OMP_STACKSIZE's when set), where libgomp would have ended the
+    process with its own line; a tensor name holding control characters is printed with
     them escaped (ESC as \\x1b); a value out of range is shown as given (0.99999999999, not 1).
     Each is refused before any output: its error line is all the app prints. On a terminal (a
     pty), an error during the run starts its own line after the progress line. A loss that is
@@ -473,29 +475,49 @@ def emitting_model(ck, vocab, emit):
     rewrite(ck, out, blobs, {"vocab_size": vocab}, ["chunkloss_save_id"])
 
 
-def messages_case(train, evaluate, work):
+def messages_case(train, evaluate, bench, work):
     one = os.path.join(work, "one.jsonl")
     with open(one, "w") as f:
         f.write(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
     one_line([train, "--train-file", one, "--steps", "2", "--data-parallel", "2"] + TINY, 1,
              one, "1 example", "--batch-size 2", "--data-parallel 2", alone=True)
 
-    # A rank thread the system cannot start fails the run naming the rank: with thread stacks of
-    # 1 GiB in 32 GiB of address space, about 30 of the 256 ranks' threads start. (A sanitizer's
-    # shadow memory needs more address space than that, so a sanitized app cannot be checked so.)
+    good = os.path.join(work, "good")
+    run([train, "--steps", "1", "--warmup-steps", "0", "--save", good] + TINY)
+
+    # Threads the system cannot start fail the run before its work, naming the options, where
+    # libgomp would end the process with its own line: with thread stacks of 1 GiB in 32 GiB of
+    # address space, about 30 threads start. (A sanitizer's shadow memory needs more address space
+    # than that, so a sanitized app cannot be checked so.)
     def few_threads():
         resource.setrlimit(resource.RLIMIT_STACK, (1 << 30, 1 << 30))
         resource.setrlimit(resource.RLIMIT_AS, (32 << 30, 32 << 30))
     with open(train, "rb") as f:
         sanitized = any(s in f.read() for s in (b"__asan_init", b"__tsan_init"))
     if sanitized:
-        print("messages: a rank thread that cannot start is not checked: %s is built with a "
+        print("messages: threads that cannot start are not checked: %s is built with a "
               "sanitizer" % train)
     else:
         tiny = TINY[:]
         del tiny[tiny.index("--batch-size"):tiny.index("--batch-size") + 2]
-        one_line([train, "--data-parallel", "256", "--batch-size", "256", "--steps", "1"] + tiny,
-                 1, "cannot start the thread of rank", "of 256", preexec_fn=few_threads)
+        refused = "threads besides this one, and the system started only"
+        for cmd, words in (
+                ([train, "--data-parallel", "256", "--batch-size", "256", "--steps", "1"] + tiny,
+                 ["--threads 1 with --data-parallel 256 needs 256 " + refused]),
+                ([train, "--steps", "1"] + tiny[:tiny.index("--threads")] + ["--threads", "64"],
+                 ["--threads 64 needs 63 " + refused]),
+                ([evaluate, "--model", good, "--limit", "2", "--threads", "64"],
+                 ["--threads 64 needs 63 " + refused]),
+                ([bench, "--threads", "64", "--rows", "64", "--hidden", "16", "--vocab", "64"],
+                 ["--threads 64 needs 63 " + refused])):
+            one_line(cmd, 1, *words, "stacks of 1024 MiB each", alone=True,
+                     preexec_fn=few_threads)
+        # With OMP_STACKSIZE the threads get its size, as OpenMP's would.
+        one_line([bench, "--threads", "64", "--rows", "64", "--hidden", "16", "--vocab", "64"], 1,
+                 "stacks of 2048 MiB each, from OMP_STACKSIZE", alone=True,
+                 preexec_fn=few_threads, env=dict(os.environ, OMP_STACKSIZE="2g"))
+        run([bench, "--threads", "64", "--rows", "64", "--hidden", "16", "--vocab", "64",
+             "--repeats", "1"], preexec_fn=few_threads, env=dict(os.environ, OMP_STACKSIZE="8M"))
 
     ck = os.path.join(work, "v258")
     run([train, "--steps", "1", "--warmup-steps", "0", "--save", ck] + TINY)
@@ -505,8 +527,6 @@ def messages_case(train, evaluate, work):
     one_line([evaluate, "--model", ck, "--limit", "2"], 1, "--model " + ck, "vocab_size 258",
              alone=True)
 
-    good = os.path.join(work, "good")
-    run([train, "--steps", "1", "--warmup-steps", "0", "--save", good] + TINY)
     # An empty path would name the working directory (or no file at all).
     for cmd, option in (([evaluate, "--model", ""], "--model"),
                         ([evaluate, "--model", good, "--sft-file", ""], "--sft-file"),
@@ -944,7 +964,7 @@ def main():
              "names": lambda: names_case(train, evaluate, bench, work),
              "metrics": lambda: metrics_case(train, work),
              "outputs": lambda: outputs_case(train, evaluate, bench, work),
-             "messages": lambda: messages_case(train, evaluate, work),
+             "messages": lambda: messages_case(train, evaluate, bench, work),
              "before_work": lambda: before_work_case(train, work),
              "loss_options": lambda: loss_options_case(train, work),
              "stdout": lambda: stdout_case(train, evaluate, bench, work),

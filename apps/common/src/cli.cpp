@@ -2,17 +2,24 @@
 #include "chunkloss/apps/cli.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <limits>
+#include <mutex>
+#include <optional>
 #include <sstream>
 
 #include "chunkloss/core/error.h"
@@ -213,6 +220,92 @@ void check_input_file(std::string_view option, const std::string& path) {
     throw UsageError("--" + std::string(option) + ": " + path + " does not exist");
   if (t == std::filesystem::file_type::directory)
     throw UsageError("--" + std::string(option) + ": " + path + " is a directory, not a file");
+}
+
+namespace {
+
+// The stack size of libgomp's threads when the environment sets one: OMP_STACKSIZE ("N" in KiB,
+// or with a suffix B, K, M or G, in either case, and spaces around), else GOMP_STACKSIZE (KiB).
+// None when neither is set or parses, as libgomp then keeps the system's default. `source` is
+// the variable's name.
+std::optional<std::size_t> openmp_stack_size(std::string& source) {
+  for (const char* name : {"OMP_STACKSIZE", "GOMP_STACKSIZE"}) {
+    const char* text = std::getenv(name);
+    if (!text) continue;
+    std::string_view t(text);
+    const auto skip_spaces = [&t] {
+      while (!t.empty() && std::isspace(static_cast<unsigned char>(t.front()))) t.remove_prefix(1);
+    };
+    skip_spaces();
+    unsigned long long n = 0;
+    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), n);
+    if (ec != std::errc() || end == t.data()) continue;
+    t.remove_prefix(static_cast<std::size_t>(end - t.data()));
+    skip_spaces();
+    int shift = 10;
+    if (!t.empty() && std::string_view(name) == "OMP_STACKSIZE") {
+      const char unit = static_cast<char>(std::toupper(static_cast<unsigned char>(t.front())));
+      const std::string_view units = "BKMG";
+      const std::size_t at = units.find(unit);
+      if (at == std::string_view::npos) continue;
+      shift = 10 * static_cast<int>(at);
+      t.remove_prefix(1);
+      skip_spaces();
+    }
+    if (!t.empty() || n > (std::numeric_limits<std::size_t>::max() >> shift)) continue;
+    source = name;
+    return static_cast<std::size_t>(n) << shift;
+  }
+  return std::nullopt;
+}
+
+// The threads of check_threads_start wait here until all have been started.
+struct StartGate {
+  std::mutex mutex;
+  std::condition_variable opened;
+  bool open = false;
+};
+
+void* wait_at_gate(void* gate) {
+  auto& g = *static_cast<StartGate*>(gate);
+  std::unique_lock lock(g.mutex);
+  g.opened.wait(lock, [&g] { return g.open; });
+  return nullptr;
+}
+
+}  // namespace
+
+void check_threads_start(const std::string& what, int count) {
+  pthread_attr_t attr;
+  if (int err = ::pthread_attr_init(&attr); err != 0)
+    throw std::runtime_error(what + ": cannot make thread attributes: " + std::strerror(err));
+  std::string source = "the system's default, ulimit -s";
+  if (const std::optional<std::size_t> size = openmp_stack_size(source))
+    ::pthread_attr_setstacksize(&attr, *size);  // (refused as libgomp's own call would be)
+  std::size_t stack = 0;
+  ::pthread_attr_getstacksize(&attr, &stack);
+  StartGate gate;
+  std::vector<pthread_t> started;
+  started.reserve(static_cast<std::size_t>(std::max(count, 0)));
+  int err = 0;
+  for (int i = 0; i < count && err == 0; ++i) {
+    pthread_t t;
+    err = ::pthread_create(&t, &attr, wait_at_gate, &gate);
+    if (err == 0) started.push_back(t);
+  }
+  {
+    const std::lock_guard lock(gate.mutex);
+    gate.open = true;
+  }
+  gate.opened.notify_all();
+  for (const pthread_t t : started) ::pthread_join(t, nullptr);
+  ::pthread_attr_destroy(&attr);
+  if (err != 0)
+    throw std::runtime_error(what + " needs " + std::to_string(count) +
+                             " threads besides this one, and the system started only " +
+                             std::to_string(started.size()) + " (stacks of " +
+                             std::to_string(stack >> 20) + " MiB each, from " + source +
+                             "): " + std::strerror(err));
 }
 
 void prepare_output_dir(std::string_view option, const std::string& dir) {
