@@ -324,8 +324,12 @@ int run(const Cli& cli, int argc, char** argv) {
   for (const CaseConfig& c : cli.cases)  // before the header, so a refusal is the only output
     if (c.device == "cuda") require_cuda_devices(std::max(1, c.vocab_ranks));
 #endif
-  const int threads = cli.cases.front().threads;  // (every case's)
-  apps::check_threads_start("--threads " + std::to_string(threads), threads - 1);
+  const CaseConfig& first = cli.cases.front();  // (every case's threads and vocabulary ranks)
+  const bool ranks = first.vocab_ranks > 1;
+  apps::check_threads_start(
+      "--threads " + std::to_string(first.threads) +
+          (ranks ? " with --vocab-parallel " + std::to_string(first.vocab_ranks) : ""),
+      first.threads - 1, ranks ? first.vocab_ranks : 0);
   std::vector<CaseRecord> records;
   nlohmann::json all = nlohmann::json::array();
   std::cout << kProg << " " << apps::utc_now_iso() << "\n";

@@ -855,7 +855,8 @@ ThreadCounts thread_counts(const Settings& s) {
 }
 
 // Whether the system lets the run start its threads (apps::check_threads_start): this thread's
-// OpenMP team, or with ranks, each rank's thread and its team (this thread then only waits).
+// OpenMP team, or with ranks, each rank's thread (a std::thread) and its team (this thread then
+// only waits).
 void check_run_threads(const Settings& s) {
   const int ranks = s.data_parallel * s.vocab_parallel;
   const ThreadCounts t = thread_counts(s);
@@ -865,7 +866,10 @@ void check_run_threads(const Settings& s) {
   if (s.vocab_parallel > 1)
     what += (s.data_parallel > 1 ? " and" : " with") + std::string(" --vocab-parallel ") +
             std::to_string(s.vocab_parallel);
-  apps::check_threads_start(what, ranks > 1 ? ranks * t.per_rank : t.all - 1);
+  if (ranks == 1)
+    apps::check_threads_start(what, t.all - 1);
+  else
+    apps::check_threads_start(what, ranks * (t.per_rank - 1), ranks);
 }
 
 int run(const Settings& s, const std::string& invocation) {

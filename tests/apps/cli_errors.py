@@ -40,8 +40,9 @@ CASE is one of:
     log-probs are not (and counts a generated id that is no byte, from a model of vocab_size
     300, as a miss of exact match); threads that cannot start (limited address space) are
     refused before any work by train (ranks included), eval and bench, naming --threads, how many
-    started and the stack size (OMP_STACKSIZE's when set), where libgomp would have ended the
-    process with its own line; a tensor name holding control characters is printed with
+    started and the stack sizes (OpenMP's threads take OMP_STACKSIZE's or GOMP_STACKSIZE's, read
+    as libgomp reads it, the ranks' the system's), where libgomp would have ended the process with
+    its own line; a tensor name holding control characters is printed with
     them escaped (ESC as \\x1b); a value out of range is shown as given (0.99999999999, not 1).
     Each is refused before any output: its error line is all the app prints. On a terminal (a
     pty), an error during the run starts its own line after the progress line. A loss that is
@@ -488,10 +489,15 @@ def messages_case(train, evaluate, bench, work):
     # Threads the system cannot start fail the run before its work, naming the options, where
     # libgomp would end the process with its own line: with thread stacks of 1 GiB in 32 GiB of
     # address space, about 30 threads start. (A sanitizer's shadow memory needs more address space
-    # than that, so a sanitized app cannot be checked so.)
+    # than that, so a sanitized app cannot be checked so.) The stack size variables of the
+    # environment the test runs in are left out.
     def few_threads():
         resource.setrlimit(resource.RLIMIT_STACK, (1 << 30, 1 << 30))
         resource.setrlimit(resource.RLIMIT_AS, (32 << 30, 32 << 30))
+
+    def no_more_space():
+        resource.setrlimit(resource.RLIMIT_AS, (32 << 30, 32 << 30))
+    plain = {k: v for k, v in os.environ.items() if k not in ("OMP_STACKSIZE", "GOMP_STACKSIZE")}
     with open(train, "rb") as f:
         sanitized = any(s in f.read() for s in (b"__asan_init", b"__tsan_init"))
     if sanitized:
@@ -500,24 +506,40 @@ def messages_case(train, evaluate, bench, work):
     else:
         tiny = TINY[:]
         del tiny[tiny.index("--batch-size"):tiny.index("--batch-size") + 2]
-        refused = "threads besides this one, and the system started only"
-        for cmd, words in (
-                ([train, "--data-parallel", "256", "--batch-size", "256", "--steps", "1"] + tiny,
-                 ["--threads 1 with --data-parallel 256 needs 256 " + refused]),
-                ([train, "--steps", "1"] + tiny[:tiny.index("--threads")] + ["--threads", "64"],
-                 ["--threads 64 needs 63 " + refused]),
-                ([evaluate, "--model", good, "--limit", "2", "--threads", "64"],
-                 ["--threads 64 needs 63 " + refused]),
-                ([bench, "--threads", "64", "--rows", "64", "--hidden", "16", "--vocab", "64"],
-                 ["--threads 64 needs 63 " + refused])):
-            one_line(cmd, 1, *words, "stacks of 1024 MiB each", alone=True,
-                     preexec_fn=few_threads)
-        # With OMP_STACKSIZE the threads get its size, as OpenMP's would.
-        one_line([bench, "--threads", "64", "--rows", "64", "--hidden", "16", "--vocab", "64"], 1,
-                 "stacks of 2048 MiB each, from OMP_STACKSIZE", alone=True,
-                 preexec_fn=few_threads, env=dict(os.environ, OMP_STACKSIZE="2g"))
-        run([bench, "--threads", "64", "--rows", "64", "--hidden", "16", "--vocab", "64",
-             "--repeats", "1"], preexec_fn=few_threads, env=dict(os.environ, OMP_STACKSIZE="8M"))
+        tiny = tiny[:tiny.index("--threads")]
+        b = [bench, "--rows", "64", "--hidden", "16", "--vocab", "64", "--repeats", "1"]
+        needs = ": the run needs %d threads besides the main thread, and the system started only"
+        for cmd, env, words in (
+                ([train, "--data-parallel", "256", "--batch-size", "256", "--steps", "1",
+                  "--threads", "1"] + tiny, {},
+                 ["--threads 1 with --data-parallel 256" + needs % 256,
+                  "stacks of 1024 MiB each, the system's default"]),
+                ([train, "--steps", "1", "--threads", "64"] + tiny, {},
+                 ["--threads 64" + needs % 63, "stacks of 1024 MiB each, the system's default"]),
+                ([evaluate, "--model", good, "--limit", "2", "--threads", "64"], {},
+                 ["--threads 64" + needs % 63, "stacks of 1024 MiB each, the system's default"]),
+                (b + ["--threads", "64"], {},
+                 ["--threads 64" + needs % 63, "stacks of 1024 MiB each, the system's default"]),
+                (b + ["--threads", "64"], {"OMP_STACKSIZE": "2g"},
+                 ["stacks of 2048 MiB each, from OMP_STACKSIZE"]),
+                (b + ["--threads", "64"], {"GOMP_STACKSIZE": " 2048 M "},
+                 ["stacks of 2048 MiB each, from GOMP_STACKSIZE"]),
+                # The ranks' threads keep the system's stacks, their teams take OpenMP's.
+                ([train, "--data-parallel", "32", "--batch-size", "32", "--steps", "1",
+                  "--threads", "64"] + tiny, {"OMP_STACKSIZE": "8M"},
+                 ["--threads 64 with --data-parallel 32" + needs % 64,
+                  "stacks of 1024 MiB for 32 of them, the system's default, and 8 MiB for the "
+                  "other 32, OpenMP's, from OMP_STACKSIZE"])):
+            one_line(cmd, 1, *words, alone=True, preexec_fn=few_threads, env=dict(plain, **env))
+        # What OpenMP's threads would get passes: its stack size, read as libgomp reads it.
+        for size in ("8M", "+8m", "8192", " 8 M "):
+            run(b + ["--threads", "64"], preexec_fn=few_threads,
+                env=dict(plain, OMP_STACKSIZE=size))
+        run(b + ["--threads", "64"], preexec_fn=few_threads, env=dict(plain, GOMP_STACKSIZE="8m"))
+        # Ranks with one thread each have no team: OpenMP's stack size does not count for them.
+        run([train, "--data-parallel", "16", "--batch-size", "16", "--steps", "1",
+             "--threads", "16"] + tiny, preexec_fn=no_more_space,
+            env=dict(plain, OMP_STACKSIZE="4G"))
 
     ck = os.path.join(work, "v258")
     run([train, "--steps", "1", "--warmup-steps", "0", "--save", ck] + TINY)

@@ -224,39 +224,44 @@ void check_input_file(std::string_view option, const std::string& path) {
 
 namespace {
 
-// The stack size of libgomp's threads when the environment sets one: OMP_STACKSIZE ("N" in KiB,
-// or with a suffix B, K, M or G, in either case, and spaces around), else GOMP_STACKSIZE (KiB).
-// None when neither is set or parses, as libgomp then keeps the system's default. `source` is
-// the variable's name.
+// The stack size libgomp gives its threads when the environment sets one, read as libgomp 12
+// reads it (checked against it): OMP_STACKSIZE, else GOMP_STACKSIZE, each a number as strtoul
+// takes it (spaces and a sign before it) in KiB, or followed by B, K, M or G in either case,
+// spaces around. None when neither is set and valid; `source` is then left as it is, else the
+// variable's name.
 std::optional<std::size_t> openmp_stack_size(std::string& source) {
   for (const char* name : {"OMP_STACKSIZE", "GOMP_STACKSIZE"}) {
     const char* text = std::getenv(name);
     if (!text) continue;
-    std::string_view t(text);
-    const auto skip_spaces = [&t] {
-      while (!t.empty() && std::isspace(static_cast<unsigned char>(t.front()))) t.remove_prefix(1);
-    };
-    skip_spaces();
-    unsigned long long n = 0;
-    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), n);
-    if (ec != std::errc() || end == t.data()) continue;
-    t.remove_prefix(static_cast<std::size_t>(end - t.data()));
-    skip_spaces();
+    const auto space = [](const char* c) { return std::isspace(static_cast<unsigned char>(*c)); };
+    while (space(text)) ++text;
+    char* end = nullptr;
+    errno = 0;
+    const unsigned long long n = std::strtoull(text, &end, 10);
+    if (*text == '\0' || errno != 0 || end == text) continue;
+    while (space(end)) ++end;
     int shift = 10;
-    if (!t.empty() && std::string_view(name) == "OMP_STACKSIZE") {
-      const char unit = static_cast<char>(std::toupper(static_cast<unsigned char>(t.front())));
-      const std::string_view units = "BKMG";
-      const std::size_t at = units.find(unit);
-      if (at == std::string_view::npos) continue;
-      shift = 10 * static_cast<int>(at);
-      t.remove_prefix(1);
-      skip_spaces();
+    if (*end != '\0') {
+      const std::size_t unit = std::string_view("bkmg").find(
+          static_cast<char>(std::tolower(static_cast<unsigned char>(*end))));
+      if (unit == std::string_view::npos) continue;
+      shift = 10 * static_cast<int>(unit);
+      for (++end; space(end);) ++end;
+      if (*end != '\0') continue;
     }
-    if (!t.empty() || n > (std::numeric_limits<std::size_t>::max() >> shift)) continue;
+    if (n > (std::numeric_limits<std::size_t>::max() >> shift)) continue;
     source = name;
     return static_cast<std::size_t>(n) << shift;
   }
   return std::nullopt;
+}
+
+// "8 MiB", "16 KiB" or "5000 bytes": a stack size as exactly as it is.
+std::string size_text(std::size_t bytes) {
+  if (bytes != 0 && bytes % (std::size_t{1} << 20) == 0)
+    return std::to_string(bytes >> 20) + " MiB";
+  if (bytes != 0 && bytes % 1024 == 0) return std::to_string(bytes >> 10) + " KiB";
+  return std::to_string(bytes) + " bytes";
 }
 
 // The threads of check_threads_start wait here until all have been started.
@@ -275,37 +280,51 @@ void* wait_at_gate(void* gate) {
 
 }  // namespace
 
-void check_threads_start(const std::string& what, int count) {
-  pthread_attr_t attr;
-  if (int err = ::pthread_attr_init(&attr); err != 0)
-    throw std::runtime_error(what + ": cannot make thread attributes: " + std::strerror(err));
-  std::string source = "the system's default, ulimit -s";
-  if (const std::optional<std::size_t> size = openmp_stack_size(source))
-    ::pthread_attr_setstacksize(&attr, *size);  // (refused as libgomp's own call would be)
-  std::size_t stack = 0;
-  ::pthread_attr_getstacksize(&attr, &stack);
+void check_threads_start(const std::string& what, int openmp_threads, int other_threads) {
+  // Two kinds of threads: [0] the others (std::thread: the system's default stack), [1] OpenMP's.
+  struct Kind {
+    int count;
+    pthread_attr_t attr;
+    std::size_t stack = 0;
+    std::string source = "the system's default";
+  } kinds[2] = {{std::max(other_threads, 0), {}}, {std::max(openmp_threads, 0), {}}};
+  for (Kind& k : kinds)
+    if (int err = ::pthread_attr_init(&k.attr); err != 0)
+      throw std::runtime_error(what + ": cannot make thread attributes: " + std::strerror(err));
+  std::string name;
+  if (const std::optional<std::size_t> size = openmp_stack_size(name))
+    if (::pthread_attr_setstacksize(&kinds[1].attr, *size) == 0)  // else libgomp keeps it too
+      kinds[1].source = "from " + name;
+  for (Kind& k : kinds) ::pthread_attr_getstacksize(&k.attr, &k.stack);
+
   StartGate gate;
   std::vector<pthread_t> started;
-  started.reserve(static_cast<std::size_t>(std::max(count, 0)));
+  started.reserve(static_cast<std::size_t>(kinds[0].count + kinds[1].count));
   int err = 0;
-  for (int i = 0; i < count && err == 0; ++i) {
-    pthread_t t;
-    err = ::pthread_create(&t, &attr, wait_at_gate, &gate);
-    if (err == 0) started.push_back(t);
-  }
+  for (Kind& k : kinds)
+    for (int i = 0; i < k.count && err == 0; ++i) {
+      pthread_t t;
+      err = ::pthread_create(&t, &k.attr, wait_at_gate, &gate);
+      if (err == 0) started.push_back(t);
+    }
   {
     const std::lock_guard lock(gate.mutex);
     gate.open = true;
   }
   gate.opened.notify_all();
   for (const pthread_t t : started) ::pthread_join(t, nullptr);
-  ::pthread_attr_destroy(&attr);
-  if (err != 0)
-    throw std::runtime_error(what + " needs " + std::to_string(count) +
-                             " threads besides this one, and the system started only " +
-                             std::to_string(started.size()) + " (stacks of " +
-                             std::to_string(stack >> 20) + " MiB each, from " + source +
-                             "): " + std::strerror(err));
+  for (Kind& k : kinds) ::pthread_attr_destroy(&k.attr);
+  if (err == 0) return;
+  const Kind& one = kinds[0].count > 0 ? kinds[0] : kinds[1];  // (kinds of one size: either)
+  std::string stacks = "stacks of " + size_text(one.stack) + " each, " + one.source;
+  if (kinds[0].count > 0 && kinds[1].count > 0 && kinds[0].stack != kinds[1].stack)
+    stacks = "stacks of " + size_text(kinds[0].stack) + " for " + std::to_string(kinds[0].count) +
+             " of them, " + kinds[0].source + ", and " + size_text(kinds[1].stack) +
+             " for the other " + std::to_string(kinds[1].count) + ", OpenMP's, " + kinds[1].source;
+  throw std::runtime_error(
+      what + ": the run needs " + std::to_string(kinds[0].count + kinds[1].count) +
+      " threads besides the main thread, and the system started only " +
+      std::to_string(started.size()) + " (" + stacks + "): " + std::strerror(err));
 }
 
 void prepare_output_dir(std::string_view option, const std::string& dir) {

@@ -124,13 +124,15 @@ void prepare_output_file(std::string_view option, const std::string& path,
                          const std::vector<std::pair<std::string, std::string>>& inputs = {},
                          const std::vector<std::string>& suffixes = {".tmp"});
 
-/// Starts `count` threads side by side and ends them, to learn before the run's work whether the
-/// system lets this process have the threads that option `what` (e.g. "--threads 64") asks for:
-/// OpenMP (libgomp) ends the process with its own message when it cannot start a thread of a
-/// team. The threads get the stack size OpenMP's get (OMP_STACKSIZE, else GOMP_STACKSIZE, else
-/// the system's default, which follows `ulimit -s`). Throws std::runtime_error naming `what`, how
-/// many started, the stack size and the system's reason when one cannot start.
-void check_threads_start(const std::string& what, int count);
+/// Starts the threads a run will have besides the main thread side by side, then ends them, to
+/// learn before the run's work whether the system lets this process have them: OpenMP (libgomp)
+/// ends the process with its own message when it cannot start a thread of a team.
+/// `openmp_threads` get the stack size OpenMP's threads get (OMP_STACKSIZE, else
+/// GOMP_STACKSIZE, else the system's default), `other_threads` (std::thread) the system's
+/// default. Throws std::runtime_error naming `what` (e.g. "--threads 64"), how many started, the
+/// stack sizes and the system's reason when one cannot start. Passing is no guarantee: as teams
+/// change size, libgomp ends and starts threads, and a run near the limit may still fail there.
+void check_threads_start(const std::string& what, int openmp_threads, int other_threads = 0);
 
 /// The bytes of a --budget-mib value in [0, 2^20] MiB; 0 gives the library's default for
 /// `device` ("cpu" or "cuda", default_memory_budget), so that both spellings of a budget are one.
