@@ -315,7 +315,7 @@ void check_threads_start(const std::string& what, int openmp_threads, int other_
   for (const pthread_t t : started) ::pthread_join(t, nullptr);
   for (Kind& k : kinds) ::pthread_attr_destroy(&k.attr);
   if (err == 0) return;
-  const Kind& one = kinds[0].count > 0 ? kinds[0] : kinds[1];  // (kinds of one size: either)
+  const Kind& one = kinds[0].count > 0 ? kinds[0] : kinds[1];  // (one kind, or two of one size)
   std::string stacks = "stacks of " + size_text(one.stack) + " each, " + one.source;
   if (kinds[0].count > 0 && kinds[1].count > 0 && kinds[0].stack != kinds[1].stack)
     stacks = "stacks of " + size_text(kinds[0].stack) + " for " + std::to_string(kinds[0].count) +
