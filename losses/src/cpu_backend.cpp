@@ -347,7 +347,7 @@ class CpuTokenBackend final : public TokenBackend {
 
   void fetch_rows(std::int64_t r0, std::int64_t r1, float* loss, float* logit_sum) override {
     std::copy(rows_.loss + r0, rows_.loss + r1, loss);
-    std::copy(rows_.zsum + r0, rows_.zsum + r1, logit_sum);
+    if (logit_sum) std::copy(rows_.zsum + r0, rows_.zsum + r1, logit_sum);
   }
 
   void set_coefficients(std::int64_t r0, std::int64_t r1, const float* c) override {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "agreement.h"
+#include "ce_call.h"
 #include "chunkloss/core/error.h"
 #include "engine.h"
 #include "validate.h"
@@ -33,72 +34,70 @@ namespace {
 constexpr const char* kWho = "LinearCrossEntropy";
 constexpr std::initializer_list<DType> kFloat = {DType::kF32, DType::kBF16};
 
-struct Checked {
-  detail::TokenCall call;
-  PlanRequest request;
-};
+using Checked = detail::CeCall;
+
+}  // namespace
 
 // `calling`: also check the outputs and the values (targets' range, finiteness); plan() checks
 // shapes and dtypes only and reads no data.
-Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyInputs& in,
-                   const CrossEntropyGrads& gr, const CrossEntropyOutputs& out, bool calling) {
-  using detail::check_optional;
-  using detail::check_view;
-  CHUNKLOSS_CHECK(in.hidden.defined() && in.hidden.ndim() == 2, kWho,
+detail::CeCall detail::check_ce_call(const char* who, const CrossEntropyOptions& o, Device dev,
+                                     const CrossEntropyInputs& in, const CrossEntropyGrads& gr,
+                                     const CrossEntropyOutputs& out, bool calling) {
+  CHUNKLOSS_CHECK(in.hidden.defined() && in.hidden.ndim() == 2, who,
                   ": hidden must be [N, H], got ", in.hidden.str());
-  CHUNKLOSS_CHECK(in.weight.defined() && in.weight.ndim() == 2, kWho,
+  CHUNKLOSS_CHECK(in.weight.defined() && in.weight.ndim() == 2, who,
                   ": weight must be [V, H], got ", in.weight.str());
   const std::int64_t n = in.hidden.size(0), h = in.hidden.size(1), v = in.weight.size(0);
-  CHUNKLOSS_CHECK(n > 0 && h > 0 && v > 0, kWho, ": empty problem: hidden ", in.hidden.str(),
+  CHUNKLOSS_CHECK(n > 0 && h > 0 && v > 0, who, ": empty problem: hidden ", in.hidden.str(),
                   ", weight ", in.weight.str());
   const VocabShard& shard = in.vocab_shard;
-  const std::int64_t v_total = detail::check_vocab_shard(kWho, shard, v, in.weight, o.loop_order);
-  CHUNKLOSS_CHECK(v_total <= INT32_MAX, kWho, ": vocab V=", v_total, " exceeds 2^31-1");
-  check_view(kWho, "hidden", in.hidden, dev, {n, h}, kFloat);
-  CHUNKLOSS_CHECK(in.weight.size(1) == h, kWho, ": weight ", in.weight.str(),
+  const std::int64_t v_total = detail::check_vocab_shard(who, shard, v, in.weight, o.loop_order);
+  CHUNKLOSS_CHECK(v_total <= INT32_MAX, who, ": vocab V=", v_total, " exceeds 2^31-1");
+  check_view(who, "hidden", in.hidden, dev, {n, h}, kFloat);
+  CHUNKLOSS_CHECK(in.weight.size(1) == h, who, ": weight ", in.weight.str(),
                   " does not match hidden ", in.hidden.str(), " (H differs)");
-  check_view(kWho, "weight", in.weight, dev, {v, h}, {in.hidden.dtype()});
-  check_optional(kWho, "bias", in.bias, dev, {v}, {in.hidden.dtype()});
-  CHUNKLOSS_CHECK(o.logits_dtype == DType::kF32 || in.hidden.dtype() == DType::kBF16, kWho,
+  check_view(who, "weight", in.weight, dev, {v, h}, {in.hidden.dtype()});
+  check_optional(who, "bias", in.bias, dev, {v}, {in.hidden.dtype()});
+  CHUNKLOSS_CHECK(o.logits_dtype == DType::kF32 || in.hidden.dtype() == DType::kBF16, who,
                   ": logits_dtype bf16 needs bf16 hidden and weight, got hidden ", in.hidden.str());
-  check_view(kWho, "targets", in.targets, dev, {n}, {DType::kI32, DType::kI64});
-  check_optional(kWho, "class_weights", in.class_weights, dev, {v_total}, {DType::kF32});
-  check_optional(kWho, "token_weights", in.token_weights, dev, {n}, {DType::kF32});
-  check_optional(kWho, "grad_hidden", gr.hidden, dev, {n, h}, kFloat);
-  check_optional(kWho, "grad_weight", gr.weight, dev, {v, h}, kFloat);
-  check_optional(kWho, "grad_bias", gr.bias, dev, {v}, kFloat);
+  check_view(who, "targets", in.targets, dev, {n}, {DType::kI32, DType::kI64});
+  check_optional(who, "class_weights", in.class_weights, dev, {v_total}, {DType::kF32});
+  check_optional(who, "token_weights", in.token_weights, dev, {n}, {DType::kF32});
+  check_optional(who, "grad_hidden", gr.hidden, dev, {n, h}, kFloat);
+  check_optional(who, "grad_weight", gr.weight, dev, {v, h}, kFloat);
+  check_optional(who, "grad_bias", gr.bias, dev, {v}, kFloat);
   detail::check_grad_dtypes(
-      kWho, dev, in.hidden,
+      who, dev, in.hidden,
       {{"grad_hidden", &gr.hidden}, {"grad_weight", &gr.weight}, {"grad_bias", &gr.bias}});
-  CHUNKLOSS_CHECK(!gr.bias.defined() || in.bias.defined(), kWho, ": grad_bias ", gr.bias.str(),
+  CHUNKLOSS_CHECK(!gr.bias.defined() || in.bias.defined(), who, ": grad_bias ", gr.bias.str(),
                   " given but bias is absent");
   const bool grads = gr.hidden.defined() || gr.weight.defined() || gr.bias.defined();
   if (o.reduction == Reduction::kNone) {
-    CHUNKLOSS_CHECK(!calling || out.row_loss.defined(), kWho,
+    CHUNKLOSS_CHECK(!calling || out.row_loss.defined(), who,
                     ": reduction none needs outputs.row_loss [", n, "] f32");
-    CHUNKLOSS_CHECK(!grads || in.grad_output.defined(), kWho,
+    CHUNKLOSS_CHECK(!grads || in.grad_output.defined(), who,
                     ": reduction none with gradients needs grad_output [", n, "] f32");
   } else {
-    CHUNKLOSS_CHECK(!in.grad_output.defined(), kWho, ": grad_output ", in.grad_output.str(),
+    CHUNKLOSS_CHECK(!in.grad_output.defined(), who, ": grad_output ", in.grad_output.str(),
                     " is only used with reduction none, reduction is ",
                     reduction_name(o.reduction));
   }
-  check_optional(kWho, "grad_output", in.grad_output, dev, {n}, {DType::kF32});
-  check_optional(kWho, "outputs.row_loss", out.row_loss, dev, {n}, {DType::kF32});
-  check_optional(kWho, "outputs.lse", out.lse, dev, {n}, {DType::kF32});
-  check_optional(kWho, "outputs.predictions", out.predictions, dev, {n}, {DType::kI32});
-  check_optional(kWho, "outputs.scalars", out.scalars, dev, {7}, {DType::kF32});
-  CHUNKLOSS_CHECK(!calling || o.copy_results_to_host || out.scalars.defined(), kWho,
+  check_optional(who, "grad_output", in.grad_output, dev, {n}, {DType::kF32});
+  check_optional(who, "outputs.row_loss", out.row_loss, dev, {n}, {DType::kF32});
+  check_optional(who, "outputs.lse", out.lse, dev, {n}, {DType::kF32});
+  check_optional(who, "outputs.predictions", out.predictions, dev, {n}, {DType::kI32});
+  check_optional(who, "outputs.scalars", out.scalars, dev, {7}, {DType::kF32});
+  CHUNKLOSS_CHECK(!calling || o.copy_results_to_host || out.scalars.defined(), who,
                   ": copy_results_to_host = false needs outputs.scalars [7] f32");
   if (calling && dev == Device::kCpu) {
-    detail::check_targets(kWho, in.targets, v_total, o.ignore_index);
-    detail::check_class_weights(kWho, in.class_weights);
+    detail::check_targets(who, in.targets, v_total, o.ignore_index);
+    detail::check_class_weights(who, in.class_weights);
     if (o.check_finite) {
-      detail::check_finite(kWho, "hidden", in.hidden);
-      detail::check_finite(kWho, "weight", in.weight);
-      detail::check_finite(kWho, "bias", in.bias);
-      detail::check_finite(kWho, "token_weights", in.token_weights);
-      detail::check_finite(kWho, "grad_output", in.grad_output);
+      detail::check_finite(who, "hidden", in.hidden);
+      detail::check_finite(who, "weight", in.weight);
+      detail::check_finite(who, "bias", in.bias);
+      detail::check_finite(who, "token_weights", in.token_weights);
+      detail::check_finite(who, "grad_output", in.grad_output);
     }
   }
   Checked c;
@@ -165,6 +164,12 @@ Checked check_call(const CrossEntropyOptions& o, Device dev, const CrossEntropyI
   return c;
 }
 
+bool detail::skips_rows(const CrossEntropyOptions& o, const Plan& plan, const TokenCall& k) {
+  return o.skip_ignored_rows && !(plan.order == LoopOrder::kVocabBlock && k.any_grad());
+}
+
+namespace {
+
 // What the ranks of the call's groups compare before the first collective: over a vocabulary
 // split the rows, the plan's chunks and the rows they compute, H, whether dH is asked for (its
 // rows are summed per chunk), and the vocabulary and the options the rows' terms use (the rule
@@ -176,7 +181,7 @@ constexpr std::size_t kVocabKind = 7, kDataKind = 5;
 // read on the host (which checks their range there).
 void find_rows_to_compute(Context& ctx, const CrossEntropyOptions& o, const Plan& plan,
                           detail::TokenCall& k) {
-  if (!o.skip_ignored_rows || (plan.order == LoopOrder::kVocabBlock && k.any_grad())) return;
+  if (!detail::skips_rows(o, plan, k)) return;
   const std::vector<std::uint8_t> valid =
       detail::read_valid_targets(ctx, kWho, "targets", k.targets, k.total_vocab(), o.ignore_index);
   k.row_ranges = detail::rows_to_compute(valid, plan.skip_gap_rows);
@@ -204,7 +209,7 @@ LinearCrossEntropy::LinearCrossEntropy(const CrossEntropyOptions& o) : options_(
 
 Plan LinearCrossEntropy::plan(const CrossEntropyInputs& in, const CrossEntropyGrads& grads) const {
   const Device dev = in.hidden.defined() ? in.hidden.device() : Device::kCpu;
-  return call_plan(check_call(options_, dev, in, grads, {}, false));
+  return call_plan(detail::check_ce_call(kWho, options_, dev, in, grads, {}, false));
 }
 
 std::size_t LinearCrossEntropy::workspace_bytes(const CrossEntropyInputs& in,
@@ -224,7 +229,7 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
   Plan plan;
   std::exception_ptr rejected;
   try {
-    c.emplace(check_call(options_, ctx.device(), in, grads, out, true));
+    c.emplace(detail::check_ce_call(kWho, options_, ctx.device(), in, grads, out, true));
     plan = call_plan(*c);
     CHUNKLOSS_CHECK(ws.device() == ctx.device(), kWho, ": workspace is on ",
                     device_name(ws.device()), ", the context on ", device_name(ctx.device()));

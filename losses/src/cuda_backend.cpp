@@ -340,8 +340,9 @@ class CudaTokenBackend final : public TokenBackend {
     const auto s = static_cast<cudaStream_t>(stream());
     const std::size_t bytes = static_cast<std::size_t>(r1 - r0) * sizeof(float);
     CHUNKLOSS_GPU_CHECK(cudaMemcpyAsync(loss, p_.row.loss + r0, bytes, cudaMemcpyDeviceToHost, s));
-    CHUNKLOSS_GPU_CHECK(
-        cudaMemcpyAsync(logit_sum, p_.row.zsum + r0, bytes, cudaMemcpyDeviceToHost, s));
+    if (logit_sum)
+      CHUNKLOSS_GPU_CHECK(
+          cudaMemcpyAsync(logit_sum, p_.row.zsum + r0, bytes, cudaMemcpyDeviceToHost, s));
     CHUNKLOSS_GPU_CHECK(cudaStreamSynchronize(s));
   }
 

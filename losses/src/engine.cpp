@@ -131,8 +131,26 @@ std::vector<std::vector<RowRange>> token_chunks(const TokenCall& call, const Pla
   return pack_chunks(computed_rows(call), plan.chunk_rows);
 }
 
+namespace {
+
+// The coefficients of a chunk's `pieces`, whose statistics are complete: one copy of their
+// span's row losses to the host, one call of `coefficients` over the span (rows between the
+// pieces are skipped ignored rows), the coefficients back per piece.
+void set_piece_coefficients(TokenBackend& b, const std::vector<RowRange>& pieces,
+                            const RowCoefficients& coefficients, bool grads) {
+  const std::int64_t lo = pieces.front().r0, hi = pieces.back().r1;
+  std::vector<float> loss(static_cast<std::size_t>(hi - lo)), coef(loss.size());
+  b.fetch_rows(lo, hi, loss.data(), nullptr);
+  coefficients(lo, hi, loss.data(), coef.data());
+  if (grads)
+    for (const RowRange& r : pieces)
+      b.set_coefficients(r.r0, r.r1, coef.data() + static_cast<std::size_t>(r.r0 - lo));
+}
+
+}  // namespace
+
 TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan& plan,
-                                const Workspace& ws) {
+                                const Workspace& ws, const RowCoefficients& coefficients) {
   auto backend = make_token_backend(ctx, call, plan, ws);
   backend->begin();
   const std::int64_t n = call.rows, v = call.vocab;
@@ -149,8 +167,14 @@ TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan&
     backend->logits_ranges(pieces);
     backend->for_ranges(pieces, [&](const RowRange& r) {
       backend->row_stats(r.r0, r.r1);
-      if (grads && token_order) backend->grad_epilogue(r.r0, r.r1, 0, v);
+      if (grads && token_order && !coefficients) backend->grad_epilogue(r.r0, r.r1, 0, v);
     });
+    if (coefficients) {
+      set_piece_coefficients(*backend, pieces, coefficients, grads);
+      if (grads && token_order)
+        backend->for_ranges(pieces,
+                            [&](const RowRange& r) { backend->grad_epilogue(r.r0, r.r1, 0, v); });
+    }
     if (grads && token_order) {
       backend->grad_x_ranges(pieces);
       backend->grad_w_ranges(pieces, first);

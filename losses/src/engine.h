@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -150,7 +151,7 @@ class TokenBackend {
   /// The most rows whose X rows the *_ranges steps gather side by side for one GEMM (0: none).
   virtual std::int64_t gather_rows() const = 0;
   /// Copies rows [r0, r1) of the row loss (-log p(y_t) under the plain rule, 0 for ignored
-  /// rows) and of the logit sums to host memory; waits for them.
+  /// rows) and of the logit sums (unless `logit_sum` is null) to host memory; waits for them.
   virtual void fetch_rows(std::int64_t r0, std::int64_t r1, float* loss, float* logit_sum) = 0;
   /// Sets the gradient coefficients of rows [r0, r1) from host values: dL/dz_t = c_t (p_t -
   /// onehot_t) under the plain rule.
@@ -225,8 +226,17 @@ std::vector<std::vector<RowRange>> pack_chunks(const std::vector<RowRange>& rang
 /// The chunks run_token_objective runs: pack_chunks of the computed rows.
 std::vector<std::vector<RowRange>> token_chunks(const TokenCall& call, const Plan& plan);
 
-/// Runs the plan's loop order over the call.
+/// A token objective's coefficients, called once per chunk in row order: given the row losses
+/// -log p(y_t) of the chunk's rows [r0, r1) (host values; for ignored rows 0 or, between the
+/// pieces of a chunk that skips rows, unspecified), writes each row's c_t into coef[0, r1 - r0)
+/// (dL/dz_t = c_t (p_t - onehot_t); unused in a call without gradients).
+using RowCoefficients =
+    std::function<void(std::int64_t r0, std::int64_t r1, const float* row_loss, float* coef)>;
+
+/// Runs the plan's loop order over the call. With `coefficients` (the plain rule), each chunk's
+/// row losses come to the host after its statistics and its rows' coefficients go back before
+/// its gradient.
 TokenTotals run_token_objective(Context& ctx, const TokenCall& call, const Plan& plan,
-                                const Workspace& ws);
+                                const Workspace& ws, const RowCoefficients& coefficients = {});
 
 }  // namespace chunkloss::detail

@@ -12,6 +12,7 @@
 
 #include "agreement.h"
 #include "chunkloss/core/error.h"
+#include "objective_call.h"
 #include "sequence_engine.h"
 #include "validate.h"
 
@@ -548,23 +549,6 @@ Plan call_plan(const Checked& c) {
   return p;
 }
 
-// f(), a call into the objective (a user's code): whatever it throws comes back as a
-// chunkloss::Error "WHO: the objective threw WHAT: ..." ending in `written`, with the exception
-// nested (std::rethrow_if_nested gives it back). `what()` names the call, built on failure only.
-template <typename F, typename What>
-auto call_objective(const std::string& who, const What& what, const char* written, F&& f) {
-  try {
-    return f();
-  } catch (const std::exception& e) {
-    std::throw_with_nested(Error(detail::error_message(
-        __FILE__, __LINE__, who, ": the objective threw ", what(), ": ", e.what(), written)));
-  } catch (...) {
-    std::throw_with_nested(
-        Error(detail::error_message(__FILE__, __LINE__, who, ": the objective threw ", what(),
-                                    " (not a std::exception)", written)));
-  }
-}
-
 // The objective as far as the library can see it: its name, unit, averaging, NLL weight, use of
 // the KL point and extra metrics (not its own options, such as beta).
 double objective_digest(const SequenceObjective& obj) {
@@ -693,7 +677,7 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
     if (checked->kl_policy) ws.require(checked->kl_plan.layout, who.c_str());
     check_values(obj, options_, ctx, device_scalars(plan, ws), in, *checked);
     // The kinds ask the objective (a user's may throw): a rank that fails here is rejected too.
-    const double objective = call_objective(
+    const double objective = detail::call_objective(
         who, [] { return "while describing itself"; }, "", [&] { return objective_digest(obj); });
     vocab_kind = vocab_call_kind(objective, *checked, plan, in);
     data_kind = data_call_kind(objective, *checked);
@@ -753,7 +737,7 @@ PreferenceResult SequenceLoss::forward_backward(Context& ctx, const PreferenceIn
                                   "hold unspecified values"
                                 : "";
       try {
-        results[ui] = call_objective(
+        results[ui] = detail::call_objective(
             who, [u] { return "for unit " + std::to_string(u); }, written,
             [&] { return obj.evaluate(std::span<const SequenceStats>(st, m), batch, extras[ui]); });
         const UnitResult& res = results[ui];

@@ -180,9 +180,9 @@ void check_class_weights(const char* who, const TensorView& class_weights) {
                     "; class weights must be finite and >= 0");
 }
 
-std::vector<std::uint8_t> read_valid_targets(Context& ctx, const char* who, const char* name,
-                                             const TensorView& targets, std::int64_t vocab,
-                                             std::int64_t ignore_index) {
+std::vector<std::int64_t> read_target_ids(Context& ctx, const char* who, const char* name,
+                                          const TensorView& targets, std::int64_t vocab,
+                                          std::int64_t ignore_index) {
   const std::int64_t n = targets.numel();
   const std::int64_t t = targets.ndim() == 2 ? targets.size(1) : 0;  // [S, T]: two indices
   std::vector<std::int64_t> y(static_cast<std::size_t>(n));
@@ -193,7 +193,6 @@ std::vector<std::uint8_t> read_valid_targets(Context& ctx, const char* who, cons
     read_to_host(ctx, targets, y32.data());
     std::copy(y32.begin(), y32.end(), y.begin());
   }
-  std::vector<std::uint8_t> valid(static_cast<std::size_t>(n), 0);
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t yi = y[static_cast<std::size_t>(i)];
     if (yi == ignore_index) continue;
@@ -206,8 +205,16 @@ std::vector<std::uint8_t> read_valid_targets(Context& ctx, const char* who, cons
       CHUNKLOSS_FAIL(who, ": ", name, "[", at.str(), "] = ", yi, " is outside [0, V=", vocab,
                      ") and is not ignore_index (", ignore_index, ")");
     }
-    valid[static_cast<std::size_t>(i)] = 1;
   }
+  return y;
+}
+
+std::vector<std::uint8_t> read_valid_targets(Context& ctx, const char* who, const char* name,
+                                             const TensorView& targets, std::int64_t vocab,
+                                             std::int64_t ignore_index) {
+  const std::vector<std::int64_t> y = read_target_ids(ctx, who, name, targets, vocab, ignore_index);
+  std::vector<std::uint8_t> valid(y.size());
+  for (std::size_t i = 0; i < y.size(); ++i) valid[i] = y[i] != ignore_index;
   return valid;
 }
 

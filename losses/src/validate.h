@@ -53,9 +53,13 @@ void check_targets(const char* who, const TensorView& targets, std::int64_t voca
 void check_loop_order(std::string_view who, LoopOrder order);
 /// Class weights finite and >= 0 (host memory only; absent: nothing to check).
 void check_class_weights(const char* who, const TensorView& class_weights);
-/// Whether each target (of [N] or [S, T], i32 or i64, in host memory or on the context's device,
-/// whose stream is then synchronised) is valid, that is not ignore_index; each must be in
-/// [0, V) or ignore_index, else the error names `name` and the element.
+/// The targets (of [N] or [S, T], i32 or i64, in host memory or on the context's device, whose
+/// stream is then synchronised) as host values; each must be in [0, V) or ignore_index, else the
+/// error names `name` and the element.
+std::vector<std::int64_t> read_target_ids(Context& ctx, const char* who, const char* name,
+                                          const TensorView& targets, std::int64_t vocab,
+                                          std::int64_t ignore_index);
+/// Whether each target of read_target_ids() is valid, that is not ignore_index.
 std::vector<std::uint8_t> read_valid_targets(Context& ctx, const char* who, const char* name,
                                              const TensorView& targets, std::int64_t vocab,
                                              std::int64_t ignore_index);

@@ -62,6 +62,7 @@ suites() {
   check memcheck_refused "${san[@]}" --tool memcheck "$ce" -tc='gpu: a call with bad values*'
   check memcheck_ce "${san[@]}" --tool memcheck "$ce" \
     -tc='gpu: shapes*,gpu: all rows*,gpu: out-of-range*,gpu: results left*,gpu: skip_ignored_rows*'
+  check memcheck_token "${san[@]}" --tool memcheck "$ce" -tc='gpu: token objectives*'
   check memcheck_pref "${san[@]}" --tool memcheck "$pref" \
     -tc='gpu: P = 1*,gpu: accumulate*,gpu: bad targets*,gpu: SequenceLogProbs*,gpu: check_finite*'
   check memcheck_pref_parallel "${san[@]}" --tool memcheck "$pref" -tc='gpu: data parallel*,gpu: vocab parallel*'

@@ -10,6 +10,7 @@
 #include <chunkloss/core/error.h>
 #include <chunkloss/gpu/context.h>
 #include <chunkloss/losses/cross_entropy.h>
+#include <chunkloss/losses/token.h>
 
 #include <algorithm>
 #include <atomic>
@@ -27,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "reference/token_ref.h"
 #include "skip.h"
 
 namespace {
@@ -109,6 +111,7 @@ HostData make_data(const Problem& p) {
 
 struct Outcome {
   CrossEntropyResult r;
+  TokenResult token;  ///< a token objective's call: its results (loss etc. also in r)
   std::vector<float> dx, dw, db, lse, row_loss;
   std::vector<std::int32_t> pred;
   Plan plan;
@@ -139,8 +142,12 @@ std::vector<unsigned char> nan_floats(std::int64_t count, DType t) {
 // Runs one call on `dev`, with the gradient buffers pre-filled with small random values to
 // accumulate into, or else with NaN, which an overwrite must not read (cuBLAS with beta 0
 // included); on CUDA in `shared` when given, else in a fresh context.
+// With `token`, the call is a TokenLoss of that objective with o's engine options (ignore_index,
+// reduction, budget, loop order, logits dtype, fp32 dW accumulator, check_finite, skipping),
+// whose logps come back as row_loss (-logp; 0 for ignored rows).
 Outcome run(const Problem& p, const HostData& d, const CrossEntropyOptions& o, Device dev,
-            bool grads = true, bool accumulate = false, gpu::Context* shared = nullptr) {
+            bool grads = true, bool accumulate = false, gpu::Context* shared = nullptr,
+            std::shared_ptr<const TokenObjective> token = nullptr) {
   const std::int64_t n = p.n, h = p.h, v = p.v;
   const DType gt = p.grads();
   std::vector<unsigned char> dx0 = nan_floats(n * h, gt), dw0 = nan_floats(v * h, gt),
@@ -205,21 +212,50 @@ Outcome run(const Problem& p, const HostData& d, const CrossEntropyOptions& o, D
   out.predictions = TensorView(opred.ptr(dev), DType::kI32, {n}, dev);
 
   LinearCrossEntropy ce(o);
+  std::optional<TokenLoss> tl;
+  if (token) {
+    TokenOptions to;
+    to.ignore_index = o.ignore_index;
+    to.reduction = o.reduction;
+    to.memory_budget_bytes = o.memory_budget_bytes;
+    to.loop_order = o.loop_order;
+    to.logits_dtype = o.logits_dtype;
+    to.fp32_weight_grad_accumulator = o.fp32_weight_grad_accumulator;
+    to.check_finite = o.check_finite;
+    to.skip_ignored_rows = o.skip_ignored_rows;
+    tl.emplace(token, to);
+  }
+  const TokenInputs tin{in.hidden, in.weight, in.bias, in.targets};
   Outcome res;
-  res.plan = ce.plan(in, gr);
+  res.plan = tl ? tl->plan(tin, gr) : ce.plan(in, gr);
   const std::size_t wsb = res.plan.workspace_bytes();
+  const auto call = [&](Context& ctx, const Workspace& ws) {
+    if (!tl) {
+      res.r = ce.forward_backward(ctx, in, gr, out, ws);
+      return;
+    }
+    res.token = tl->forward_backward(ctx, tin, gr, ws);
+    res.r.loss = res.token.loss;
+    res.r.accuracy = res.token.accuracy;
+    res.r.valid_rows = res.token.valid_rows;
+    for (std::size_t i = 0; i < res.token.logps.size(); ++i)
+      if (!std::isnan(res.token.logps[i]))
+        store(oloss.host, static_cast<std::int64_t>(i), static_cast<float>(-res.token.logps[i]),
+              DType::kF32);
+  };
   if (dev == Device::kCuda) {
     std::optional<gpu::Context> own;
     gpu::Context& ctx = shared ? *shared : own.emplace(0);
     gpu::DeviceBuffer ws(wsb);
-    res.r = ce.forward_backward(ctx, in, gr, out, Workspace(ws.data(), wsb, Device::kCuda));
+    call(ctx, Workspace(ws.data(), wsb, Device::kCuda));
   } else {
     CpuContext ctx(2);
     void* mem = std::aligned_alloc(256, (wsb + 255) / 256 * 256 + 256);
-    res.r = ce.forward_backward(ctx, in, gr, out, Workspace(mem, wsb));
+    call(ctx, Workspace(mem, wsb));
     std::free(mem);
   }
-  for (Buf* b : {&gx, &gw, &gb, &olse, &oloss, &opred}) fetch(*b);
+  for (Buf* b : {&gx, &gw, &gb, &olse, &oloss, &opred})
+    if (!(token && b == &oloss)) fetch(*b);
   res.dx = as_floats(gx.host, gt);
   res.dw = as_floats(gw.host, gt);
   res.db = as_floats(gb.host, gt);
@@ -801,6 +837,59 @@ TEST_CASE("gpu: out-of-range targets and non-finite inputs raise chunkloss::Erro
                        chunkloss::Error);
   none.check_finite = false;
   CHECK_NOTHROW(run(weighted, d, none, Device::kCuda));
+}
+
+TEST_CASE("gpu: token objectives match the CPU path: focal, a clipped ratio, orders, skipping") {
+  if (!have_gpu()) return;
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    for (LoopOrder order : {LoopOrder::kTokenChunk, LoopOrder::kVocabBlock}) {
+      for (bool skip : {false, true}) {
+        if (skip && order == LoopOrder::kVocabBlock) continue;  // (skipping is token-chunk only)
+        Problem p{700, 123, 2507, t, true};
+        HostData d = make_data(p);
+        for (std::int64_t i = 200; i < 400; ++i) d.y[static_cast<std::size_t>(i)] = -100;
+        std::mt19937_64 g(5);
+        std::normal_distribution<double> nd(0.0, 1.0);
+        std::vector<double> adv, old;
+        for (std::int64_t i = 0; i < p.n; ++i) {
+          adv.push_back(nd(g));
+          old.push_back(-10.0 + nd(g));  // near the rows' logps: about half of them clip
+        }
+        const std::shared_ptr<const TokenObjective> objectives[] = {
+            std::make_shared<reference::FocalObjective>(2.0),
+            std::make_shared<reference::ClippedRatioObjective>(adv, old, 0.2)};
+        for (const auto& obj : objectives) {
+          for (Reduction r : {Reduction::kMean, Reduction::kSum}) {
+            for (bool accumulate : {false, true}) {
+              CAPTURE(obj->name());
+              CAPTURE(dtype_name(t));
+              CAPTURE(loop_order_name(order));
+              CAPTURE(skip);
+              CAPTURE(reduction_name(r));
+              CAPTURE(accumulate);
+              CrossEntropyOptions o;
+              o.reduction = r;
+              o.loop_order = order;
+              o.skip_ignored_rows = skip;
+              o.memory_budget_bytes = 128 * (p.v + 2 * p.h) * 4 + 100000;  // several chunks
+              const Outcome gpu = run(p, d, o, Device::kCuda, true, accumulate, nullptr, obj);
+              const Outcome cpu = run(p, d, o, Device::kCpu, true, accumulate, nullptr, obj);
+              CHECK(gpu.plan.num_chunks > 2);
+              check_close(p, o, gpu, cpu);
+              REQUIRE(gpu.token.metrics.size() == 1);
+              CHECK(std::abs(gpu.token.metrics[0].second - cpu.token.metrics[0].second) <=
+                    (t == DType::kF32 ? 1e-5 : 1e-3));
+              // The clipped ratio's data exercise both branches: some rows clip, others not.
+              if (obj->name() == "ClippedRatio") {
+                CHECK(cpu.token.metrics[0].second > 0.05);
+                CHECK(cpu.token.metrics[0].second < 0.95);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 TEST_CASE("gpu: compute_entropy changes no other result, and its entropy matches the CPU's") {

@@ -1,0 +1,155 @@
+// TokenLoss: a token objective's boundary (the cross-entropy head's checks), the targets read on
+// the host, and the objective evaluated per chunk between the row statistics and the gradient.
+#include "chunkloss/losses/token.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "ce_call.h"
+#include "chunkloss/core/error.h"
+#include "engine.h"
+#include "objective_call.h"
+#include "validate.h"
+
+namespace chunkloss {
+
+namespace {
+
+// The cross-entropy head's options that a token objective shares: the engine's. The rows' sum
+// is taken under the plain rule; the mean is the token loss's own (its coefficients).
+CrossEntropyOptions head_options(const TokenOptions& o) {
+  CrossEntropyOptions c;
+  c.ignore_index = o.ignore_index;
+  c.reduction = Reduction::kSum;
+  c.memory_budget_bytes = o.memory_budget_bytes;
+  c.loop_order = o.loop_order;
+  c.logits_dtype = o.logits_dtype;
+  c.fp32_weight_grad_accumulator = o.fp32_weight_grad_accumulator;
+  c.check_finite = o.check_finite;
+  c.skip_ignored_rows = o.skip_ignored_rows;
+  return c;
+}
+
+CrossEntropyInputs head_inputs(const TokenInputs& in) {
+  CrossEntropyInputs c;
+  c.hidden = in.hidden;
+  c.weight = in.weight;
+  c.bias = in.bias;
+  c.targets = in.targets;
+  return c;
+}
+
+Device call_device(const TokenInputs& in) {
+  return in.hidden.defined() ? in.hidden.device() : Device::kCpu;
+}
+
+}  // namespace
+
+TokenLoss::TokenLoss(std::shared_ptr<const TokenObjective> objective, const TokenOptions& options)
+    : objective_(std::move(objective)), options_(options) {
+  CHUNKLOSS_CHECK(objective_ != nullptr, "TokenLoss: the objective is null");
+  const std::string who(objective_->name());
+  CHUNKLOSS_CHECK(
+      options.reduction == Reduction::kMean || options.reduction == Reduction::kSum, who,
+      ": reduction must be mean or sum (an objective weighs its rows itself), got ",
+      reduction_name(options.reduction) == "?" ? std::to_string(static_cast<int>(options.reduction))
+                                               : std::string(reduction_name(options.reduction)));
+  detail::check_loop_order(who, options.loop_order);
+  CHUNKLOSS_CHECK(options.logits_dtype == DType::kF32 || options.logits_dtype == DType::kBF16, who,
+                  ": logits_dtype must be f32 or bf16, got ", dtype_name(options.logits_dtype));
+}
+
+Plan TokenLoss::plan(const TokenInputs& in, const CrossEntropyGrads& grads) const {
+  const std::string who(objective_->name());
+  const detail::CeCall c = detail::check_ce_call(
+      who.c_str(), head_options(options_), call_device(in), head_inputs(in), grads, {}, false);
+  return plan_token_objective(c.request);
+}
+
+std::size_t TokenLoss::workspace_bytes(const TokenInputs& in,
+                                       const CrossEntropyGrads& grads) const {
+  return plan(in, grads).workspace_bytes();
+}
+
+TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
+                                        const CrossEntropyGrads& grads, const Workspace& ws) const {
+  const TokenObjective& obj = *objective_;
+  const std::string who(obj.name());
+  const CrossEntropyOptions o = head_options(options_);
+  detail::CeCall c =
+      detail::check_ce_call(who.c_str(), o, ctx.device(), head_inputs(in), grads, {}, true);
+  const Plan plan = plan_token_objective(c.request);
+  CHUNKLOSS_CHECK(ws.device() == ctx.device(), who, ": workspace is on ", device_name(ws.device()),
+                  ", the context on ", device_name(ctx.device()));
+  detail::check_memory(who.c_str(), ctx, ws,
+                       {{"hidden", &in.hidden},
+                        {"weight", &in.weight},
+                        {"bias", &in.bias},
+                        {"targets", &in.targets}},
+                       {{"grads.hidden", &grads.hidden},
+                        {"grads.weight", &grads.weight},
+                        {"grads.bias", &grads.bias}});
+  ws.require(plan.layout, who.c_str());
+  detail::TokenCall& k = c.call;
+  const std::vector<std::int64_t> y = detail::read_target_ids(
+      ctx, who.c_str(), "targets", in.targets, k.total_vocab(), options_.ignore_index);
+  std::vector<std::uint8_t> valid(y.size());
+  std::int64_t valid_rows = 0;
+  for (std::size_t t = 0; t < y.size(); ++t) {
+    valid[t] = y[t] != options_.ignore_index;
+    valid_rows += valid[t];
+  }
+  if (detail::skips_rows(o, plan, k))
+    k.row_ranges = detail::rows_to_compute(valid, plan.skip_gap_rows);
+
+  const double divisor = options_.reduction == Reduction::kMean && valid_rows > 0
+                             ? static_cast<double>(valid_rows)
+                             : 1.0;
+  const std::vector<std::string> extra_names = obj.extra_metrics();
+  std::vector<double> extras(extra_names.size()), extra_sums(extra_names.size(), 0.0);
+  TokenResult r;
+  r.logps.assign(y.size(), std::numeric_limits<double>::quiet_NaN());
+  double loss_sum = 0;
+  bool written = false;  // a chunk's gradients were finished before the current one
+  const detail::RowCoefficients coefficients = [&](std::int64_t r0, std::int64_t r1,
+                                                   const float* row_loss, float* coef) {
+    const char* note = written ? "; gradients were already written, so the gradient buffers "
+                                 "hold unspecified values"
+                               : "";
+    for (std::int64_t t = r0; t < r1; ++t) {
+      const auto i = static_cast<std::size_t>(t);
+      float& c_t = coef[t - r0];
+      c_t = 0.0f;
+      if (!valid[i]) continue;
+      const TokenStats st{t, y[i], -static_cast<double>(row_loss[t - r0])};
+      std::fill(extras.begin(), extras.end(), 0.0);
+      const TokenValue v = detail::call_objective(
+          who, [t] { return "for row " + std::to_string(t); }, note,
+          [&] { return obj.evaluate(st, extras); });
+      bool finite = std::isfinite(st.logp) && std::isfinite(v.loss) && std::isfinite(v.dlogp);
+      for (double e : extras) finite = finite && std::isfinite(e);
+      CHUNKLOSS_CHECK(finite, who, ": row ", t, " (target ", y[i], ", logp ", st.logp,
+                      ") gave loss ", v.loss, ", dlogp ", v.dlogp,
+                      extras.empty() ? "" : " or a non-finite extra metric",
+                      ": the objective must return finite values", note);
+      r.logps[i] = st.logp;
+      loss_sum += v.loss;
+      for (std::size_t m = 0; m < extras.size(); ++m) extra_sums[m] += extras[m];
+      c_t = static_cast<float>(-v.dlogp / divisor);
+    }
+    written = k.any_grad() && plan.order == LoopOrder::kTokenChunk;  // (once this chunk is done)
+  };
+  const detail::TokenTotals totals = detail::run_token_objective(ctx, k, plan, ws, coefficients);
+
+  r.loss = loss_sum / divisor;
+  r.valid_rows = valid_rows;
+  r.accuracy = valid_rows ? totals.correct / static_cast<double>(valid_rows) : 0.0;
+  for (std::size_t m = 0; m < extra_names.size(); ++m)
+    r.metrics.emplace_back(extra_names[m],
+                           valid_rows ? extra_sums[m] / static_cast<double>(valid_rows) : 0.0);
+  return r;
+}
+
+}  // namespace chunkloss

@@ -1,0 +1,437 @@
+// TokenLoss on the CPU: token objectives (NLL, focal, a clipped ratio with per-row data) against
+// the float64 oracle in fp32 and bf16, both loop orders, several chunks and skipped rows; NLL
+// against LinearCrossEntropy; finite differences; the rows the objective sees; accumulation,
+// forward only, all rows ignored, bitwise reruns; and the errors.
+#include <doctest/doctest.h>
+
+#include <chunkloss/core/error.h>
+#include <chunkloss/losses/cross_entropy.h>
+#include <chunkloss/losses/token.h>
+
+#include <cmath>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "ce_fixture.h"
+#include "reference/token_ref.h"
+#include "support/compare.h"
+#include "support/random.h"
+#include "support/tolerance.h"
+#include "support/workspace.h"
+
+namespace chunkloss::test {
+namespace {
+
+constexpr LoopOrder kOrders[] = {LoopOrder::kTokenChunk, LoopOrder::kVocabBlock};
+
+TokenInputs token_inputs(const CeData& d) {
+  const CrossEntropyInputs in = d.inputs({});
+  return {in.hidden, in.weight, in.bias, in.targets};
+}
+
+struct TokenRun {
+  TokenResult result;
+  Plan plan;
+  GradBuffers grads;
+};
+
+// One call with a fresh NaN-filled workspace of exactly workspace_bytes(); `accumulate` adds to
+// the buffers' contents (filled by the caller).
+TokenRun run_token(const CeData& d, const TokenLoss& loss, const GradRequest& g,
+                   bool accumulate = false, GradBuffers* into = nullptr) {
+  const TokenInputs in = token_inputs(d);
+  TokenRun run{{}, {}, into ? *into : GradBuffers(d, g, std::nanf(""))};
+  const CrossEntropyGrads grads = run.grads.views(accumulate);
+  run.plan = loss.plan(in, grads);
+  const AlignedBuffer ws(loss.workspace_bytes(in, grads));
+  CpuContext ctx(2);
+  run.result = loss.forward_backward(ctx, in, grads, ws.workspace());
+  return run;
+}
+
+reference::TokenOracle oracle(const CeData& d, const TokenLoss& loss) {
+  const TokenOptions& o = loss.options();
+  return reference::token_loss(d.problem({}), o.ignore_index, o.reduction, loss.objective());
+}
+
+void check_run(const CeData& d, const TokenLoss& loss, const GradRequest& g, const TokenRun& run,
+               const reference::TokenOracle& ref) {
+  const Tolerance in_tol = tolerance(d.spec.dtype), grad_tol = tolerance(g.dtype);
+  INFO("plan: ", run.plan.str());
+  check_scalar("loss", run.result.loss, ref.loss, in_tol.loss);
+  CHECK(run.result.valid_rows == ref.valid_rows);
+  CHECK(run.result.accuracy == doctest::Approx(ref.accuracy).epsilon(1e-12));
+  const std::vector<std::string> names = loss.objective().extra_metrics();
+  REQUIRE(run.result.metrics.size() == names.size());
+  for (std::size_t m = 0; m < names.size(); ++m) {
+    CHECK(run.result.metrics[m].first == names[m]);
+    check_scalar(names[m], run.result.metrics[m].second, ref.metrics[m], in_tol.loss);
+  }
+  REQUIRE(run.result.logps.size() == ref.logps.size());
+  for (std::size_t i = 0; i < ref.logps.size(); ++i)
+    CHECK(std::isnan(run.result.logps[i]) == std::isnan(ref.logps[i]));
+  std::vector<double> got, want;  // the valid rows' logps
+  for (std::size_t i = 0; i < ref.logps.size(); ++i)
+    if (!std::isnan(ref.logps[i])) got.push_back(run.result.logps[i]), want.push_back(ref.logps[i]);
+  check_close("logps", got, want, in_tol.rows);
+  if (g.hidden) check_close("grad_hidden", run.grads.hidden(), ref.grad_hidden, grad_tol.grad);
+  if (g.weight) check_close("grad_weight", run.grads.weight(), ref.grad_weight, grad_tol.grad);
+  if (g.bias && d.spec.bias)
+    check_close("grad_bias", run.grads.bias(), ref.grad_bias, grad_tol.grad);
+}
+
+// A clipped-ratio objective whose old log-probs sit 0 or +-0.5 from the oracle's, so that about
+// a third of the rows clip on each side, none near a clipping boundary.
+std::shared_ptr<const TokenObjective> clipped_ratio(const CeData& d) {
+  const reference::TokenOracle base =
+      reference::token_loss(d.problem({}), -100, Reduction::kMean, reference::NllObjective());
+  const std::vector<float> a = normal_floats(base.logps.size(), 1.0f, d.spec.seed + 7);
+  std::vector<double> adv(a.begin(), a.end()), old;
+  for (std::size_t i = 0; i < base.logps.size(); ++i) {
+    const double shift = (static_cast<int>(i % 3) - 1) * 0.5;
+    old.push_back(std::isnan(base.logps[i]) ? 0.0 : base.logps[i] + shift);
+  }
+  return std::make_shared<reference::ClippedRatioObjective>(adv, old, 0.2);
+}
+
+std::vector<std::shared_ptr<const TokenObjective>> objectives(const CeData& d) {
+  return {std::make_shared<reference::NllObjective>(),
+          std::make_shared<reference::FocalObjective>(2.0), clipped_ratio(d)};
+}
+
+// The smallest budget giving `rows` rows per chunk in `order`, as the CE fixture finds it (a
+// token loss plans as cross-entropy does).
+std::size_t chunk_budget(const CeData& d, const GradRequest& g, std::int64_t rows,
+                         LoopOrder order = LoopOrder::kAuto) {
+  CrossEntropyOptions o;
+  o.loop_order = order;
+  return budget_for_chunk_rows(d, o, g, rows);
+}
+
+TEST_CASE("token objectives against the float64 oracle: dtypes, orders, chunks, reductions") {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (LoopOrder order : kOrders) {
+      for (bool multi : {false, true}) {
+        CeSpec s;
+        s.dtype = dtype;
+        s.bias = true;
+        if (multi) s.n = 150, s.h = 40, s.v = 300, s.ignored_run = {70, 100};
+        const CeData d(s);
+        GradRequest g;
+        g.dtype = dtype;
+        for (const auto& obj : objectives(d)) {
+          for (Reduction red : {Reduction::kMean, Reduction::kSum}) {
+            CAPTURE(obj->name());
+            CAPTURE(dtype_name(dtype));
+            CAPTURE(loop_order_name(order));
+            CAPTURE(reduction_name(red));
+            CAPTURE(multi);
+            TokenOptions o;
+            o.loop_order = order;
+            o.reduction = red;
+            if (multi) o.memory_budget_bytes = chunk_budget(d, g, 64, order);
+            const TokenLoss loss(obj, o);
+            const TokenRun run = run_token(d, loss, g);
+            if (multi && order == LoopOrder::kTokenChunk) CHECK(run.plan.num_chunks == 3);
+            check_run(d, loss, g, run, oracle(d, loss));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("token objectives: skipped rows, the fp32 dW accumulator, bf16 logits are refused") {
+  CeSpec s;
+  s.n = 300;
+  s.h = 24;
+  s.v = 200;
+  s.dtype = DType::kBF16;
+  s.ignored_prefix = 90;
+  s.ignored_run = {150, 230};
+  const CeData d(s);
+  GradRequest g;
+  g.dtype = DType::kBF16;
+  for (const auto& obj : objectives(d)) {
+    CAPTURE(obj->name());
+    TokenOptions o;
+    o.skip_ignored_rows = true;
+    o.fp32_weight_grad_accumulator = true;
+    o.memory_budget_bytes = chunk_budget(d, g, 64);
+    const TokenLoss loss(obj, o);
+    const TokenRun run = run_token(d, loss, g);
+    check_run(d, loss, g, run, oracle(d, loss));
+  }
+}
+
+TEST_CASE("token objectives: NLL is LinearCrossEntropy's mean, to rounding") {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    CeSpec s;
+    s.dtype = dtype;
+    s.bias = true;
+    s.n = 150;
+    s.h = 40;
+    s.v = 300;
+    const CeData d(s);
+    GradRequest g;
+    g.dtype = dtype;
+    const LibRun ce = run_library(d, {}, g, false);
+    const TokenRun tok = run_token(d, TokenLoss(std::make_shared<reference::NllObjective>()), g);
+    const Tolerance t = tolerance(dtype);
+    check_scalar("loss", tok.result.loss, ce.result.loss, 1e-6);
+    CHECK(tok.result.accuracy == ce.result.accuracy);
+    CHECK(tok.result.valid_rows == ce.result.valid_rows);
+    check_close("grad_hidden", tok.grads.hidden(), ce.grads.hidden(), t.chunking);
+    check_close("grad_weight", tok.grads.weight(), ce.grads.weight(), t.chunking);
+    check_close("grad_bias", tok.grads.bias(), ce.grads.bias(), t.chunking);
+  }
+}
+
+TEST_CASE("token objectives: finite differences of the float64 loss at the library's gradients") {
+  CeSpec s;
+  s.n = 6;
+  s.h = 9;
+  s.v = 13;
+  s.bias = true;
+  s.ignore_fraction = 0.2;
+  s.logit_scale = 2.0f;
+  const CeData d(s);
+  for (const auto& obj :
+       {std::shared_ptr<const TokenObjective>(std::make_shared<reference::FocalObjective>(1.5)),
+        clipped_ratio(d)}) {
+    for (LoopOrder order : kOrders) {
+      CAPTURE(obj->name());
+      CAPTURE(loop_order_name(order));
+      TokenOptions o;
+      o.loop_order = order;
+      const TokenLoss loss(obj, o);
+      const TokenRun run = run_token(d, loss, {});
+      const double step = 1e-5;
+      auto check_entries = [&](std::vector<double> reference::CeProblem::*member,
+                               const std::vector<double>& grad, const char* what) {
+        double largest = 0;
+        for (std::size_t i = 0; i < grad.size(); ++i) {
+          reference::CeProblem p = d.problem({});
+          const double x0 = (p.*member)[i];
+          (p.*member)[i] = x0 + step;
+          const double up = reference::token_loss_value(p, -100, o.reduction, *obj);
+          (p.*member)[i] = x0 - step;
+          const double down = reference::token_loss_value(p, -100, o.reduction, *obj);
+          const double fd = (up - down) / (2 * step);
+          largest = std::max(largest, std::abs(fd));
+          CHECK_MESSAGE(std::abs(fd - grad[i]) <= 1e-5 + 1e-4 * std::abs(fd),
+                        what << "[" << i << "]: library gradient " << grad[i]
+                             << ", central difference of the float64 loss " << fd);
+        }
+        CHECK_MESSAGE(largest > 1e-2, what << ": every entry is near zero");
+      };
+      check_entries(&reference::CeProblem::hidden, run.grads.hidden(), "grad_hidden");
+      check_entries(&reference::CeProblem::weight, run.grads.weight(), "grad_weight");
+      check_entries(&reference::CeProblem::bias, run.grads.bias(), "grad_bias");
+    }
+  }
+}
+
+// Records the rows it is asked about (test instrumentation; a real objective is pure).
+class RecordingObjective final : public TokenObjective {
+ public:
+  std::string_view name() const override { return "Recording"; }
+  TokenValue evaluate(const TokenStats& row, std::span<double>) const override {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    rows.push_back(row);
+    return {-row.logp, -1.0};
+  }
+  mutable std::vector<TokenStats> rows;
+
+ private:
+  mutable std::mutex mutex_;
+};
+
+TEST_CASE("token objectives: each valid row is evaluated once, in row order, with its target") {
+  CeSpec s;
+  s.n = 300;
+  s.h = 16;
+  s.v = 100;
+  s.ignored_prefix = 40;
+  s.ignored_run = {120, 200};
+  const CeData d(s);
+  for (bool skip : {false, true}) {
+    for (LoopOrder order : kOrders) {
+      for (bool grads : {false, true}) {
+        CAPTURE(skip);
+        CAPTURE(loop_order_name(order));
+        CAPTURE(grads);
+        auto rec = std::make_shared<RecordingObjective>();
+        TokenOptions o;
+        o.skip_ignored_rows = skip;
+        o.loop_order = order;
+        o.memory_budget_bytes = chunk_budget(d, {}, 64, order);
+        GradRequest g;
+        g.hidden = g.weight = g.bias = grads;
+        const TokenRun run = run_token(d, TokenLoss(rec, o), g);
+        std::vector<std::int64_t> want;
+        for (std::int64_t t = 0; t < s.n; ++t)
+          if (d.targets64[sz(t)] != s.ignore_index) want.push_back(t);
+        REQUIRE(rec->rows.size() == want.size());
+        for (std::size_t i = 0; i < want.size(); ++i) {
+          CHECK(rec->rows[i].row == want[i]);
+          CHECK(rec->rows[i].target == d.targets64[sz(want[i])]);
+          CHECK(rec->rows[i].logp == run.result.logps[sz(want[i])]);
+        }
+        CHECK(run.result.valid_rows == static_cast<std::int64_t>(want.size()));
+      }
+    }
+  }
+}
+
+TEST_CASE("token objectives: accumulate, forward only, all rows ignored, bitwise reruns") {
+  CeSpec s;
+  s.n = 150;
+  s.h = 40;
+  s.v = 300;
+  s.bias = true;
+  const CeData d(s);
+  GradRequest g;
+  const auto focal = std::make_shared<reference::FocalObjective>(2.0);
+  TokenOptions o;
+  o.memory_budget_bytes = chunk_budget(d, g, 64);
+  const TokenLoss loss(focal, o);
+  const reference::TokenOracle ref = oracle(d, loss);
+
+  SUBCASE("accumulate") {
+    GradBuffers start(d, g);
+    start.fill_random(5, 0.01, 0.01, 0.01);
+    const std::vector<double> h0 = start.hidden(), w0 = start.weight(), b0 = start.bias();
+    const TokenRun run = run_token(d, loss, g, true, &start);
+    const auto plus = [](std::vector<double> a, const std::vector<double>& b) {
+      for (std::size_t i = 0; i < a.size(); ++i) a[i] += b[i];
+      return a;
+    };
+    check_close("grad_hidden", run.grads.hidden(), plus(h0, ref.grad_hidden), 1e-5);
+    check_close("grad_weight", run.grads.weight(), plus(w0, ref.grad_weight), 1e-5);
+    check_close("grad_bias", run.grads.bias(), plus(b0, ref.grad_bias), 1e-5);
+  }
+  SUBCASE("forward only: the same loss and metrics, no gradient work") {
+    GradRequest none;
+    none.hidden = none.weight = none.bias = false;
+    const TokenRun fwd = run_token(d, loss, none);
+    const TokenRun full = run_token(d, loss, g);
+    CHECK(fwd.result.loss == full.result.loss);
+    CHECK(fwd.result.metrics == full.result.metrics);
+    CHECK(fwd.plan.workspace_bytes() <= full.plan.workspace_bytes());
+  }
+  SUBCASE("all rows ignored: loss 0, metrics 0, zero gradients") {
+    CeSpec all = s;
+    all.ignore_fraction = 1.0;
+    const CeData e(all);
+    const TokenRun run = run_token(e, loss, g);
+    CHECK(run.result.loss == 0.0);
+    CHECK(run.result.valid_rows == 0);
+    CHECK(run.result.metrics.at(0).second == 0.0);
+    check_all_equal("grad_hidden", run.grads.hidden(), 0.0);
+    check_all_equal("grad_weight", run.grads.weight(), 0.0);
+    check_all_equal("grad_bias", run.grads.bias(), 0.0);
+  }
+  SUBCASE("bitwise reruns") {
+    const TokenRun a = run_token(d, loss, g), b = run_token(d, loss, g);
+    CHECK(a.result.loss == b.result.loss);
+    CHECK(a.grads.bitwise_equal(b.grads));
+  }
+}
+
+// Throws, or returns NaN, at one row.
+class FailingObjective final : public TokenObjective {
+ public:
+  FailingObjective(std::int64_t row, bool nan) : row_(row), nan_(nan) {}
+  std::string_view name() const override { return "Failing"; }
+  TokenValue evaluate(const TokenStats& row, std::span<double>) const override {
+    if (row.row != row_) return {-row.logp, -1.0};
+    if (nan_) return {std::nan(""), -1.0};
+    throw std::runtime_error("advantages missing");
+  }
+
+ private:
+  std::int64_t row_;
+  bool nan_;
+};
+
+// The message of the chunkloss::Error that f() throws ("" and a failed check if none).
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  FAIL("no chunkloss::Error thrown");
+  return "";
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+TEST_CASE("token objectives: bad input and failing objectives raise chunkloss::Error") {
+  CeSpec s;
+  s.n = 150;
+  s.h = 40;
+  s.v = 300;
+  s.ignore_fraction = 0.0;
+  const CeData d(s);
+  const auto nll = std::make_shared<reference::NllObjective>();
+
+  TokenOptions none;
+  none.reduction = Reduction::kNone;
+  CHECK(
+      contains(error_of([&] { TokenLoss bad(nll, none); }), "Nll: reduction must be mean or sum"));
+  CHECK(contains(error_of([&] { TokenLoss bad(nullptr); }), "the objective is null"));
+
+  CeData bad_target = d;
+  bad_target.set_target(5, 300);
+  CHECK(contains(error_of([&] { run_token(bad_target, TokenLoss(nll), {}); }),
+                 "Nll: targets[5] = 300 is outside [0, V=300)"));
+
+  TokenInputs in = token_inputs(d);
+  in.weight = TensorView::of(d.weight.data(), {300, 39});
+  CHECK(contains(error_of([&] { (void)TokenLoss(nll).plan(in); }), "Nll: weight"));
+
+  TokenOptions finite;
+  finite.check_finite = true;
+  CeData nan_hidden = d;
+  nan_hidden.hidden[17] = std::nanf("");
+  CHECK(contains(error_of([&] { run_token(nan_hidden, TokenLoss(nll, finite), {}); }), "hidden"));
+
+  TokenOptions chunks;
+  chunks.memory_budget_bytes = chunk_budget(d, {}, 64);
+  SUBCASE("an objective that throws in the first chunk: nothing written yet") {
+    const std::string m = error_of(
+        [&] { run_token(d, TokenLoss(std::make_shared<FailingObjective>(3, false), chunks), {}); });
+    CHECK(contains(m, "Failing: the objective threw for row 3: advantages missing"));
+    CHECK(!contains(m, "unspecified"));
+    try {
+      run_token(d, TokenLoss(std::make_shared<FailingObjective>(3, false), chunks), {});
+    } catch (const Error& e) {
+      try {
+        std::rethrow_if_nested(e);
+        FAIL("the objective's exception is not nested");
+      } catch (const std::runtime_error& inner) {
+        CHECK(std::string(inner.what()) == "advantages missing");
+      }
+    }
+  }
+  SUBCASE("a non-finite value in a later chunk: the message says gradients were written") {
+    const std::string m = error_of([&] {
+      run_token(d, TokenLoss(std::make_shared<FailingObjective>(100, true), chunks), {});
+    });
+    CHECK(contains(m, "Failing: row 100"));
+    CHECK(contains(m, "the objective must return finite values"));
+    CHECK(contains(m, "unspecified"));
+  }
+}
+
+}  // namespace
+}  // namespace chunkloss::test
