@@ -61,6 +61,9 @@ struct CaseConfig {
   /// floor(prompt_frac T) targets are ignored (prompts)
   std::int64_t ce_seq_len = 0;
   bool skip_ignored_rows = false;  ///< the CrossEntropyOptions field of that name
+  /// ce: "nll" times the mean cross-entropy written as a token objective on TokenLoss (its
+  /// per-chunk host round trips), "none" LinearCrossEntropy
+  std::string token_objective = "none";
 
   // Preference losses: S = 2P sequences of T rows (chosen [0, P), rejected [P, 2P); KTO: the
   // same S sequences, labels alternating desirable/undesirable).

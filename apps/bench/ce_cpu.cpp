@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "bench.h"
+#include "ce_loss.h"
 #include "host_util.h"
 
 namespace chunkloss::bench {
@@ -107,7 +108,7 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
   opt.fp32_weight_grad_accumulator = c.fp32_weight_grad_accumulator;
   opt.logits_dtype = c.logits_dtype;
   opt.skip_ignored_rows = c.skip_ignored_rows;
-  const LinearCrossEntropy ce(opt);
+  const CeLoss ce(c, opt);
   CrossEntropyInputs in;
   in.hidden = TensorView(bf16 ? xb.as<void>() : x32.as<void>(), c.dtype, {n, h});
   in.weight = TensorView(bf16 ? wb.as<void>() : w32.as<void>(), c.dtype, {v, h});
@@ -176,7 +177,7 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
   dev.begin_peak();
   HostBuffer ws_buf(res.workspace_bytes);
   const Workspace ws(ws_buf.as<void>(), ws_buf.bytes());
-  res.loss_value = ce.forward_backward(ctx, in, gr, {}, ws).loss;
+  res.loss_value = ce.forward_backward(ctx, in, gr, ws);
   res.extra_measured = dev.end_peak();
   if (c.naive) {
     dev.begin_peak();
@@ -197,8 +198,7 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
     if (do_chunked) t_chunked.push_back(dev.time_ms(chunked_floor));
     if (do_valid) t_valid.push_back(dev.time_ms(valid_floor));
     double loss = 0;
-    res.times_ms.push_back(
-        dev.time_ms([&] { loss = ce.forward_backward(ctx, in, gr, {}, ws).loss; }));
+    res.times_ms.push_back(dev.time_ms([&] { loss = ce.forward_backward(ctx, in, gr, ws); }));
     res.loss_repeatable = res.loss_repeatable && loss == res.loss_value;
     if (c.naive)
       res.naive_times_ms.push_back(dev.time_ms(

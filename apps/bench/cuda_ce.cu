@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bench.h"
+#include "ce_loss.h"
 #include "cuda_util.cuh"
 
 namespace chunkloss::bench {
@@ -83,7 +84,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
   o.logits_dtype = c.logits_dtype;
   o.loop_order = c.order;
   o.skip_ignored_rows = c.skip_ignored_rows;
-  const LinearCrossEntropy ce(o);
+  const CeLoss ce(c, o);
   CrossEntropyInputs in;
   in.hidden = TensorView(x.data(), dt, {n, h}, Device::kCuda);
   in.weight = TensorView(w.data(), dt, {v, h}, Device::kCuda);
@@ -157,7 +158,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
   const std::size_t before_ws = free_bytes();
   gpu::DeviceBuffer ws(plan.workspace_bytes());
   const Workspace wsv(ws.data(), ws.bytes(), Device::kCuda);
-  res.loss_value = ce.forward_backward(ctx, in, gr, {}, wsv).loss;
+  res.loss_value = ce.forward_backward(ctx, in, gr, wsv);
   res.extra_measured = {taken_since(before_ws),
                         "cudaMemGetInfo: free before allocating the workspace minus free after the "
                         "first call"};
@@ -174,12 +175,12 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
   std::vector<std::pair<std::string, CrossEntropyGrads>> phases;
   if (c.phases) phases = {{"loss only", {}}, {"dX only", only_dx}, {"dW only", only_dw}};
   for (const auto& [name, g] : phases)
-    variants.emplace_back([&ce, &ctx, &in, &wsv, &g] { ce.forward_backward(ctx, in, g, {}, wsv); });
+    variants.emplace_back([&ce, &ctx, &in, &wsv, &g] { ce.forward_backward(ctx, in, g, wsv); });
   if (c.measured_gemms) {
     // Every timed call, the floor without its marks, until each GEMM shape has its algorithm.
     std::vector<std::function<void()>> settle = variants;
     settle[0] = [&] { floor_gemms(nullptr); };
-    settle.emplace_back([&] { ce.forward_backward(ctx, in, gr, {}, wsv); });
+    settle.emplace_back([&] { ce.forward_backward(ctx, in, gr, wsv); });
     int rounds = 0;
     do {  // the first round also introduces the floor's shapes to the context
       for (const auto& fn : settle) fn();
@@ -188,11 +189,11 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
     res.gemm_settle_rounds = rounds;
     res.gemm_shapes_unsettled = ctx.gemm_shapes_measuring();
     res.gemm_choices = ctx.gemm_report();
-    res.loss_value = ce.forward_backward(ctx, in, gr, {}, wsv).loss;
+    res.loss_value = ce.forward_backward(ctx, in, gr, wsv);
   }
   const double first_loss = res.loss_value;
   variants.emplace_back([&] {
-    res.loss_value = ce.forward_backward(ctx, in, gr, {}, wsv).loss;
+    res.loss_value = ce.forward_backward(ctx, in, gr, wsv);
     res.loss_repeatable = res.loss_repeatable && res.loss_value == first_loss;
   });
   const std::vector<std::vector<double>> t = interleaved_ms(s, c.repeats, variants);
@@ -233,7 +234,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
   // hide a full call that skipped a write.
   for (gpu::DeviceBuffer* g : {&dx, &dw})
     BENCH_CHECK(cudaMemsetAsync(g->data(), 0xFF, g->bytes(), s));
-  if (ce.forward_backward(ctx, in, gr, {}, wsv).loss != first_loss) res.loss_repeatable = false;
+  if (ce.forward_backward(ctx, in, gr, wsv) != first_loss) res.loss_repeatable = false;
 
   const auto ni = int(n), hi = int(h), vi = int(v);
   // The naive rows' coefficients (1/valid on valid rows) and the mean loss from their stats.

@@ -74,6 +74,7 @@ std::string case_command(const std::string& prog, const CaseConfig& c) {
       w.insert(w.end(), {"--ce-seq-len", std::to_string(c.ce_seq_len), "--prompt-frac",
                          apps::number(c.prompt_frac)});
     if (c.skip_ignored_rows) w.emplace_back("--skip-ignored-rows");
+    if (c.token_objective != "none") w.insert(w.end(), {"--token-objective", c.token_objective});
   }
   w.insert(w.end(), {"--hidden", std::to_string(c.hidden), "--vocab", std::to_string(c.vocab),
                      "--dtype", std::string(dtype_name(c.dtype)), "--logits-dtype",
@@ -110,6 +111,7 @@ Cli parse(int argc, char** argv) {
     ("prompt-frac", po::value<double>()->default_value(0.25), "preference losses, and ce with --ce-seq-len: the first floor(f T) targets of each sequence are ignore_index (prompt)")
     ("ce-seq-len", po::value<std::int64_t>()->default_value(0, "0 = one row in 7 ignored"), "ce: the rows are sequences of T rows, each with a prompt (--prompt-frac); also times the floor over the valid rows only")
     ("skip-ignored-rows", po::bool_switch()->default_value(false, "off"), "ce: CrossEntropyOptions::skip_ignored_rows (runs of ignored rows are not multiplied; see --ce-seq-len)")
+    ("token-objective", po::value<std::string>()->default_value("none"), "ce: nll times the same mean cross-entropy written as a token objective on TokenLoss (the objective runs on the host for each chunk); none: LinearCrossEntropy")
     ("reference", po::value<std::string>()->default_value("", "head for dpo and kto, none otherwise"), "dpo, kto: head (a reference head with its own hidden and weight, run through pass 1 without gradients) | logps (its per-sequence log-probs precomputed, untimed) | none")
     ("dpo-loss-type", po::value<std::string>()->default_value("sigmoid"), "dpo: loss type (TRL names: sigmoid, hinge, ipo, robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop)")
     ("label-smoothing", po::value<double>()->default_value(0.0), "dpo (sigmoid, robust, exo_pair), simpo, cpo: label smoothing eps")
@@ -196,6 +198,12 @@ Cli parse(int argc, char** argv) {
   base.skip_ignored_rows = vm["skip-ignored-rows"].as<bool>();
   if (pref && (base.ce_seq_len || base.skip_ignored_rows))
     throw apps::UsageError("--ce-seq-len and --skip-ignored-rows are for --loss ce");
+  base.token_objective = vm["token-objective"].as<std::string>();
+  if (base.token_objective != "none" && base.token_objective != "nll")
+    throw apps::UsageError("--token-objective: '" + base.token_objective + "' is not none or nll");
+  if (base.token_objective != "none" && (pref || base.vocab_ranks > 1))
+    throw apps::UsageError(
+        "--token-objective is for --loss ce on one device (a token loss has no vocabulary split)");
   base.label_smoothing = vm["label-smoothing"].as<double>();
   base.dpo_loss = vm["dpo-loss-type"].as<std::string>();
   try {

@@ -80,6 +80,9 @@ std::string case_details(const CaseRecord& rec) {
   os << "case: " << rec.command << "\n";
   os << "  date: " << rec.date << "\n";
   os << "  plan: " << r.plan.str() << "\n";
+  if (c.token_objective != "none")
+    os << "  loss object: TokenLoss with the " << c.token_objective
+       << " token objective (the same mean cross-entropy)\n";
   if (c.preference()) {
     os << "  batch: " << c.pairs << " pairs x T=" << c.seq_len << " (N=" << c.rows << ", "
        << r.valid_rows << " valid rows), reference " << c.reference;
@@ -200,7 +203,9 @@ std::string table_markdown(const std::vector<CaseRecord>& records) {
   for (const CaseRecord& rec : records) {
     const CaseConfig& c = rec.config;
     const CaseResult& r = rec.result;
-    os << "| " << c.loss << " | " << c.device << " | " << c.rows << " | ";
+    os << "| " << c.loss
+       << (c.token_objective != "none" ? " (token " + c.token_objective + ")" : "") << " | "
+       << c.device << " | " << c.rows << " | ";
     if (pref && c.preference()) {
       os << c.pairs << " x " << c.seq_len << " | " << regime_name(r.plan.regime);
       if (r.plan.regime == Regime::kResident)
@@ -262,6 +267,7 @@ nlohmann::json case_json(const CaseRecord& rec, const std::string& argv) {
   if (!c.preference()) {
     j["ce_seq_len"] = c.ce_seq_len;
     j["skip_ignored_rows"] = c.skip_ignored_rows;
+    j["token_objective"] = c.token_objective;
     if (c.ce_seq_len) j["prompt_frac"] = c.prompt_frac;
   }
   if (c.preference()) {

@@ -231,8 +231,16 @@ def bench_options_case(bench):
             (["--loss", "simpo", "--dpo-loss-type", "ipo", "--pairs", "1", "--seq-len", "8"],
              ("--dpo-loss-type is for --loss dpo",)),
             (["--loss", "dpo", "--pairs", "1", "--seq-len", "8", "--phases"],
-             ("--phases", "--device cuda"))):
+             ("--phases", "--device cuda")),
+            (["--rows", "64", "--token-objective", "focal"], ("--token-objective", "focal")),
+            (["--loss", "dpo", "--pairs", "1", "--seq-len", "8", "--token-objective", "nll"],
+             ("--token-objective is for --loss ce",))):
         one_line(b + extra, 2, *words)
+    # The token objective's case runs, checked against the naive, and its command names it.
+    p = run(b + ["--rows", "64", "--token-objective", "nll"])
+    if p.returncode != 0 or "--token-objective nll" not in p.stdout or "ce (token nll)" not in p.stdout:
+        fail("the token objective's case must run and its command name --token-objective:\n" +
+             p.stdout + p.stderr)
     one_line([bench, "--rows", "2147483648", "--hidden", "2147483648", "--no-naive"], 2,
              "--rows 2147483648 --hidden 2147483648", "more than 2^40")
     # A value the loss takes runs, under chunkloss-train's option name, which the case's
