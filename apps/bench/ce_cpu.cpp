@@ -102,13 +102,7 @@ CaseResult run_ce_cpu(const CaseConfig& c, BenchDevice& dev) {
   HostBuffer dx(static_cast<std::size_t>(n * h) * es), dw(static_cast<std::size_t>(v * h) * es);
   dx.zero();
   dw.zero();
-  CrossEntropyOptions opt;
-  opt.memory_budget_bytes = c.budget_bytes;
-  opt.loop_order = c.order;
-  opt.fp32_weight_grad_accumulator = c.fp32_weight_grad_accumulator;
-  opt.logits_dtype = c.logits_dtype;
-  opt.skip_ignored_rows = c.skip_ignored_rows;
-  const CeLoss ce(c, opt);
+  const CeLoss ce(c);
   CrossEntropyInputs in;
   in.hidden = TensorView(bf16 ? xb.as<void>() : x32.as<void>(), c.dtype, {n, h});
   in.weight = TensorView(bf16 ? wb.as<void>() : w32.as<void>(), c.dtype, {v, h});

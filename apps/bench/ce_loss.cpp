@@ -18,25 +18,32 @@ class Nll final : public TokenObjective {
   }
 };
 
+CrossEntropyOptions ce_options(const CaseConfig& c) {
+  CrossEntropyOptions o;
+  o.memory_budget_bytes = c.budget_bytes;
+  o.loop_order = c.order;
+  o.logits_dtype = c.logits_dtype;
+  o.fp32_weight_grad_accumulator = c.fp32_weight_grad_accumulator;
+  o.skip_ignored_rows = c.skip_ignored_rows;
+  return o;
+}
+
 TokenInputs token_inputs(const CrossEntropyInputs& in) {
   return {in.hidden, in.weight, in.bias, in.targets};
 }
 
 }  // namespace
 
-CeLoss::CeLoss(const CaseConfig& c, const CrossEntropyOptions& o) : ce_(o) {
+CeLoss::CeLoss(const CaseConfig& c) : ce_(ce_options(c)) {
   CHUNKLOSS_CHECK(c.token_objective == "none" || c.token_objective == "nll",
                   "bench: --token-objective must be none or nll, got '", c.token_objective, "'");
   if (c.token_objective == "none") return;
   TokenOptions t;
-  t.ignore_index = o.ignore_index;
-  t.reduction = o.reduction;
-  t.memory_budget_bytes = o.memory_budget_bytes;
-  t.loop_order = o.loop_order;
-  t.logits_dtype = o.logits_dtype;
-  t.fp32_weight_grad_accumulator = o.fp32_weight_grad_accumulator;
-  t.check_finite = o.check_finite;
-  t.skip_ignored_rows = o.skip_ignored_rows;
+  t.memory_budget_bytes = c.budget_bytes;
+  t.loop_order = c.order;
+  t.logits_dtype = c.logits_dtype;
+  t.fp32_weight_grad_accumulator = c.fp32_weight_grad_accumulator;
+  t.skip_ignored_rows = c.skip_ignored_rows;
   token_.emplace(std::make_shared<Nll>(), t);
 }
 

@@ -16,8 +16,9 @@ namespace chunkloss::bench {
 
 class CeLoss {
  public:
-  /// `o`'s engine options (budget, order, logits dtype, dW accumulator, skipping) apply to both.
-  CeLoss(const CaseConfig& c, const CrossEntropyOptions& o);
+  /// The case's options (budget, order, logits dtype, dW accumulator, skipping), the mean
+  /// reduction.
+  explicit CeLoss(const CaseConfig& c);
 
   Plan plan(const CrossEntropyInputs& in, const CrossEntropyGrads& grads) const;
   /// The call's loss (hidden, weight and targets of `in`; the token loss takes no other input).

@@ -78,13 +78,7 @@ CaseResult run_ce_cuda(const CaseConfig& c, BenchDevice& dev) {
   const char* floor_names[] = {"logits X W^T", "dX = G W", "dW = G^T X"};
 
   // The library.
-  CrossEntropyOptions o;
-  o.memory_budget_bytes = c.budget_bytes;
-  o.fp32_weight_grad_accumulator = c.fp32_weight_grad_accumulator;
-  o.logits_dtype = c.logits_dtype;
-  o.loop_order = c.order;
-  o.skip_ignored_rows = c.skip_ignored_rows;
-  const CeLoss ce(c, o);
+  const CeLoss ce(c);
   CrossEntropyInputs in;
   in.hidden = TensorView(x.data(), dt, {n, h}, Device::kCuda);
   in.weight = TensorView(w.data(), dt, {v, h}, Device::kCuda);

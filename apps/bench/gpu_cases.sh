@@ -18,7 +18,7 @@ run() {
   shift
   echo "== $name: $bench $*"
   if "$bench" "$@" --json "$out/$name.json" >"$out/$name.txt" 2>"$out/$name.err"; then
-    grep -E '^\| [a-z]+ \| cuda' "$out/$name.txt"
+    grep -E '^\| [a-z]+( \(token [a-z]+\))? \| cuda' "$out/$name.txt"
   else
     echo "FAILED (exit $?): $name; last lines of $out/$name.err:"
     tail -n 5 "$out/$name.err"
@@ -49,7 +49,7 @@ summarize() {
         grep -m 2 -E '^\| loss|^\|---' "$f"
         first=0
       fi
-      grep -E '^\| [a-z]+ \| cuda' "$f"
+      grep -E '^\| [a-z]+( \(token [a-z]+\))? \| cuda' "$f"
     done
     echo
     echo "plans, floors and float64 errors:"

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "ce_fixture.h"
+#include "data/expect_error.h"
 #include "reference/token_ref.h"
 #include "support/compare.h"
 #include "support/random.h"
@@ -112,14 +113,24 @@ std::size_t chunk_budget(const CeData& d, const GradRequest& g, std::int64_t row
   return budget_for_chunk_rows(d, o, g, rows);
 }
 
+// A problem of several 64-row chunks (at chunk_budget(..., 64)).
+CeSpec chunked_spec(bool bias) {
+  CeSpec s;
+  s.n = 150;
+  s.h = 40;
+  s.v = 300;
+  s.bias = bias;
+  return s;
+}
+
 TEST_CASE("token objectives against the float64 oracle: dtypes, orders, chunks, reductions") {
   for (DType dtype : {DType::kF32, DType::kBF16}) {
     for (LoopOrder order : kOrders) {
       for (bool multi : {false, true}) {
-        CeSpec s;
+        CeSpec s = multi ? chunked_spec(true) : CeSpec{};
         s.dtype = dtype;
         s.bias = true;
-        if (multi) s.n = 150, s.h = 40, s.v = 300, s.ignored_run = {70, 100};
+        if (multi) s.ignored_run = {70, 100};
         const CeData d(s);
         GradRequest g;
         g.dtype = dtype;
@@ -170,12 +181,8 @@ TEST_CASE("token objectives: skipped rows, the fp32 dW accumulator, bf16 logits 
 
 TEST_CASE("token objectives: NLL is LinearCrossEntropy's mean, to rounding") {
   for (DType dtype : {DType::kF32, DType::kBF16}) {
-    CeSpec s;
+    CeSpec s = chunked_spec(true);
     s.dtype = dtype;
-    s.bias = true;
-    s.n = 150;
-    s.h = 40;
-    s.v = 300;
     const CeData d(s);
     GradRequest g;
     g.dtype = dtype;
@@ -289,11 +296,7 @@ TEST_CASE("token objectives: each valid row is evaluated once, in row order, wit
 }
 
 TEST_CASE("token objectives: accumulate, forward only, all rows ignored, bitwise reruns") {
-  CeSpec s;
-  s.n = 150;
-  s.h = 40;
-  s.v = 300;
-  s.bias = true;
+  const CeSpec s = chunked_spec(true);
   const CeData d(s);
   GradRequest g;
   const auto focal = std::make_shared<reference::FocalObjective>(2.0);
@@ -359,56 +362,38 @@ class FailingObjective final : public TokenObjective {
   bool nan_;
 };
 
-// The message of the chunkloss::Error that f() throws ("" and a failed check if none).
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  FAIL("no chunkloss::Error thrown");
-  return "";
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
-
 TEST_CASE("token objectives: bad input and failing objectives raise chunkloss::Error") {
-  CeSpec s;
-  s.n = 150;
-  s.h = 40;
-  s.v = 300;
+  CeSpec s = chunked_spec(false);
   s.ignore_fraction = 0.0;
   const CeData d(s);
   const auto nll = std::make_shared<reference::NllObjective>();
 
   TokenOptions none;
   none.reduction = Reduction::kNone;
-  CHECK(
-      contains(error_of([&] { TokenLoss bad(nll, none); }), "Nll: reduction must be mean or sum"));
-  CHECK(contains(error_of([&] { TokenLoss bad(nullptr); }), "the objective is null"));
+  CHECK(contains(error_message([&] { TokenLoss bad(nll, none); }),
+                 "Nll: reduction must be mean or sum"));
+  CHECK(contains(error_message([&] { TokenLoss bad(nullptr); }), "the objective is null"));
 
   CeData bad_target = d;
   bad_target.set_target(5, 300);
-  CHECK(contains(error_of([&] { run_token(bad_target, TokenLoss(nll), {}); }),
+  CHECK(contains(error_message([&] { run_token(bad_target, TokenLoss(nll), {}); }),
                  "Nll: targets[5] = 300 is outside [0, V=300)"));
 
   TokenInputs in = token_inputs(d);
   in.weight = TensorView::of(d.weight.data(), {300, 39});
-  CHECK(contains(error_of([&] { (void)TokenLoss(nll).plan(in); }), "Nll: weight"));
+  CHECK(contains(error_message([&] { (void)TokenLoss(nll).plan(in); }), "Nll: weight"));
 
   TokenOptions finite;
   finite.check_finite = true;
   CeData nan_hidden = d;
   nan_hidden.hidden[17] = std::nanf("");
-  CHECK(contains(error_of([&] { run_token(nan_hidden, TokenLoss(nll, finite), {}); }), "hidden"));
+  CHECK(contains(error_message([&] { run_token(nan_hidden, TokenLoss(nll, finite), {}); }),
+                 "hidden"));
 
   TokenOptions chunks;
   chunks.memory_budget_bytes = chunk_budget(d, {}, 64);
   SUBCASE("an objective that throws in the first chunk: nothing written yet") {
-    const std::string m = error_of(
+    const std::string m = error_message(
         [&] { run_token(d, TokenLoss(std::make_shared<FailingObjective>(3, false), chunks), {}); });
     CHECK(contains(m, "Failing: the objective threw for row 3: advantages missing"));
     CHECK(!contains(m, "unspecified"));
@@ -424,7 +409,7 @@ TEST_CASE("token objectives: bad input and failing objectives raise chunkloss::E
     }
   }
   SUBCASE("a non-finite value in a later chunk: the message says gradients were written") {
-    const std::string m = error_of([&] {
+    const std::string m = error_message([&] {
       run_token(d, TokenLoss(std::make_shared<FailingObjective>(100, true), chunks), {});
     });
     CHECK(contains(m, "Failing: row 100"));
