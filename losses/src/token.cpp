@@ -3,10 +3,14 @@
 #include "chunkloss/losses/token.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <exception>
 #include <limits>
+#include <optional>
 #include <string>
 
+#include "agreement.h"
 #include "ce_call.h"
 #include "chunkloss/core/error.h"
 #include "engine.h"
@@ -29,6 +33,7 @@ CrossEntropyOptions head_options(const TokenOptions& o) {
   c.fp32_weight_grad_accumulator = o.fp32_weight_grad_accumulator;
   c.check_finite = o.check_finite;
   c.skip_ignored_rows = o.skip_ignored_rows;
+  c.reduce_weight_grad_over_data_group = o.reduce_weight_grad_over_data_group;
   return c;
 }
 
@@ -38,7 +43,28 @@ CrossEntropyInputs head_inputs(const TokenInputs& in) {
   c.weight = in.weight;
   c.bias = in.bias;
   c.targets = in.targets;
+  c.data_group = in.data_group;
   return c;
+}
+
+// What the ranks of a data group compare before the first collective: H, V, dW and db summed
+// in the call or not, check_finite (on CUDA its ranks read the group's counts at the start), the
+// reduction, and the objective as far as the library sees it (its name and extra metrics).
+constexpr std::size_t kDataKind = 7;
+
+std::array<double, kDataKind> data_call_kind(const TokenObjective& obj, const TokenOptions& o,
+                                             const detail::TokenCall& k) {
+  const bool sum = k.weight_grad_group != nullptr;
+  std::string names(obj.name());
+  for (const std::string& m : obj.extra_metrics()) names += '\n' + m;
+  const auto d = [](std::int64_t x) { return static_cast<double>(x); };
+  return {d(k.hidden),
+          d(k.vocab),
+          sum && k.grad_w.defined() ? 1.0 : 0.0,
+          sum && k.grad_bias.defined() ? 1.0 : 0.0,
+          o.check_finite ? 1.0 : 0.0,
+          static_cast<double>(o.reduction),
+          detail::kind_digest({reinterpret_cast<const std::uint8_t*>(names.data()), names.size()})};
 }
 
 Device call_device(const TokenInputs& in) {
@@ -78,41 +104,64 @@ TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
   const TokenObjective& obj = *objective_;
   const std::string who(obj.name());
   const CrossEntropyOptions o = head_options(options_);
-  detail::CeCall c =
-      detail::check_ce_call(who.c_str(), o, ctx.device(), head_inputs(in), grads, {}, true);
-  const Plan plan = plan_token_objective(c.request);
-  CHUNKLOSS_CHECK(ws.device() == ctx.device(), who, ": workspace is on ", device_name(ws.device()),
-                  ", the context on ", device_name(ctx.device()));
-  detail::check_memory(who.c_str(), ctx, ws,
-                       {{"hidden", &in.hidden},
-                        {"weight", &in.weight},
-                        {"bias", &in.bias},
-                        {"targets", &in.targets}},
-                       {{"grads.hidden", &grads.hidden},
-                        {"grads.weight", &grads.weight},
-                        {"grads.bias", &grads.bias}});
-  ws.require(plan.layout, who.c_str());
-  detail::TokenCall& k = c.call;
-  const std::vector<std::int64_t> y = detail::read_target_ids(
-      ctx, who.c_str(), "targets", in.targets, k.total_vocab(), options_.ignore_index);
-  std::vector<std::uint8_t> valid(y.size());
-  std::int64_t valid_rows = 0;
-  for (std::size_t t = 0; t < y.size(); ++t) {
-    valid[t] = y[t] != options_.ignore_index;
-    valid_rows += valid[t];
+  dist::Communicator* const group = in.data_group;
+  // Everything checked before the first collective; with a data group the ranks then agree
+  // whether any rank rejected its call or makes another kind of call, and sum the valid rows.
+  std::optional<detail::CeCall> c;
+  Plan plan;
+  std::vector<std::int64_t> y;
+  std::exception_ptr rejected;
+  std::array<double, kDataKind> data_kind{};
+  double valid_rows = 0;  // the group's, after the exchange
+  try {
+    c.emplace(
+        detail::check_ce_call(who.c_str(), o, ctx.device(), head_inputs(in), grads, {}, true));
+    plan = plan_token_objective(c->request);
+    CHUNKLOSS_CHECK(ws.device() == ctx.device(), who, ": workspace is on ",
+                    device_name(ws.device()), ", the context on ", device_name(ctx.device()));
+    detail::check_memory(who.c_str(), ctx, ws,
+                         {{"hidden", &in.hidden},
+                          {"weight", &in.weight},
+                          {"bias", &in.bias},
+                          {"targets", &in.targets}},
+                         {{"grads.hidden", &grads.hidden},
+                          {"grads.weight", &grads.weight},
+                          {"grads.bias", &grads.bias}});
+    ws.require(plan.layout, who.c_str());
+    y = detail::read_target_ids(ctx, who.c_str(), "targets", in.targets, c->call.total_vocab(),
+                                options_.ignore_index);
+    for (std::int64_t t : y) valid_rows += t != options_.ignore_index ? 1 : 0;
+    data_kind = data_call_kind(obj, options_, c->call);
+  } catch (...) {
+    if (!group) throw;
+    rejected = std::current_exception();
+    data_kind = {};
+    valid_rows = 0;
   }
+  if (group)
+    detail::agree_on_call(ctx, who.c_str(), nullptr, group, rejected,
+                          {{},
+                           data_kind,
+                           {&valid_rows, 1},
+                           "",
+                           "H, V, dW or db summed in the call, check_finite, the reduction, or "
+                           "the objective's name and metrics"});
+  detail::TokenCall& k = c->call;
+  std::vector<std::uint8_t> valid(y.size());
+  for (std::size_t t = 0; t < y.size(); ++t) valid[t] = y[t] != options_.ignore_index;
   if (detail::skips_rows(o, plan, k))
     k.row_ranges = detail::rows_to_compute(valid, plan.skip_gap_rows);
 
-  const double divisor = options_.reduction == Reduction::kMean && valid_rows > 0
-                             ? static_cast<double>(valid_rows)
-                             : 1.0;
+  const double divisor =
+      options_.reduction == Reduction::kMean && valid_rows > 0 ? valid_rows : 1.0;
   const std::vector<std::string> extra_names = obj.extra_metrics();
-  std::vector<double> extras(extra_names.size()), extra_sums(extra_names.size(), 0.0);
+  std::vector<double> extras(extra_names.size());
+  // The loss, the extras' sums, then whether the objective failed: summed over the group.
+  std::vector<double> sums(extra_names.size() + 2, 0.0);
   TokenResult r;
   r.logps.assign(y.size(), std::numeric_limits<double>::quiet_NaN());
-  double loss_sum = 0;
-  bool written = false;  // a chunk's gradients were finished before the current one
+  std::exception_ptr failed;        // with a group, thrown at the end once the ranks know of it
+  bool written = group != nullptr;  // gradients are (or will be) written before a throw
   const detail::RowCoefficients coefficients = [&](std::int64_t r0, std::int64_t r1,
                                                    const float* row_loss, float* coef) {
     const char* note = written ? "; gradients were already written, so the gradient buffers "
@@ -123,32 +172,42 @@ TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
       float& c_t = coef[t - r0];
       c_t = 0.0f;
       if (!valid[i]) continue;
-      const TokenStats st{t, y[i], -static_cast<double>(row_loss[t - r0])};
-      std::fill(extras.begin(), extras.end(), 0.0);
-      const TokenValue v = detail::call_objective(
-          who, [t] { return "for row " + std::to_string(t); }, note,
-          [&] { return obj.evaluate(st, extras); });
-      bool finite = std::isfinite(st.logp) && std::isfinite(v.loss) && std::isfinite(v.dlogp);
-      for (double e : extras) finite = finite && std::isfinite(e);
-      CHUNKLOSS_CHECK(finite, who, ": row ", t, " (target ", y[i], ", logp ", st.logp,
-                      ") gave loss ", v.loss, ", dlogp ", v.dlogp,
-                      extras.empty() ? "" : " or a non-finite extra metric",
-                      ": the objective must return finite values", note);
-      r.logps[i] = st.logp;
-      loss_sum += v.loss;
-      for (std::size_t m = 0; m < extras.size(); ++m) extra_sums[m] += extras[m];
-      c_t = static_cast<float>(-v.dlogp / divisor);
+      try {
+        const TokenStats st{t, y[i], -static_cast<double>(row_loss[t - r0])};
+        std::fill(extras.begin(), extras.end(), 0.0);
+        const TokenValue v = detail::call_objective(
+            who, [t] { return "for row " + std::to_string(t); }, note,
+            [&] { return obj.evaluate(st, extras); });
+        bool finite = std::isfinite(st.logp) && std::isfinite(v.loss) && std::isfinite(v.dlogp);
+        for (double e : extras) finite = finite && std::isfinite(e);
+        CHUNKLOSS_CHECK(finite, who, ": row ", t, " (target ", y[i], ", logp ", st.logp,
+                        ") gave loss ", v.loss, ", dlogp ", v.dlogp,
+                        extras.empty() ? "" : " or a non-finite extra metric",
+                        ": the objective must return finite values", note);
+        r.logps[i] = st.logp;
+        sums[0] += v.loss;
+        for (std::size_t m = 0; m < extras.size(); ++m) sums[m + 1] += extras[m];
+        c_t = static_cast<float>(-v.dlogp / divisor);
+      } catch (...) {
+        if (!group) throw;
+        if (!failed) failed = std::current_exception();
+      }
     }
-    written = k.any_grad() && plan.order == LoopOrder::kTokenChunk;  // (once this chunk is done)
+    written = written || (k.any_grad() && plan.order == LoopOrder::kTokenChunk);
   };
   const detail::TokenTotals totals = detail::run_token_objective(ctx, k, plan, ws, coefficients);
+  sums.back() = failed ? 1.0 : 0.0;
+  detail::GroupSum{ctx, group}(sums.data(), sums.size());
+  if (failed) std::rethrow_exception(failed);
+  CHUNKLOSS_CHECK(sums.back() == 0, who,
+                  ": the objective failed (threw or returned a non-finite value) on ", sums.back(),
+                  " other rank(s) of data_group; the gradient buffers hold unspecified values");
 
-  r.loss = loss_sum / divisor;
-  r.valid_rows = valid_rows;
-  r.accuracy = valid_rows ? totals.correct / static_cast<double>(valid_rows) : 0.0;
+  r.loss = sums[0] / divisor;
+  r.valid_rows = static_cast<std::int64_t>(valid_rows);
+  r.accuracy = valid_rows > 0 ? totals.correct / valid_rows : 0.0;
   for (std::size_t m = 0; m < extra_names.size(); ++m)
-    r.metrics.emplace_back(extra_names[m],
-                           valid_rows ? extra_sums[m] / static_cast<double>(valid_rows) : 0.0);
+    r.metrics.emplace_back(extra_names[m], valid_rows > 0 ? sums[m + 1] / valid_rows : 0.0);
   return r;
 }
 

@@ -5,11 +5,13 @@
 #include <doctest/doctest.h>
 
 #include <chunkloss/core/error.h>
+#include <chunkloss/dist/communicator.h>
 #include <chunkloss/losses/cross_entropy.h>
 #include <chunkloss/losses/token.h>
 
 #include <cmath>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -21,6 +23,7 @@
 #include "reference/token_ref.h"
 #include "support/compare.h"
 #include "support/random.h"
+#include "support/threads.h"
 #include "support/tolerance.h"
 #include "support/workspace.h"
 
@@ -415,6 +418,147 @@ TEST_CASE("token objectives: bad input and failing objectives raise chunkloss::E
     CHECK(contains(m, "Failing: row 100"));
     CHECK(contains(m, "the objective must return finite values"));
     CHECK(contains(m, "unspecified"));
+  }
+}
+
+// ---- data parallel ---------------------------------------------------------------------------
+
+// Rank i of `offsets.size()` calls with rows [offsets[i], offsets[i + 1]) of `d` over `group`, its
+// objective from make_obj(first row, rows), and returns its result and gradients.
+struct TokenRank {
+  TokenResult result;
+  GradStorage grads;
+};
+using MakeObjective =
+    std::function<std::shared_ptr<const TokenObjective>(std::int64_t r0, std::int64_t rows)>;
+TokenRank call_token_rank(const CeData& d, const TokenOptions& o, const GradRequest& g,
+                          const std::vector<std::int64_t>& offsets, std::size_t i,
+                          dist::Communicator* group, const MakeObjective& make_obj) {
+  const std::int64_t r0 = offsets[i], r1 = i + 1 < offsets.size() ? offsets[i + 1] : d.spec.n;
+  const std::int64_t n = r1 - r0, h = d.spec.h;
+  TokenInputs in = token_inputs(d);
+  in.hidden = d.spec.dtype == DType::kBF16 ? TensorView::of(d.hidden_bf.data() + r0 * h, {n, h})
+                                           : TensorView::of(d.hidden.data() + r0 * h, {n, h});
+  in.targets = TensorView::of(d.targets32.data() + r0, {n});
+  in.data_group = group;
+  TokenRank rank{{},
+                 GradStorage(g.dtype, g.hidden, g.weight, g.bias && d.spec.bias, n, h, d.spec.v,
+                             std::nanf(""))};
+  const TokenLoss loss(make_obj(r0, n), o);
+  const CrossEntropyGrads grads = rank.grads.views_as<CrossEntropyGrads>(false);
+  const AlignedBuffer ws(loss.workspace_bytes(in, grads));
+  CpuContext ctx(1);
+  rank.result = loss.forward_backward(ctx, in, grads, ws.workspace());
+  return rank;
+}
+
+// A clipped ratio over rows [r0, r0 + rows) of `all`'s per-row data (advantages, old logps).
+MakeObjective clipped_rows(const CeData& d) {
+  const auto all =
+      std::static_pointer_cast<const reference::ClippedRatioObjective>(clipped_ratio(d));
+  return [all](std::int64_t r0, std::int64_t rows) -> std::shared_ptr<const TokenObjective> {
+    return all->rows(r0, rows);
+  };
+}
+
+TEST_CASE("token objectives, data parallel: 2 and 3 uneven row parts match the call on all rows") {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    CeSpec s = chunked_spec(true);
+    s.dtype = dtype;
+    const CeData d(s);
+    GradRequest g;
+    g.dtype = dtype;
+    const MakeObjective focal = [](std::int64_t, std::int64_t) {
+      return std::make_shared<reference::FocalObjective>(2.0);
+    };
+    for (const MakeObjective& make : {focal, clipped_rows(d)}) {
+      for (bool reduce : {false, true}) {
+        for (const std::vector<std::int64_t>& offsets :
+             {std::vector<std::int64_t>{0, 61}, std::vector<std::int64_t>{0, 20, 97}}) {
+          const std::shared_ptr<const TokenObjective> whole = make(0, s.n);
+          CAPTURE(whole->name());
+          CAPTURE(dtype_name(dtype));
+          CAPTURE(reduce);
+          CAPTURE(offsets.size());
+          TokenOptions o;
+          o.memory_budget_bytes = chunk_budget(d, g, 64);
+          o.reduce_weight_grad_over_data_group = reduce;
+          const TokenLoss unsplit(whole, o);
+          const reference::TokenOracle ref = oracle(d, unsplit);
+          dist::InProcessGroup group(static_cast<int>(offsets.size()));
+          const std::vector<TokenRank> ranks = on_threads(offsets.size(), [&](std::size_t i) {
+            return call_token_rank(d, o, g, offsets, i, &group.comm(static_cast<int>(i)), make);
+          });
+          const Tolerance in_tol = tolerance(dtype), grad_tol = tolerance(dtype);
+          std::vector<double> dh, dw(ref.grad_weight.size(), 0.0), logps;
+          for (const TokenRank& rk : ranks) {
+            check_scalar("loss", rk.result.loss, ref.loss, in_tol.loss);
+            CHECK(rk.result.valid_rows == ref.valid_rows);
+            CHECK(rk.result.accuracy == doctest::Approx(ref.accuracy).epsilon(1e-12));
+            check_scalar("metric", rk.result.metrics.at(0).second, ref.metrics.at(0), in_tol.loss);
+            const std::vector<double> h = rk.grads.hidden(), w = rk.grads.weight();
+            dh.insert(dh.end(), h.begin(), h.end());
+            logps.insert(logps.end(), rk.result.logps.begin(), rk.result.logps.end());
+            if (reduce)
+              check_close("each rank's dW summed in the call", w, ref.grad_weight, grad_tol.grad);
+            else
+              for (std::size_t j = 0; j < w.size(); ++j) dw[j] += w[j];
+          }
+          check_close("grad_hidden", dh, ref.grad_hidden, grad_tol.grad);
+          if (!reduce) check_close("grad_weight summed", dw, ref.grad_weight, grad_tol.grad);
+          REQUIRE(logps.size() == ref.logps.size());
+          for (std::size_t j = 0; j < logps.size(); ++j)
+            CHECK(std::isnan(logps[j]) == std::isnan(ref.logps[j]));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("token objectives, data parallel: one rank's bad call or failing objective fails all") {
+  CeSpec s = chunked_spec(false);
+  s.ignore_fraction = 0.0;
+  const std::vector<std::int64_t> offsets = {0, 75};
+  const auto run_pair = [&](const CeData& d, const MakeObjective& make) {
+    dist::InProcessGroup group(2);
+    return on_threads(2, [&](std::size_t i) -> std::string {
+      try {
+        call_token_rank(d, {}, {}, offsets, i, &group.comm(static_cast<int>(i)), make);
+      } catch (const Error& e) {
+        return e.what();
+      }
+      return "returned";
+    });
+  };
+  const MakeObjective nll = [](std::int64_t, std::int64_t) {
+    return std::make_shared<reference::NllObjective>();
+  };
+  SUBCASE("an out-of-range target on rank 1: both throw before computing") {
+    CeData d(s);
+    d.set_target(100, s.v);
+    const std::vector<std::string> e = run_pair(d, nll);
+    CHECK(contains(e[0], "1 rank(s) of data_group rejected their calls (rank 1: Nll: targets[25]"));
+    CHECK(contains(e[1], "Nll: targets[25] = 300 is outside [0, V=300)"));
+  }
+  SUBCASE("different objectives: both throw") {
+    const CeData d(s);
+    const std::vector<std::string> e = run_pair(d, [](std::int64_t r0, std::int64_t) {
+      return r0 == 0 ? std::shared_ptr<const TokenObjective>(
+                           std::make_shared<reference::NllObjective>())
+                     : std::make_shared<reference::FocalObjective>(2.0);
+    });
+    for (const std::string& m : e) CHECK(contains(m, "the objective's name and metrics"));
+  }
+  SUBCASE("an objective that throws on rank 1's row 30: both throw at the end") {
+    const CeData d(s);
+    const std::vector<std::string> e = run_pair(d, [](std::int64_t r0, std::int64_t) {
+      return std::make_shared<FailingObjective>(r0 == 0 ? -1 : 30, false);
+    });
+    CHECK(contains(e[0],
+                   "Failing: the objective failed (threw or returned a non-finite value) on "
+                   "1 other rank(s) of data_group"));
+    CHECK(contains(e[1], "Failing: the objective threw for row 30: advantages missing"));
+    CHECK(contains(e[1], "unspecified"));
   }
 }
 

@@ -29,6 +29,14 @@ TokenValue ClippedRatioObjective::evaluate(const TokenStats& row, std::span<doub
   return {-r * a, -r * a};
 }
 
+std::shared_ptr<const ClippedRatioObjective> ClippedRatioObjective::rows(std::int64_t r0,
+                                                                         std::int64_t n) const {
+  const auto part = [&](const std::vector<double>& v) {
+    return std::vector<double>(v.begin() + r0, v.begin() + r0 + n);
+  };
+  return std::make_shared<ClippedRatioObjective>(part(advantages_), part(old_logps_), eps_);
+}
+
 namespace {
 
 struct RowValues {

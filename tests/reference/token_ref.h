@@ -7,6 +7,7 @@
 #include <chunkloss/losses/token.h>
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -45,6 +46,8 @@ class ClippedRatioObjective final : public TokenObjective {
   std::string_view name() const override { return "ClippedRatio"; }
   TokenValue evaluate(const TokenStats& row, std::span<double> extras) const override;
   std::vector<std::string> extra_metrics() const override { return {"clip_fraction"}; }
+  /// The objective of rows [r0, r0 + n) alone (a data parallel rank's), its row 0 their r0.
+  std::shared_ptr<const ClippedRatioObjective> rows(std::int64_t r0, std::int64_t n) const;
 
  private:
   std::vector<double> advantages_, old_logps_;

@@ -17,6 +17,7 @@
 #include "chunkloss/core/context.h"
 #include "chunkloss/core/tensor.h"
 #include "chunkloss/core/workspace.h"
+#include "chunkloss/dist/communicator.h"
 #include "chunkloss/losses/cross_entropy.h"
 #include "chunkloss/losses/plan.h"
 
@@ -67,6 +68,9 @@ struct TokenOptions {
   bool fp32_weight_grad_accumulator = false;
   bool check_finite = false;  ///< hidden, weight and bias checked for NaN/Inf first
   bool skip_ignored_rows = false;
+  /// With TokenInputs::data_group: sum dW and db over the group inside the call (in fp32,
+  /// through the fp32 dW accumulator this turns on, rounded once).
+  bool reduce_weight_grad_over_data_group = false;
 };
 
 /// Inputs: hidden [N, H], weight [V, H] (same float dtype), bias [V] optional, targets [N] i32 or
@@ -77,6 +81,17 @@ struct TokenInputs {
   TensorView weight;
   TensorView bias;
   TensorView targets;
+  /// Data parallelism: the ranks of this group each call with their own rows (the same weight,
+  /// objective and options). The mean divides by the group's valid rows, so each rank's
+  /// gradients are its rows' share of the gradient of the group's mean: sum dW and db over the
+  /// group afterwards, or set TokenOptions::reduce_weight_grad_over_data_group. The loss,
+  /// accuracy, valid_rows and metrics are the group's; logps and TokenStats::row are this
+  /// rank's rows. Every rank must make the call: one that any rank rejects (shapes, workspace,
+  /// targets, check_finite's findings, another kind of call) makes every rank throw before
+  /// anything is written, and an objective that fails on any rank makes every rank throw at the
+  /// end of the call, the gradient buffers then holding unspecified values. null: these rows
+  /// alone.
+  dist::Communicator* data_group = nullptr;
 };
 
 /// Results of one call, on the host.
@@ -96,9 +111,8 @@ struct TokenResult {
 /// The targets are read on the host once at the start (so an out-of-range target throws before
 /// anything is written), and each chunk's row log-probs come to the host, where the objective
 /// runs in double precision, and their coefficients go back: on CUDA two waits for the stream per
-/// chunk, so such a call cannot be captured into a CUDA graph. Not for a vocabulary split or a
-/// data group: over data parallel ranks, use Reduction::kSum with an objective that divides by
-/// the group's valid-row count, and sum dW and db over the ranks afterwards.
+/// chunk, so such a call cannot be captured into a CUDA graph. Data parallel over a group (see
+/// TokenInputs::data_group); no vocabulary split.
 class TokenLoss {
  public:
   explicit TokenLoss(std::shared_ptr<const TokenObjective> objective,
