@@ -213,18 +213,7 @@ Outcome run(const Problem& p, const HostData& d, const CrossEntropyOptions& o, D
 
   LinearCrossEntropy ce(o);
   std::optional<TokenLoss> tl;
-  if (token) {
-    TokenOptions to;
-    to.ignore_index = o.ignore_index;
-    to.reduction = o.reduction;
-    to.memory_budget_bytes = o.memory_budget_bytes;
-    to.loop_order = o.loop_order;
-    to.logits_dtype = o.logits_dtype;
-    to.fp32_weight_grad_accumulator = o.fp32_weight_grad_accumulator;
-    to.check_finite = o.check_finite;
-    to.skip_ignored_rows = o.skip_ignored_rows;
-    tl.emplace(token, to);
-  }
+  if (token) tl.emplace(token, reference::engine_options(o));
   const TokenInputs tin{in.hidden, in.weight, in.bias, in.targets};
   Outcome res;
   res.plan = tl ? tl->plan(tin, gr) : ce.plan(in, gr);

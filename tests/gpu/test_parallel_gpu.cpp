@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "reference/token_ref.h"
 #include "skip.h"
 #include "support/compare.h"
 #include "support/threads.h"
@@ -46,6 +47,9 @@ struct Case {
   bool reduce_weight_grad = false;  // the option of that name (data groups)
   // skip_ignored_rows, with the first 100 rows, rows 150-229 and the last 50 rows ignored
   bool skip = false;
+  // A TokenLoss of the focal objective with the options' engine options (mean or sum), instead
+  // of LinearCrossEntropy; its per-row outputs are not written.
+  bool focal = false;
 };
 
 // Host data as the library sees it (bf16-exact values when bf16).
@@ -212,12 +216,24 @@ Result call(const Case& c, const Data& d, const Part& pt) {
 
   if (pt.tweak) pt.tweak(in, o);
   const LinearCrossEntropy ce(o);
+  const TokenLoss focal(std::make_shared<reference::FocalObjective>(2.0),
+                        c.focal ? reference::engine_options(o) : TokenOptions{});
+  const TokenInputs tin{in.hidden, in.weight, in.bias, in.targets, in.data_group};
   // A tweaked rank's workspace_bytes() may throw: it still makes the call, as the others do.
-  const std::size_t wsb = pt.tweak ? std::size_t{16} << 20 : ce.workspace_bytes(in, gr);
+  const std::size_t wsb = pt.tweak  ? std::size_t{16} << 20
+                          : c.focal ? focal.workspace_bytes(tin, gr)
+                                    : ce.workspace_bytes(in, gr);
   Result res;
-  const auto kept = [&](auto&& call) {
+  const auto kept = [&](Context& ctx, const Workspace& ws) {
     try {
-      res.r = call();
+      if (!c.focal) {
+        res.r = ce.forward_backward(ctx, in, gr, out, ws);
+        return;
+      }
+      const TokenResult tr = focal.forward_backward(ctx, tin, gr, ws);
+      res.r.loss = tr.loss;
+      res.r.accuracy = tr.accuracy;
+      res.r.valid_rows = tr.valid_rows;
     } catch (const Error& e) {
       if (!pt.keep_error) throw;
       res.error = e.what();
@@ -226,16 +242,13 @@ Result call(const Case& c, const Data& d, const Part& pt) {
   if (gctx) {
     gpu::DeviceBuffer ws(wsb);
     if (pt.allocated) pt.allocated->arrive_and_wait();
-    kept([&] {
-      return ce.forward_backward(*gctx, in, gr, out,
-                                 Workspace(ws.data(), wsb, Device::kCuda, index));
-    });
+    kept(*gctx, Workspace(ws.data(), wsb, Device::kCuda, index));
     gctx->synchronize();
   } else {
     CpuContext ctx(2);
     AlignedBuffer ws(wsb);
     if (pt.allocated) pt.allocated->arrive_and_wait();
-    kept([&] { return ce.forward_backward(ctx, in, gr, out, ws.workspace()); });
+    kept(ctx, ws.workspace());
   }
   res.dx = gx.read(t);
   res.dw = gw.read(t);
@@ -331,7 +344,7 @@ std::string describe(const Case& c) {
   return "dtype=" + std::string(dtype_name(c.dtype)) + " options=" + std::to_string(c.options) +
          " budget=" + std::to_string(c.budget) + " accumulate=" + std::to_string(c.accumulate) +
          " reduce_weight_grad=" + std::to_string(c.reduce_weight_grad) +
-         " skip=" + std::to_string(c.skip);
+         " skip=" + std::to_string(c.skip) + " focal=" + std::to_string(c.focal);
 }
 
 double grad_tolerance(const Case& c) { return c.dtype == DType::kBF16 ? 4e-3 : 2e-5; }
@@ -419,6 +432,13 @@ TEST_CASE(
   for (const Case& c : cases()) {  // and dW, db summed over the group inside the call
     all.push_back(c);
     all.back().reduce_weight_grad = true;
+  }
+  for (Case c : cases()) {  // the focal token objective, where its reduction allows
+    if (c.reduction == Reduction::kNone) continue;
+    c.focal = true;
+    all.push_back(c);
+    c.reduce_weight_grad = true;
+    all.push_back(c);
   }
   for (const Case& c : all) {
     INFO(describe(c));

@@ -37,6 +37,20 @@ std::shared_ptr<const ClippedRatioObjective> ClippedRatioObjective::rows(std::in
   return std::make_shared<ClippedRatioObjective>(part(advantages_), part(old_logps_), eps_);
 }
 
+TokenOptions engine_options(const CrossEntropyOptions& o) {
+  TokenOptions t;
+  t.ignore_index = o.ignore_index;
+  t.reduction = o.reduction;
+  t.memory_budget_bytes = o.memory_budget_bytes;
+  t.loop_order = o.loop_order;
+  t.logits_dtype = o.logits_dtype;
+  t.fp32_weight_grad_accumulator = o.fp32_weight_grad_accumulator;
+  t.check_finite = o.check_finite;
+  t.skip_ignored_rows = o.skip_ignored_rows;
+  t.reduce_weight_grad_over_data_group = o.reduce_weight_grad_over_data_group;
+  return t;
+}
+
 namespace {
 
 struct RowValues {

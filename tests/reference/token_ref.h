@@ -54,6 +54,11 @@ class ClippedRatioObjective final : public TokenObjective {
   double eps_;
 };
 
+/// The engine options of `o` (ignore_index, reduction, budget, loop order, logits dtype, fp32 dW
+/// accumulator, check_finite, skip_ignored_rows, dW summed over the data group) as a token
+/// loss's, for tests that run a token loss where they run cross-entropy.
+TokenOptions engine_options(const CrossEntropyOptions& o);
+
 struct TokenOracle {
   double loss = 0;
   double accuracy = 0;
