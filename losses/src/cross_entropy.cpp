@@ -102,6 +102,7 @@ detail::CeCall detail::check_ce_call(const char* who, const CrossEntropyOptions&
   }
   Checked c;
   auto& k = c.call;
+  k.who = who;
   k.rows = n;
   k.hidden = h;
   k.vocab = v;

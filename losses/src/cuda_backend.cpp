@@ -101,10 +101,10 @@ class CudaTokenBackend final : public TokenBackend {
                                    "wrote no per-row output"
                                  : "; checked on the device before anything was written";
     const std::string state = over_vocab + over_group + tail;
-    CHUNKLOSS_CHECK(s[kern::kBadTargets] == 0, "LinearCrossEntropy: targets ", c_.targets.str(),
-                    " has ", s[kern::kBadTargets], " values outside [0, V=", c_.total_vocab(),
+    CHUNKLOSS_CHECK(s[kern::kBadTargets] == 0, c_.who, ": targets ", c_.targets.str(), " has ",
+                    s[kern::kBadTargets], " values outside [0, V=", c_.total_vocab(),
                     ") that are not ignore_index (", c_.ignore_index, ")", state);
-    CHUNKLOSS_CHECK(s[kern::kBadClassWeights] == 0, "LinearCrossEntropy: class_weights ",
+    CHUNKLOSS_CHECK(s[kern::kBadClassWeights] == 0, c_.who, ": class_weights ",
                     c_.class_weights.str(), " has ", s[kern::kBadClassWeights],
                     " values that are negative or not finite", state);
     if (s[kern::kNonFinite] == 0) return;
@@ -120,7 +120,7 @@ class CudaTokenBackend final : public TokenBackend {
         where += (where.empty() ? "" : ", ") + std::string(name) + " " + t->str() + " has " +
                  std::to_string(n);
     }
-    CHUNKLOSS_FAIL("LinearCrossEntropy: check_finite found ", s[kern::kNonFinite],
+    CHUNKLOSS_FAIL(c_.who, ": check_finite found ", s[kern::kNonFinite],
                    " non-finite values in hidden/weight/bias/token_weights/grad_output", over_vocab,
                    over_group, " (", where.empty() ? "none on this rank" : where, ")", tail);
   }
@@ -839,8 +839,7 @@ std::uint64_t cuda_count_nonfinite(const Context& ctx, const TensorView& t, doub
 
 std::unique_ptr<TokenBackend> make_cuda_token_backend(Context& ctx, const TokenCall& call,
                                                       const Plan& plan, const Workspace& ws) {
-  CHUNKLOSS_CHECK(ws.device() == Device::kCuda,
-                  "LinearCrossEntropy: the workspace must be device memory");
+  CHUNKLOSS_CHECK(ws.device() == Device::kCuda, call.who, ": the workspace must be device memory");
   return std::make_unique<CudaTokenBackend>(static_cast<const gpu::Context&>(ctx), call, plan, ws,
                                             call.check_finite);
 }

@@ -40,6 +40,9 @@ inline std::int64_t row_count(const std::vector<RowRange>& ranges) {
 
 /// A validated token-objective call: views checked for shapes, dtypes and devices.
 struct TokenCall {
+  /// The loss, for the CUDA backend's messages (value checks and check_finite on the device,
+  /// which the sequence losses do before their calls).
+  const char* who = "LinearCrossEntropy";
   std::int64_t rows = 0, hidden = 0, vocab = 0;
   /// Vocabulary parallelism: w holds columns [vocab_offset, vocab_offset + vocab) of a
   /// vocabulary of vocab_total (0: vocab) split over vocab_group's ranks (null: not split).

@@ -52,11 +52,12 @@ CrossEntropyInputs head_inputs(const TokenInputs& in) {
 // reduction, and the objective as far as the library sees it (its name and extra metrics).
 constexpr std::size_t kDataKind = 7;
 
-std::array<double, kDataKind> data_call_kind(const TokenObjective& obj, const TokenOptions& o,
-                                             const detail::TokenCall& k) {
+std::array<double, kDataKind> data_call_kind(const TokenObjective& obj,
+                                             const std::vector<std::string>& extra_names,
+                                             const TokenOptions& o, const detail::TokenCall& k) {
   const bool sum = k.weight_grad_group != nullptr;
   std::string names(obj.name());
-  for (const std::string& m : obj.extra_metrics()) names += '\n' + m;
+  for (const std::string& m : extra_names) names += '\n' + m;
   const auto d = [](std::int64_t x) { return static_cast<double>(x); };
   return {d(k.hidden),
           d(k.vocab),
@@ -113,6 +114,7 @@ TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
   std::exception_ptr rejected;
   std::array<double, kDataKind> data_kind{};
   double valid_rows = 0;  // the group's, after the exchange
+  std::vector<std::string> extra_names;
   try {
     c.emplace(
         detail::check_ce_call(who.c_str(), o, ctx.device(), head_inputs(in), grads, {}, true));
@@ -131,7 +133,8 @@ TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
     y = detail::read_target_ids(ctx, who.c_str(), "targets", in.targets, c->call.total_vocab(),
                                 options_.ignore_index);
     for (std::int64_t t : y) valid_rows += t != options_.ignore_index ? 1 : 0;
-    data_kind = data_call_kind(obj, options_, c->call);
+    extra_names = obj.extra_metrics();
+    data_kind = data_call_kind(obj, extra_names, options_, c->call);
   } catch (...) {
     if (!group) throw;
     rejected = std::current_exception();
@@ -154,14 +157,14 @@ TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
 
   const double divisor =
       options_.reduction == Reduction::kMean && valid_rows > 0 ? valid_rows : 1.0;
-  const std::vector<std::string> extra_names = obj.extra_metrics();
   std::vector<double> extras(extra_names.size());
   // The loss, the extras' sums, then whether the objective failed: summed over the group.
   std::vector<double> sums(extra_names.size() + 2, 0.0);
   TokenResult r;
   r.logps.assign(y.size(), std::numeric_limits<double>::quiet_NaN());
-  std::exception_ptr failed;        // with a group, thrown at the end once the ranks know of it
-  bool written = group != nullptr;  // gradients are (or will be) written before a throw
+  std::exception_ptr failed;  // with a group, thrown at the end once the ranks know of it
+  // Gradients are (or, with a group, will be) written before the objective's failure throws.
+  bool written = group && k.any_grad();
   const detail::RowCoefficients coefficients = [&](std::int64_t r0, std::int64_t r1,
                                                    const float* row_loss, float* coef) {
     const char* note = written ? "; gradients were already written, so the gradient buffers "

@@ -837,12 +837,38 @@ TEST_CASE("gpu: token objectives match the CPU path: focal, a clipped ratio, ord
         Problem p{700, 123, 2507, t, true};
         HostData d = make_data(p);
         for (std::int64_t i = 200; i < 400; ++i) d.y[static_cast<std::size_t>(i)] = -100;
+        // Logits of standard deviation 6 (hidden x 3), and every third row's target its argmax,
+        // so that focal loss's (1 - p)^2 differs from 1 on those rows.
+        std::vector<float> x = as_floats(d.x, t);
+        for (std::size_t i = 0; i < x.size(); ++i) {
+          store(d.x, static_cast<std::int64_t>(i), 3.0f * x[i], t);
+        }
+        x = as_floats(d.x, t);
+        const std::vector<float> w = as_floats(d.w, t), b = as_floats(d.b, t);
+        // The clipped ratio's old log-probs sit 0 or +-0.5 from the rows' float64 log-probs, so
+        // that rows clip on either side, none near a clipping boundary.
         std::mt19937_64 g(5);
         std::normal_distribution<double> nd(0.0, 1.0);
-        std::vector<double> adv, old;
+        std::vector<double> adv, old, z(static_cast<std::size_t>(p.v));
         for (std::int64_t i = 0; i < p.n; ++i) {
+          const auto row = static_cast<std::size_t>(i);
+          for (std::int64_t j = 0; j < p.v; ++j) {
+            double acc = b[static_cast<std::size_t>(j)];
+            for (std::int64_t k = 0; k < p.h; ++k)
+              acc +=
+                  static_cast<double>(x[row * p.h + k]) * w[static_cast<std::size_t>(j * p.h + k)];
+            z[static_cast<std::size_t>(j)] = acc;
+          }
+          const double zmax = *std::max_element(z.begin(), z.end());
+          double sum = 0;
+          for (double zj : z) sum += std::exp(zj - zmax);
+          if (d.y[row] >= 0 && i % 3 == 0)
+            d.y[row] = std::max_element(z.begin(), z.end()) - z.begin();
+          const double logp =
+              d.y[row] < 0 ? 0.0 : z[static_cast<std::size_t>(d.y[row])] - zmax - std::log(sum);
           adv.push_back(nd(g));
-          old.push_back(-10.0 + nd(g));  // near the rows' logps: about half of them clip
+          old.push_back(logp + 0.5 * static_cast<double>(i % 3 == 1) -
+                        0.5 * static_cast<double>(i % 3 == 2));
         }
         const std::shared_ptr<const TokenObjective> objectives[] = {
             std::make_shared<reference::FocalObjective>(2.0),
@@ -860,7 +886,10 @@ TEST_CASE("gpu: token objectives match the CPU path: focal, a clipped ratio, ord
               o.reduction = r;
               o.loop_order = order;
               o.skip_ignored_rows = skip;
-              o.memory_budget_bytes = 128 * (p.v + 2 * p.h) * 4 + 100000;  // several chunks
+              // Several chunks; the CPU's vocab-block plan stages bf16 operands as fp32 within
+              // the same budget.
+              o.memory_budget_bytes = 128 * (p.v + 2 * p.h) * 4 + 100000 +
+                                      (t == DType::kBF16 ? (2 * 256 + 2 * p.n) * p.h * 4 : 0);
               const Outcome gpu = run(p, d, o, Device::kCuda, true, accumulate, nullptr, obj);
               const Outcome cpu = run(p, d, o, Device::kCpu, true, accumulate, nullptr, obj);
               CHECK(gpu.plan.num_chunks > 2);
@@ -868,10 +897,13 @@ TEST_CASE("gpu: token objectives match the CPU path: focal, a clipped ratio, ord
               REQUIRE(gpu.token.metrics.size() == 1);
               CHECK(std::abs(gpu.token.metrics[0].second - cpu.token.metrics[0].second) <=
                     (t == DType::kF32 ? 1e-5 : 1e-3));
-              // The clipped ratio's data exercise both branches: some rows clip, others not.
+              // The data exercise both of the clipped ratio's branches (some rows clip, others
+              // not), and focal loss's weight: the mean target probability is far from 0.
               if (obj->name() == "ClippedRatio") {
                 CHECK(cpu.token.metrics[0].second > 0.05);
                 CHECK(cpu.token.metrics[0].second < 0.95);
+              } else {
+                CHECK(cpu.token.metrics[0].second > 0.05);
               }
             }
           }

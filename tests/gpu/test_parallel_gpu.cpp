@@ -48,7 +48,7 @@ struct Case {
   // skip_ignored_rows, with the first 100 rows, rows 150-229 and the last 50 rows ignored
   bool skip = false;
   // A TokenLoss of the focal objective with the options' engine options (mean or sum), instead
-  // of LinearCrossEntropy; its per-row outputs are not written.
+  // of LinearCrossEntropy; its logps come back as row_loss, lse and predictions are not written.
   bool focal = false;
 };
 
@@ -224,6 +224,7 @@ Result call(const Case& c, const Data& d, const Part& pt) {
                           : c.focal ? focal.workspace_bytes(tin, gr)
                                     : ce.workspace_bytes(in, gr);
   Result res;
+  std::vector<double> logps;  // the token loss's, as row_loss (-logp; 0 for ignored rows)
   const auto kept = [&](Context& ctx, const Workspace& ws) {
     try {
       if (!c.focal) {
@@ -231,6 +232,7 @@ Result call(const Case& c, const Data& d, const Part& pt) {
         return;
       }
       const TokenResult tr = focal.forward_backward(ctx, tin, gr, ws);
+      logps = tr.logps;
       res.r.loss = tr.loss;
       res.r.accuracy = tr.accuracy;
       res.r.valid_rows = tr.valid_rows;
@@ -255,6 +257,8 @@ Result call(const Case& c, const Data& d, const Part& pt) {
   res.db = gb.read(t);
   res.lse = lse.read(DType::kF32);
   res.row_loss = loss.read(DType::kF32);
+  for (std::size_t i = 0; i < logps.size(); ++i)
+    res.row_loss[i] = std::isnan(logps[i]) ? 0.0f : static_cast<float>(-logps[i]);
   const std::vector<float> p = pred.read(DType::kF32);
   res.pred.resize(p.size());
   std::memcpy(res.pred.data(), p.data(), p.size() * 4);
