@@ -117,13 +117,21 @@ std::size_t chunk_budget(const CeData& d, const GradRequest& g, std::int64_t row
 }
 
 // A problem of several 64-row chunks (at chunk_budget(..., 64)).
-CeSpec chunked_spec(bool bias) {
+CeSpec chunked_spec(bool bias, DType dtype = DType::kF32) {
   CeSpec s;
   s.n = 150;
   s.h = 40;
   s.v = 300;
   s.bias = bias;
+  s.dtype = dtype;
   return s;
+}
+
+// Every gradient, in `dtype`.
+GradRequest grads_in(DType dtype) {
+  GradRequest g;
+  g.dtype = dtype;
+  return g;
 }
 
 TEST_CASE("token objectives against the float64 oracle: dtypes, orders, chunks, reductions") {
@@ -184,11 +192,8 @@ TEST_CASE("token objectives: skipped rows, the fp32 dW accumulator, bf16 logits 
 
 TEST_CASE("token objectives: NLL is LinearCrossEntropy's mean, to rounding") {
   for (DType dtype : {DType::kF32, DType::kBF16}) {
-    CeSpec s = chunked_spec(true);
-    s.dtype = dtype;
-    const CeData d(s);
-    GradRequest g;
-    g.dtype = dtype;
+    const CeData d(chunked_spec(true, dtype));
+    const GradRequest g = grads_in(dtype);
     const LibRun ce = run_library(d, {}, g, false);
     const TokenRun tok = run_token(d, TokenLoss(std::make_shared<reference::NllObjective>()), g);
     const Tolerance t = tolerance(dtype);
@@ -463,11 +468,8 @@ MakeObjective clipped_rows(const CeData& d) {
 
 TEST_CASE("token objectives, data parallel: 2 and 3 uneven row parts match the call on all rows") {
   for (DType dtype : {DType::kF32, DType::kBF16}) {
-    CeSpec s = chunked_spec(true);
-    s.dtype = dtype;
-    const CeData d(s);
-    GradRequest g;
-    g.dtype = dtype;
+    const CeData d(chunked_spec(true, dtype));
+    const GradRequest g = grads_in(dtype);
     const MakeObjective focal = [](std::int64_t, std::int64_t) {
       return std::make_shared<reference::FocalObjective>(2.0);
     };
@@ -475,7 +477,7 @@ TEST_CASE("token objectives, data parallel: 2 and 3 uneven row parts match the c
       for (bool reduce : {false, true}) {
         for (const std::vector<std::int64_t>& offsets :
              {std::vector<std::int64_t>{0, 61}, std::vector<std::int64_t>{0, 20, 97}}) {
-          const std::shared_ptr<const TokenObjective> whole = make(0, s.n);
+          const std::shared_ptr<const TokenObjective> whole = make(0, d.spec.n);
           CAPTURE(whole->name());
           CAPTURE(dtype_name(dtype));
           CAPTURE(reduce);
