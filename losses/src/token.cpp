@@ -111,6 +111,7 @@ TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
   std::optional<detail::CeCall> c;
   Plan plan;
   std::vector<std::int64_t> y;
+  std::vector<std::uint8_t> valid;  // per row: the target is not ignore_index
   std::exception_ptr rejected;
   std::array<double, kDataKind> data_kind{};
   double valid_rows = 0;  // the group's, after the exchange
@@ -132,7 +133,8 @@ TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
     ws.require(plan.layout, who.c_str());
     y = detail::read_target_ids(ctx, who.c_str(), "targets", in.targets, c->call.total_vocab(),
                                 options_.ignore_index);
-    for (std::int64_t t : y) valid_rows += t != options_.ignore_index ? 1 : 0;
+    for (std::int64_t t : y) valid.push_back(t != options_.ignore_index);
+    valid_rows = static_cast<double>(std::count(valid.begin(), valid.end(), 1));
     extra_names = obj.extra_metrics();
     data_kind = data_call_kind(obj, extra_names, options_, c->call);
   } catch (...) {
@@ -150,8 +152,6 @@ TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
                            "H, V, dW or db summed in the call, check_finite, the reduction, or "
                            "the objective's name and metrics"});
   detail::TokenCall& k = c->call;
-  std::vector<std::uint8_t> valid(y.size());
-  for (std::size_t t = 0; t < y.size(); ++t) valid[t] = y[t] != options_.ignore_index;
   if (detail::skips_rows(o, plan, k))
     k.row_ranges = detail::rows_to_compute(valid, plan.skip_gap_rows);
 
@@ -204,7 +204,8 @@ TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
   if (failed) std::rethrow_exception(failed);
   CHUNKLOSS_CHECK(sums.back() == 0, who,
                   ": the objective failed (threw or returned a non-finite value) on ", sums.back(),
-                  " other rank(s) of data_group; the gradient buffers hold unspecified values");
+                  " other rank(s) of data_group; the gradient buffers, if any, hold unspecified "
+                  "values");
 
   r.loss = sums[0] / divisor;
   r.valid_rows = static_cast<std::int64_t>(valid_rows);
