@@ -335,17 +335,22 @@ TEST_CASE("token objectives: accumulate, forward only, all rows ignored, bitwise
     CHECK(fwd.result.metrics == full.result.metrics);
     CHECK(fwd.plan.workspace_bytes() <= full.plan.workspace_bytes());
   }
-  SUBCASE("all rows ignored: loss 0, metrics 0, zero gradients") {
+  SUBCASE("all rows ignored: loss 0, metrics 0, zero gradients (every row skipped, or not)") {
     CeSpec all = s;
     all.ignore_fraction = 1.0;
     const CeData e(all);
-    const TokenRun run = run_token(e, loss, g);
-    CHECK(run.result.loss == 0.0);
-    CHECK(run.result.valid_rows == 0);
-    CHECK(run.result.metrics.at(0).second == 0.0);
-    check_all_equal("grad_hidden", run.grads.hidden(), 0.0);
-    check_all_equal("grad_weight", run.grads.weight(), 0.0);
-    check_all_equal("grad_bias", run.grads.bias(), 0.0);
+    for (bool skip : {false, true}) {
+      CAPTURE(skip);
+      TokenOptions so = o;
+      so.skip_ignored_rows = skip;
+      const TokenRun run = run_token(e, TokenLoss(focal, so), g);
+      CHECK(run.result.loss == 0.0);
+      CHECK(run.result.valid_rows == 0);
+      CHECK(run.result.metrics.at(0).second == 0.0);
+      check_all_equal("grad_hidden", run.grads.hidden(), 0.0);
+      check_all_equal("grad_weight", run.grads.weight(), 0.0);
+      check_all_equal("grad_bias", run.grads.bias(), 0.0);
+    }
   }
   SUBCASE("bitwise reruns") {
     const TokenRun a = run_token(d, loss, g), b = run_token(d, loss, g);
