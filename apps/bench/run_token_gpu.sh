@@ -4,7 +4,8 @@
 # issue 3's table (bf16, 1 in 7 rows ignored) and an SFT batch with prompts and skipped rows; the
 # two cases of a shape run one after the other, each against its own floor, timed in the same
 # process as its calls. TokenLoss runs the objective on the host between each chunk's statistics
-# and its gradient (two waits for the stream per chunk), so the difference is that round trip.
+# and its gradient (the host waits for the stream at every chunk), so the difference is that round
+# trip.
 # Each case also checks the loss and gradients against the naive materialised computation.
 #
 #   apps/bench/run_token_gpu.sh OUT_DIR [path/to/chunkloss-bench]   (env: REPEATS, default 10)

@@ -110,8 +110,9 @@ struct TokenResult {
 /// Memory: the workspace (workspace_bytes()) bounded by the budget; nothing else on the device.
 /// The targets are read on the host once at the start (so an out-of-range target throws before
 /// anything is written), and each chunk's row log-probs come to the host, where the objective
-/// runs in double precision, and their coefficients go back: on CUDA two waits for the stream per
-/// chunk, so such a call cannot be captured into a CUDA graph. Data parallel over a group (see
+/// runs in double precision, and their coefficients go back: on CUDA the host waits for the
+/// stream at every chunk (for the log-probs; the copy back from pageable memory may wait too), so
+/// such a call cannot be captured into a CUDA graph. Data parallel over a group (see
 /// TokenInputs::data_group); no vocabulary split.
 class TokenLoss {
  public:
