@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A token objective's cost on one GPU: the mean cross-entropy through LinearCrossEntropy and the
 # same loss written as a token objective on TokenLoss (--token-objective nll), at the shapes of
-# issue 3's table (bf16, 1 in 7 rows ignored) and an SFT batch with prompts and skipped rows; the
-# two cases of a shape run one after the other, each against its own floor, timed in the same
-# process as its calls. TokenLoss runs the objective on the host between each chunk's statistics
-# and its gradient (the host waits for the stream at every chunk), so the difference is that round
-# trip.
+# issue 3's table (bf16, 1 in 7 rows ignored) and an SFT batch with prompts and skipped rows:
+# every shape through LinearCrossEntropy, then every shape as the token objective, each case
+# against its own floor, timed in the same process as its calls. TokenLoss runs the objective on
+# the host between each chunk's statistics and its gradient (the host waits for the stream at
+# every chunk), so the difference is that round trip.
 # Each case also checks the loss and gradients against the naive materialised computation.
 #
 #   apps/bench/run_token_gpu.sh OUT_DIR [path/to/chunkloss-bench]   (env: REPEATS, default 10)
