@@ -203,7 +203,8 @@ Cli parse(int argc, char** argv) {
     throw apps::UsageError("--token-objective: '" + base.token_objective + "' is not none or nll");
   if (base.token_objective != "none" && (pref || base.vocab_ranks > 1))
     throw apps::UsageError(
-        "--token-objective is for --loss ce on one device (a token loss has no vocabulary split)");
+        "--token-objective is for --loss ce on one device (the bench's vocabulary-parallel run "
+        "times LinearCrossEntropy only)");
   base.label_smoothing = vm["label-smoothing"].as<double>();
   base.dpo_loss = vm["dpo-loss-type"].as<std::string>();
   try {

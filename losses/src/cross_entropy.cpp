@@ -169,14 +169,26 @@ bool detail::skips_rows(const CrossEntropyOptions& o, const Plan& plan, const To
   return o.skip_ignored_rows && !(plan.order == LoopOrder::kVocabBlock && k.any_grad());
 }
 
+std::array<double, detail::kVocabKind> detail::vocab_call_kind(const TokenCall& k, const Plan& plan,
+                                                               bool check_finite) {
+  const auto d = [](std::int64_t x) { return static_cast<double>(x); };
+  const std::vector<RowRange> rows = computed_rows(k);
+  return {d(k.rows),
+          d(plan.chunk_rows),
+          d(row_count(rows)),
+          kind_digest(
+              {reinterpret_cast<const std::uint8_t*>(rows.data()), rows.size() * sizeof(RowRange)}),
+          d(k.hidden),
+          (k.grad_x.defined() ? 1.0 : 0.0) + (check_finite ? 2.0 : 0.0),
+          rule_digest(k)};
+}
+
 namespace {
 
-// What the ranks of the call's groups compare before the first collective: over a vocabulary
-// split the rows, the plan's chunks and the rows they compute, H, whether dH is asked for (its
-// rows are summed per chunk), and the vocabulary and the options the rows' terms use (the rule
-// digest); over a data group H, V, whether dW and db are summed in the call, and check_finite
+// What the ranks of a data group compare before the first collective (a vocabulary split's:
+// detail::vocab_call_kind): H, V, whether dW and db are summed in the call, and check_finite
 // (on CUDA its ranks then read the group's counts at the start, and throw there together).
-constexpr std::size_t kVocabKind = 7, kDataKind = 5;
+constexpr std::size_t kDataKind = 5;
 
 // With skip_ignored_rows, in token-chunk order: the rows the call computes, from the targets
 // read on the host (which checks their range there).
@@ -256,21 +268,13 @@ CrossEntropyResult LinearCrossEntropy::forward_backward(Context& ctx, const Cros
     rejected = std::current_exception();
   }
   if (vocab_group || in.data_group) {
-    std::array<double, kVocabKind> vocab_kind{};
+    std::array<double, detail::kVocabKind> vocab_kind{};
     std::array<double, kDataKind> data_kind{};
     if (!rejected) {
       const detail::TokenCall& k = c->call;
       const bool sum = k.weight_grad_group != nullptr;
       const auto d = [](std::int64_t x) { return static_cast<double>(x); };
-      const std::vector<detail::RowRange> rows = detail::computed_rows(k);
-      vocab_kind = {d(k.rows),
-                    d(plan.chunk_rows),
-                    d(detail::row_count(rows)),
-                    detail::kind_digest({reinterpret_cast<const std::uint8_t*>(rows.data()),
-                                         rows.size() * sizeof(detail::RowRange)}),
-                    d(k.hidden),
-                    (k.grad_x.defined() ? 1.0 : 0.0) + (options_.check_finite ? 2.0 : 0.0),
-                    detail::rule_digest(k)};
+      vocab_kind = detail::vocab_call_kind(k, plan, options_.check_finite);
       data_kind = {d(k.hidden), d(k.vocab), sum && k.grad_w.defined() ? 1.0 : 0.0,
                    sum && k.grad_bias.defined() ? 1.0 : 0.0, options_.check_finite ? 1.0 : 0.0};
     }

@@ -43,29 +43,52 @@ CrossEntropyInputs head_inputs(const TokenInputs& in) {
   c.weight = in.weight;
   c.bias = in.bias;
   c.targets = in.targets;
+  c.vocab_shard = in.vocab_shard;
   c.data_group = in.data_group;
   return c;
 }
 
-// What the ranks of a data group compare before the first collective: H, V, dW and db summed
-// in the call or not, check_finite (on CUDA its ranks read the group's counts at the start), the
-// reduction, and the objective as far as the library sees it (its name and extra metrics).
-constexpr std::size_t kDataKind = 7;
-
-std::array<double, kDataKind> data_call_kind(const TokenObjective& obj,
-                                             const std::vector<std::string>& extra_names,
-                                             const TokenOptions& o, const detail::TokenCall& k) {
-  const bool sum = k.weight_grad_group != nullptr;
+// The objective as far as the library sees it (its name and extra metrics) and the reduction,
+// which every rank of either group must share.
+std::array<double, 2> objective_kind(const TokenObjective& obj,
+                                     const std::vector<std::string>& extra_names,
+                                     const TokenOptions& o) {
   std::string names(obj.name());
   for (const std::string& m : extra_names) names += '\n' + m;
-  const auto d = [](std::int64_t x) { return static_cast<double>(x); };
-  return {d(k.hidden),
-          d(k.vocab),
+  return {static_cast<double>(o.reduction),
+          detail::kind_digest({reinterpret_cast<const std::uint8_t*>(names.data()), names.size()})};
+}
+
+// What the ranks of a data group compare before the first collective: H, V, dW and db summed
+// in the call or not, check_finite (on CUDA its ranks read the group's counts at the start), and
+// the objective's kind.
+constexpr std::size_t kDataKind = 7;
+
+std::array<double, kDataKind> data_call_kind(const std::array<double, 2>& objective,
+                                             const TokenOptions& o, const detail::TokenCall& k) {
+  const bool sum = k.weight_grad_group != nullptr;
+  return {static_cast<double>(k.hidden),
+          static_cast<double>(k.vocab),
           sum && k.grad_w.defined() ? 1.0 : 0.0,
           sum && k.grad_bias.defined() ? 1.0 : 0.0,
           o.check_finite ? 1.0 : 0.0,
-          static_cast<double>(o.reduction),
-          detail::kind_digest({reinterpret_cast<const std::uint8_t*>(names.data()), names.size()})};
+          objective[0],
+          objective[1]};
+}
+
+// ... and of a vocabulary split: its chunks' collectives (detail::vocab_call_kind) and the
+// objective's kind.
+constexpr std::size_t kVocabKind = detail::kVocabKind + 2;
+
+std::array<double, kVocabKind> vocab_call_kind(const std::array<double, 2>& objective,
+                                               const TokenOptions& o, const detail::TokenCall& k,
+                                               const Plan& plan) {
+  std::array<double, kVocabKind> kind{};
+  const std::array<double, detail::kVocabKind> call =
+      detail::vocab_call_kind(k, plan, o.check_finite);
+  std::copy(call.begin(), call.end(), kind.begin());
+  std::copy(objective.begin(), objective.end(), kind.begin() + detail::kVocabKind);
+  return kind;
 }
 
 Device call_device(const TokenInputs& in) {
@@ -106,15 +129,19 @@ TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
   const std::string who(obj.name());
   const CrossEntropyOptions o = head_options(options_);
   dist::Communicator* const group = in.data_group;
-  // Everything checked before the first collective; with a data group the ranks then agree
-  // whether any rank rejected its call or makes another kind of call, and sum the valid rows.
+  dist::Communicator* const vocab_group = detail::vocab_split_group(in.vocab_shard);
+  const bool grouped = group || vocab_group;
+  // Everything checked before the first collective; with groups the ranks then agree whether
+  // any rank rejected its call or makes another kind of call, and sum the valid rows over the
+  // data group (a vocabulary split's ranks share their rows).
   std::optional<detail::CeCall> c;
   Plan plan;
   std::vector<std::int64_t> y;
   std::vector<std::uint8_t> valid;  // per row: the target is not ignore_index
   std::exception_ptr rejected;
   std::array<double, kDataKind> data_kind{};
-  double valid_rows = 0;  // the group's, after the exchange
+  std::array<double, kVocabKind> vocab_kind{};
+  double valid_rows = 0;  // the data group's, after the exchange
   std::vector<std::string> extra_names;
   try {
     c.emplace(
@@ -135,25 +162,30 @@ TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
                                 options_.ignore_index);
     for (std::int64_t t : y) valid.push_back(t != options_.ignore_index);
     valid_rows = static_cast<double>(std::count(valid.begin(), valid.end(), 1));
+    if (detail::skips_rows(o, plan, c->call))
+      c->call.row_ranges = detail::rows_to_compute(valid, plan.skip_gap_rows);
     extra_names = obj.extra_metrics();
-    data_kind = data_call_kind(obj, extra_names, options_, c->call);
+    const std::array<double, 2> objective = objective_kind(obj, extra_names, options_);
+    data_kind = data_call_kind(objective, options_, c->call);
+    vocab_kind = vocab_call_kind(objective, options_, c->call, plan);
   } catch (...) {
-    if (!group) throw;
+    if (!grouped) throw;
     rejected = std::current_exception();
     data_kind = {};
+    vocab_kind = {};
     valid_rows = 0;
   }
-  if (group)
-    detail::agree_on_call(ctx, who.c_str(), nullptr, group, rejected,
-                          {{},
+  if (grouped)
+    detail::agree_on_call(ctx, who.c_str(), vocab_group, group, rejected,
+                          {vocab_kind,
                            data_kind,
                            {&valid_rows, 1},
-                           "",
+                           "their rows, plans, rows computed, H, grad_hidden asked for, "
+                           "check_finite, vocab_shard.size, ignore_index, the reduction, or the "
+                           "objective's name and metrics",
                            "H, V, dW or db summed in the call, check_finite, the reduction, or "
                            "the objective's name and metrics"});
   detail::TokenCall& k = c->call;
-  if (detail::skips_rows(o, plan, k))
-    k.row_ranges = detail::rows_to_compute(valid, plan.skip_gap_rows);
 
   const double divisor =
       options_.reduction == Reduction::kMean && valid_rows > 0 ? valid_rows : 1.0;
@@ -162,9 +194,9 @@ TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
   std::vector<double> sums(extra_names.size() + 2, 0.0);
   TokenResult r;
   r.logps.assign(y.size(), std::numeric_limits<double>::quiet_NaN());
-  std::exception_ptr failed;  // with a group, thrown at the end once the ranks know of it
-  // Gradients are (or, with a group, will be) written before the objective's failure throws.
-  bool written = group && k.any_grad();
+  std::exception_ptr failed;  // with groups, thrown at the end once the ranks know of it
+  // Gradients are (or, with groups, will be) written before the objective's failure throws.
+  bool written = grouped && k.any_grad();
   const detail::RowCoefficients coefficients = [&](std::int64_t r0, std::int64_t r1,
                                                    const float* row_loss, float* coef) {
     const char* note = written ? "; gradients were already written, so the gradient buffers "
@@ -192,20 +224,26 @@ TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
         for (std::size_t m = 0; m < extras.size(); ++m) sums[m + 1] += extras[m];
         c_t = static_cast<float>(-v.dlogp / divisor);
       } catch (...) {
-        if (!group) throw;
+        if (!grouped) throw;
         if (!failed) failed = std::current_exception();
       }
     }
     written = written || (k.any_grad() && plan.order == LoopOrder::kTokenChunk);
   };
   const detail::TokenTotals totals = detail::run_token_objective(ctx, k, plan, ws, coefficients);
+  // The failures are then summed over the vocabulary group too: in a grid each data group's
+  // count once per rank of the vocabulary group, so every rank of the grid counts once.
   sums.back() = failed ? 1.0 : 0.0;
   detail::GroupSum{ctx, group}(sums.data(), sums.size());
+  detail::GroupSum{ctx, vocab_group}(&sums.back(), 1);
   if (failed) std::rethrow_exception(failed);
   CHUNKLOSS_CHECK(sums.back() == 0, who,
                   ": the objective failed (threw or returned a non-finite value) on ", sums.back(),
-                  " other rank(s) of data_group; the gradient buffers, if any, hold unspecified "
-                  "values");
+                  " other rank(s) of ",
+                  group && vocab_group ? "the data_group x vocab_shard.group grid"
+                  : group              ? "data_group"
+                                       : "vocab_shard.group",
+                  "; the gradient buffers, if any, hold unspecified values");
 
   r.loss = sums[0] / divisor;
   r.valid_rows = static_cast<std::int64_t>(valid_rows);

@@ -218,6 +218,15 @@ std::size_t budget_for_chunk_rows(const CeData& d, const CrossEntropyOptions& o,
   return lo;
 }
 
+TensorView rows_of(const CeData& d, const std::vector<float>& f, const std::vector<BFloat16>& b,
+                   std::int64_t o, std::int64_t rows, std::int64_t width) {
+  if (d.spec.dtype == DType::kBF16)
+    return width ? TensorView::of(b.data() + o * width, {rows, width})
+                 : TensorView::of(b.data() + o, {rows});
+  return width ? TensorView::of(f.data() + o * width, {rows, width})
+               : TensorView::of(f.data() + o, {rows});
+}
+
 std::string describe(const CeSpec& s, const CrossEntropyOptions& o, const GradRequest& g) {
   std::ostringstream os;
   os << "N=" << s.n << " H=" << s.h << " V=" << s.v << " in=" << dtype_name(s.dtype)

@@ -45,22 +45,6 @@ struct Split {
   float fill = 0.0f;  // the gradient buffers' contents before the call
 };
 
-// [begin, end) of part i of `offsets` over [0, total).
-std::pair<std::int64_t, std::int64_t> part(const std::vector<std::int64_t>& offsets, std::size_t i,
-                                           std::int64_t total) {
-  return {offsets[i], i + 1 < offsets.size() ? offsets[i + 1] : total};
-}
-
-// Views of rows [o, o + rows) of a [*, width] (width 0: [*]) buffer of the problem's dtype.
-TensorView rows_of(const CeData& d, const std::vector<float>& f, const std::vector<BFloat16>& b,
-                   std::int64_t o, std::int64_t rows, std::int64_t width) {
-  if (d.spec.dtype == DType::kBF16)
-    return width ? TensorView::of(b.data() + o * width, {rows, width})
-                 : TensorView::of(b.data() + o, {rows});
-  return width ? TensorView::of(f.data() + o * width, {rows, width})
-               : TensorView::of(f.data() + o, {rows});
-}
-
 // The rank holding row part `ri` and vocabulary part `vi` calls with its rows and weight rows
 // (both parts whole and no groups: the unsplit call).
 RankRun call_rank(const CeData& d, const CrossEntropyOptions& o, const Split& s, std::size_t ri,
@@ -89,25 +73,6 @@ RankRun call_rank(const CeData& d, const CrossEntropyOptions& o, const Split& s,
                                         run.out.views());
   return run;
 }
-
-// The groups of a grid of `nr` row parts x `nv` vocabulary parts: a vocabulary group per row part
-// and a data group per vocabulary part (when split that way), the rank (ri, vi) their
-// vocab(ri, vi) and data(ri, vi) (null: not split that way).
-struct Grid {
-  Grid(std::size_t nr, std::size_t nv) {
-    for (std::size_t i = 0; nv > 1 && i < nr; ++i)
-      vocab_groups.push_back(std::make_unique<dist::InProcessGroup>(static_cast<int>(nv)));
-    for (std::size_t i = 0; nr > 1 && i < nv; ++i)
-      data_groups.push_back(std::make_unique<dist::InProcessGroup>(static_cast<int>(nr)));
-  }
-  dist::Communicator* vocab(std::size_t ri, std::size_t vi) const {
-    return vocab_groups.empty() ? nullptr : &vocab_groups[ri]->comm(static_cast<int>(vi));
-  }
-  dist::Communicator* data(std::size_t ri, std::size_t vi) const {
-    return data_groups.empty() ? nullptr : &data_groups[vi]->comm(static_cast<int>(ri));
-  }
-  std::vector<std::unique_ptr<dist::InProcessGroup>> vocab_groups, data_groups;
-};
 
 // Every rank on its own thread, rank (ri, vi) at [ri * vocab parts + vi], in a vocabulary group
 // per row part and a data group per vocabulary part (when split that way).

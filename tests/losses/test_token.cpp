@@ -1,7 +1,8 @@
 // TokenLoss on the CPU: token objectives (NLL, focal, a clipped ratio with per-row data) against
 // the float64 oracle in fp32 and bf16, both loop orders, several chunks and skipped rows; NLL
 // against LinearCrossEntropy; finite differences; the rows the objective sees; accumulation,
-// forward only, all rows ignored, bitwise reruns; and the errors.
+// forward only, all rows ignored, bitwise reruns; the errors; and the rows split over a data
+// group, the vocabulary over a vocabulary group, and both (a grid), against the whole call.
 #include <doctest/doctest.h>
 
 #include <chunkloss/core/error.h>
@@ -431,28 +432,40 @@ TEST_CASE("token objectives: bad input and failing objectives raise chunkloss::E
   }
 }
 
-// ---- data parallel ---------------------------------------------------------------------------
+// ---- data and vocabulary parallel ------------------------------------------------------------
 
-// Rank i of `offsets.size()` calls with rows [offsets[i], offsets[i + 1]) of `d` over `group`, its
-// objective from make_obj(first row, rows), and returns its result and gradients.
+// How a call is split: the problem's rows at `rows` offsets over a data group, the weight's rows
+// at `vocab` offsets over a vocabulary group (one offset: not split that way).
+struct TokenSplit {
+  std::vector<std::int64_t> rows = {0};
+  std::vector<std::int64_t> vocab = {0};
+};
+
+// One rank's call: its result and gradients.
 struct TokenRank {
   TokenResult result;
   GradStorage grads;
 };
 using MakeObjective =
     std::function<std::shared_ptr<const TokenObjective>(std::int64_t r0, std::int64_t rows)>;
+
+// The rank holding row part `ri` and vocabulary part `vi` of `s` calls with its rows and weight
+// rows over the grid's groups, its objective from make_obj(first row, rows).
 TokenRank call_token_rank(const CeData& d, const TokenOptions& o, const GradRequest& g,
-                          const std::vector<std::int64_t>& offsets, std::size_t i,
-                          dist::Communicator* group, const MakeObjective& make_obj) {
-  const std::int64_t r0 = offsets[i], r1 = i + 1 < offsets.size() ? offsets[i + 1] : d.spec.n;
+                          const TokenSplit& s, const Grid& grid, std::size_t ri, std::size_t vi,
+                          const MakeObjective& make_obj) {
+  const auto [r0, r1] = part(s.rows, ri, d.spec.n);
+  const auto [v0, v1] = part(s.vocab, vi, d.spec.v);
   const std::int64_t n = r1 - r0, h = d.spec.h;
   TokenInputs in = token_inputs(d);
-  in.hidden = d.spec.dtype == DType::kBF16 ? TensorView::of(d.hidden_bf.data() + r0 * h, {n, h})
-                                           : TensorView::of(d.hidden.data() + r0 * h, {n, h});
+  in.hidden = rows_of(d, d.hidden, d.hidden_bf, r0, n, h);
   in.targets = TensorView::of(d.targets32.data() + r0, {n});
-  in.data_group = group;
+  in.weight = rows_of(d, d.weight, d.weight_bf, v0, v1 - v0, h);
+  if (d.spec.bias) in.bias = rows_of(d, d.bias, d.bias_bf, v0, v1 - v0, 0);
+  if (dist::Communicator* vocab = grid.vocab(ri, vi)) in.vocab_shard = {vocab, v0, d.spec.v};
+  in.data_group = grid.data(ri, vi);
   TokenRank rank{{},
-                 GradStorage(g.dtype, g.hidden, g.weight, g.bias && d.spec.bias, n, h, d.spec.v,
+                 GradStorage(g.dtype, g.hidden, g.weight, g.bias && d.spec.bias, n, h, v1 - v0,
                              std::nanf(""))};
   const TokenLoss loss(make_obj(r0, n), o);
   const CrossEntropyGrads grads = rank.grads.views_as<CrossEntropyGrads>(false);
@@ -460,6 +473,14 @@ TokenRank call_token_rank(const CeData& d, const TokenOptions& o, const GradRequ
   CpuContext ctx(1);
   rank.result = loss.forward_backward(ctx, in, grads, ws.workspace());
   return rank;
+}
+
+// Every rank of `s` on its own thread, rank (ri, vi) at [ri * vocabulary parts + vi].
+template <typename Call>
+auto on_grid(const TokenSplit& s, const Call& call) {
+  const std::size_t nv = s.vocab.size(), nr = s.rows.size();
+  const Grid grid(nr, nv);
+  return on_threads(nr * nv, [&](std::size_t k) { return call(grid, k / nv, k % nv); });
 }
 
 // A clipped ratio over rows [r0, r0 + rows) of `all`'s per-row data (advantages, old logps).
@@ -471,7 +492,69 @@ MakeObjective clipped_rows(const CeData& d) {
   };
 }
 
-TEST_CASE("token objectives, data parallel: 2 and 3 uneven row parts match the call on all rows") {
+// The ranks' results against the call on all rows and columns: every rank's loss, accuracy,
+// valid rows and metric; each vocabulary part's dH and logps over its row parts (the ranks of a
+// vocabulary group bitwise equal); dW and db over the vocabulary parts, summed over the row
+// parts (or, summed in the call, each rank's).
+void check_split(const CeData& d, const TokenSplit& s, bool reduced, const GradRequest& g,
+                 const std::vector<TokenRank>& ranks, const reference::TokenOracle& ref) {
+  const std::size_t nv = s.vocab.size(), nr = s.rows.size();
+  const Tolerance in_tol = tolerance(d.spec.dtype), grad_tol = tolerance(g.dtype);
+  const std::int64_t h = d.spec.h;
+  std::vector<double> dw(ref.grad_weight.size(), 0.0), db(ref.grad_bias.size(), 0.0);
+  for (std::size_t vi = 0; vi < nv; ++vi) {
+    const auto [v0, v1] = part(s.vocab, vi, d.spec.v);
+    std::vector<double> dh, logps;
+    for (std::size_t ri = 0; ri < nr; ++ri) {
+      const TokenRank& rk = ranks[ri * nv + vi];
+      check_scalar("loss", rk.result.loss, ref.loss, in_tol.loss);
+      CHECK(rk.result.valid_rows == ref.valid_rows);
+      CHECK(rk.result.accuracy == doctest::Approx(ref.accuracy).epsilon(1e-12));
+      check_scalar("metric", rk.result.metrics.at(0).second, ref.metrics.at(0), in_tol.loss);
+      const TokenRank& first = ranks[ri * nv];  // its vocabulary group's rank 0
+      CHECK(rk.result.loss == first.result.loss);
+      CHECK(rk.grads.hidden() == first.grads.hidden());
+      for (std::size_t j = 0; j < rk.result.logps.size(); ++j)
+        CHECK((rk.result.logps[j] == first.result.logps[j] ||
+               (std::isnan(rk.result.logps[j]) && std::isnan(first.result.logps[j]))));
+      const std::vector<double> rh = rk.grads.hidden(), rw = rk.grads.weight();
+      dh.insert(dh.end(), rh.begin(), rh.end());
+      logps.insert(logps.end(), rk.result.logps.begin(), rk.result.logps.end());
+      const auto w0 = static_cast<std::size_t>(v0 * h);
+      if (reduced) {
+        const std::vector<double> want(
+            ref.grad_weight.begin() + static_cast<std::ptrdiff_t>(w0),
+            ref.grad_weight.begin() + static_cast<std::ptrdiff_t>(v1 * h));
+        check_close("each rank's dW summed in the call", rw, want, grad_tol.grad);
+      } else {
+        for (std::size_t j = 0; j < rw.size(); ++j) dw[w0 + j] += rw[j];
+      }
+      if (rk.grads.has_bias()) {
+        const std::vector<double> rb = rk.grads.bias();
+        for (std::size_t j = 0; j < rb.size(); ++j)
+          db[static_cast<std::size_t>(v0) + j] += reduced && ri > 0 ? 0.0 : rb[j];
+      }
+    }
+    check_close("grad_hidden", dh, ref.grad_hidden, grad_tol.grad);
+    REQUIRE(logps.size() == ref.logps.size());
+    std::vector<double> got, want;  // the valid rows'
+    for (std::size_t j = 0; j < logps.size(); ++j) {
+      CHECK(std::isnan(logps[j]) == std::isnan(ref.logps[j]));
+      if (!std::isnan(ref.logps[j])) got.push_back(logps[j]), want.push_back(ref.logps[j]);
+    }
+    check_close("logps", got, want, in_tol.rows);
+  }
+  if (!reduced) check_close("grad_weight", dw, ref.grad_weight, grad_tol.grad);
+  if (d.spec.bias && g.bias) check_close("grad_bias", db, ref.grad_bias, grad_tol.grad);
+}
+
+TEST_CASE("token objectives, split over ranks: data, vocabulary and a grid match the whole call") {
+  const std::vector<TokenSplit> splits = {
+      {{0, 61}, {0}},        // two uneven row parts
+      {{0, 20, 97}, {0}},    // three
+      {{0}, {0, 150}},       // two vocabulary shards (VocabShard::of's)
+      {{0}, {0, 100, 200}},  // three
+      {{0, 61}, {0, 150}}};  // a 2 x 2 grid
   for (DType dtype : {DType::kF32, DType::kBF16}) {
     const CeData d(chunked_spec(true, dtype));
     const GradRequest g = grads_in(dtype);
@@ -480,61 +563,40 @@ TEST_CASE("token objectives, data parallel: 2 and 3 uneven row parts match the c
     };
     for (const MakeObjective& make : {focal, clipped_rows(d)}) {
       for (bool reduce : {false, true}) {
-        for (const std::vector<std::int64_t>& offsets :
-             {std::vector<std::int64_t>{0, 61}, std::vector<std::int64_t>{0, 20, 97}}) {
+        for (const TokenSplit& s : splits) {
           const std::shared_ptr<const TokenObjective> whole = make(0, d.spec.n);
           CAPTURE(whole->name());
           CAPTURE(dtype_name(dtype));
           CAPTURE(reduce);
-          CAPTURE(offsets.size());
+          CAPTURE(s.rows.size());
+          CAPTURE(s.vocab.size());
           TokenOptions o;
           o.memory_budget_bytes = chunk_budget(d, g, 64);
           o.reduce_weight_grad_over_data_group = reduce;
-          const TokenLoss unsplit(whole, o);
-          const reference::TokenOracle ref = oracle(d, unsplit);
-          dist::InProcessGroup group(static_cast<int>(offsets.size()));
-          const std::vector<TokenRank> ranks = on_threads(offsets.size(), [&](std::size_t i) {
-            return call_token_rank(d, o, g, offsets, i, &group.comm(static_cast<int>(i)), make);
-          });
-          const Tolerance in_tol = tolerance(dtype), grad_tol = tolerance(dtype);
-          std::vector<double> dh, dw(ref.grad_weight.size(), 0.0), logps;
-          for (const TokenRank& rk : ranks) {
-            check_scalar("loss", rk.result.loss, ref.loss, in_tol.loss);
-            CHECK(rk.result.valid_rows == ref.valid_rows);
-            CHECK(rk.result.accuracy == doctest::Approx(ref.accuracy).epsilon(1e-12));
-            check_scalar("metric", rk.result.metrics.at(0).second, ref.metrics.at(0), in_tol.loss);
-            const std::vector<double> h = rk.grads.hidden(), w = rk.grads.weight();
-            dh.insert(dh.end(), h.begin(), h.end());
-            logps.insert(logps.end(), rk.result.logps.begin(), rk.result.logps.end());
-            if (reduce)
-              check_close("each rank's dW summed in the call", w, ref.grad_weight, grad_tol.grad);
-            else
-              for (std::size_t j = 0; j < w.size(); ++j) dw[j] += w[j];
-          }
-          check_close("grad_hidden", dh, ref.grad_hidden, grad_tol.grad);
-          if (!reduce) check_close("grad_weight summed", dw, ref.grad_weight, grad_tol.grad);
-          REQUIRE(logps.size() == ref.logps.size());
-          std::vector<double> got, want;  // the valid rows'
-          for (std::size_t j = 0; j < logps.size(); ++j) {
-            CHECK(std::isnan(logps[j]) == std::isnan(ref.logps[j]));
-            if (!std::isnan(ref.logps[j])) got.push_back(logps[j]), want.push_back(ref.logps[j]);
-          }
-          check_close("logps", got, want, in_tol.rows);
+          const reference::TokenOracle ref = oracle(d, TokenLoss(whole, o));
+          const std::vector<TokenRank> ranks =
+              on_grid(s, [&](const Grid& grid, std::size_t ri, std::size_t vi) {
+                return call_token_rank(d, o, g, s, grid, ri, vi, make);
+              });
+          check_split(d, s, reduce && s.rows.size() > 1, g, ranks, ref);
         }
       }
     }
   }
 }
 
-TEST_CASE("token objectives, data parallel: one rank's bad call or failing objective fails all") {
+TEST_CASE(
+    "token objectives, split over ranks: one rank's bad call or failing objective fails all") {
   CeSpec s = chunked_spec(false);
   s.ignore_fraction = 0.0;
-  const std::vector<std::int64_t> offsets = {0, 75};
-  const auto run_pair = [&](const CeData& d, const MakeObjective& make) {
-    dist::InProcessGroup group(2);
-    return on_threads(2, [&](std::size_t i) -> std::string {
+  // Rank (ri, vi) of `split` calls with options and an objective from `pick(ri, vi)`; each
+  // rank's error, or "returned".
+  using Pick = std::function<std::pair<TokenOptions, MakeObjective>(std::size_t, std::size_t)>;
+  const auto run = [&](const CeData& d, const TokenSplit& split, const Pick& pick) {
+    return on_grid(split, [&](const Grid& grid, std::size_t ri, std::size_t vi) -> std::string {
       try {
-        call_token_rank(d, {}, {}, offsets, i, &group.comm(static_cast<int>(i)), make);
+        const auto [o, make] = pick(ri, vi);
+        call_token_rank(d, o, {}, split, grid, ri, vi, make);
       } catch (const Error& e) {
         return e.what();
       }
@@ -544,32 +606,62 @@ TEST_CASE("token objectives, data parallel: one rank's bad call or failing objec
   const MakeObjective nll = [](std::int64_t, std::int64_t) {
     return std::make_shared<reference::NllObjective>();
   };
-  SUBCASE("an out-of-range target on rank 1: both throw before computing") {
-    CeData d(s);
-    d.set_target(100, s.v);
-    const std::vector<std::string> e = run_pair(d, nll);
+  const MakeObjective focal = [](std::int64_t, std::int64_t) {
+    return std::make_shared<reference::FocalObjective>(2.0);
+  };
+  const MakeObjective fails_at_30 = [](std::int64_t, std::int64_t) {
+    return std::make_shared<FailingObjective>(30, false);
+  };
+  const MakeObjective never_fails = [](std::int64_t, std::int64_t) {
+    return std::make_shared<FailingObjective>(-1, false);
+  };
+  // Rank (ri0, vi0) calls with `there`, the others with `elsewhere`, all with default options.
+  const auto one_rank = [](std::size_t ri0, std::size_t vi0, const MakeObjective& there,
+                           const MakeObjective& elsewhere) -> Pick {
+    return [=](std::size_t ri, std::size_t vi) {
+      return std::pair{TokenOptions{}, ri == ri0 && vi == vi0 ? there : elsewhere};
+    };
+  };
+  const TokenSplit rows = {{0, 75}, {0}}, vocab = {{0}, {0, 150}}, grid = {{0, 75}, {0, 150}};
+  const CeData d(s);
+  SUBCASE("an out-of-range target on data rank 1: both throw before computing") {
+    CeData bad(s);
+    bad.set_target(100, s.v);
+    const std::vector<std::string> e = run(bad, rows, one_rank(0, 0, nll, nll));
     CHECK(contains(e[0], "1 rank(s) of data_group rejected their calls (rank 1: Nll: targets[25]"));
     CHECK(contains(e[1], "Nll: targets[25] = 300 is outside [0, V=300)"));
   }
-  SUBCASE("different objectives: both throw") {
-    const CeData d(s);
-    const std::vector<std::string> e = run_pair(d, [](std::int64_t r0, std::int64_t) {
-      return r0 == 0 ? std::shared_ptr<const TokenObjective>(
-                           std::make_shared<reference::NllObjective>())
-                     : std::make_shared<reference::FocalObjective>(2.0);
-    });
-    for (const std::string& m : e) CHECK(contains(m, "the objective's name and metrics"));
+  SUBCASE("different objectives over a data group or a vocabulary split: every rank throws") {
+    for (const TokenSplit& split : {rows, vocab}) {
+      const std::vector<std::string> e = run(d, split, one_rank(0, 0, nll, focal));
+      for (const std::string& m : e) CHECK(contains(m, "the objective's name and metrics"));
+    }
   }
-  SUBCASE("an objective that throws on rank 1's row 30: both throw at the end") {
-    const CeData d(s);
-    const std::vector<std::string> e = run_pair(d, [](std::int64_t r0, std::int64_t) {
-      return std::make_shared<FailingObjective>(r0 == 0 ? -1 : 30, false);
+  SUBCASE("different reductions over a vocabulary split: both throw before computing") {
+    const std::vector<std::string> e = run(d, vocab, [&](std::size_t, std::size_t vi) {
+      TokenOptions o;
+      if (vi == 1) o.reduction = Reduction::kSum;
+      return std::pair{o, nll};
     });
+    for (const std::string& m : e)
+      CHECK(contains(m, "Nll: the ranks of vocab_shard.group make different kinds of calls"));
+  }
+  SUBCASE("an objective that throws on one rank's row 30: every rank throws at the end") {
+    const std::vector<std::string> e = run(d, rows, one_rank(1, 0, fails_at_30, never_fails));
     CHECK(contains(e[0],
                    "Failing: the objective failed (threw or returned a non-finite value) on "
                    "1 other rank(s) of data_group"));
     CHECK(contains(e[1], "Failing: the objective threw for row 30: advantages missing"));
     CHECK(contains(e[1], "unspecified"));
+    // The ranks of a vocabulary split see the same rows: one whose objective alone fails.
+    const std::vector<std::string> v = run(d, vocab, one_rank(0, 1, fails_at_30, never_fails));
+    CHECK(contains(v[0], "on 1 other rank(s) of vocab_shard.group"));
+    CHECK(contains(v[1], "Failing: the objective threw for row 30"));
+    // In a 2 x 2 grid, rank (1, 1)'s objective fails: the other three count it once.
+    const std::vector<std::string> g = run(d, grid, one_rank(1, 1, fails_at_30, never_fails));
+    for (std::size_t k = 0; k < 3; ++k)
+      CHECK(contains(g[k], "on 1 other rank(s) of the data_group x vocab_shard.group grid"));
+    CHECK(contains(g[3], "Failing: the objective threw for row 30"));
   }
 }
 

@@ -20,6 +20,7 @@
 #include "chunkloss/dist/communicator.h"
 #include "chunkloss/losses/cross_entropy.h"
 #include "chunkloss/losses/plan.h"
+#include "chunkloss/losses/vocab_shard.h"
 
 namespace chunkloss {
 
@@ -89,9 +90,22 @@ struct TokenInputs {
   /// rank's rows. Every rank must make the call: one that any rank rejects (shapes, workspace,
   /// targets, check_finite's findings, another kind of call) makes every rank throw before
   /// anything is written, and an objective that fails on any rank makes every rank throw at the
-  /// end of the call, the gradient buffers then holding unspecified values. null: these rows
-  /// alone.
+  /// end of the call, the gradient buffers then holding unspecified values. With vocab_shard too,
+  /// the data group holds the ranks at one vocabulary position, one from each vocabulary group.
+  /// null: these rows alone.
   dist::Communicator* data_group = nullptr;
+  /// Vocabulary parallelism (see VocabShard): every rank passes the same hidden, targets (ids in
+  /// [0, size)), objective and options, and its own weight (and bias) shard. Each chunk's row
+  /// statistics are merged over the ranks before the objective runs, so every rank evaluates the
+  /// objective on the same rows with the same logp (each rank calls its own objective: it must
+  /// give the same values on every rank), and gets the same loss, metrics, logps and dH; dW and
+  /// db are the shard's. The ranks first agree whether any rank rejected its call or makes a call
+  /// whose collectives or objective differ (rows, H, chunks and the rows skip_ignored_rows
+  /// computes, dH asked for, check_finite, a data_group passed or not, the vocabulary's size,
+  /// ignore_index, the reduction, the objective's name and metrics), and then all throw. An
+  /// objective that fails on any rank makes every rank throw at the end of the call. Unset: not
+  /// split.
+  VocabShard vocab_shard = {};
 };
 
 /// Results of one call, on the host.
@@ -112,8 +126,8 @@ struct TokenResult {
 /// anything is written), and each chunk's row log-probs come to the host, where the objective
 /// runs in double precision, and their coefficients go back: on CUDA the host waits for the
 /// stream at every chunk (for the log-probs; the copy back from pageable memory may wait too), so
-/// such a call cannot be captured into a CUDA graph. Data parallel over a group (see
-/// TokenInputs::data_group); no vocabulary split.
+/// such a call cannot be captured into a CUDA graph. Data parallel over a group, the vocabulary
+/// split over another, or both (see TokenInputs::data_group and vocab_shard).
 class TokenLoss {
  public:
   explicit TokenLoss(std::shared_ptr<const TokenObjective> objective,
