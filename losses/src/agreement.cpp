@@ -22,28 +22,6 @@ namespace {
 // up to 8192 ranks.
 constexpr std::uint64_t kPrimes[] = {1048573, 1048571};
 
-// One exchange over the group of `sum`: the ranks flagging `failed`, whether every rank sent the
-// same `kind` (each residue's sum and sum of squares are the ranks' count times its own and its
-// square), and `sums` summed in place. Returns {failed ranks, same kind}.
-std::pair<double, bool> exchange(const GroupSum& sum, bool failed, std::span<const double> kind,
-                                 std::span<double> sums) {
-  const double ranks = sum.group ? sum.group->size() : 1;
-  std::vector<double> residues;
-  for (const double x : kind)
-    for (const std::uint64_t p : kPrimes) residues.push_back(std::fmod(x, static_cast<double>(p)));
-  std::vector<double> v = {failed ? 1.0 : 0.0};
-  for (const double x : residues) v.insert(v.end(), {x, x * x});
-  v.insert(v.end(), sums.begin(), sums.end());
-  sum(v.data(), v.size());
-  bool same = true;
-  for (std::size_t i = 0; i < residues.size(); ++i) {
-    const double x = residues[i];
-    same = same && v[1 + 2 * i] == ranks * x && v[2 + 2 * i] == ranks * x * x;
-  }
-  std::copy(v.end() - static_cast<std::ptrdiff_t>(sums.size()), v.end(), sums.begin());
-  return {v[0], same};
-}
-
 // An exception's message.
 std::string message_of(const std::exception_ptr& e) {
   try {
@@ -110,6 +88,27 @@ double kind_digest(std::span<const std::uint8_t> bytes) {
 
 double kind_digest(std::span<const double> values) {
   return kind_digest({reinterpret_cast<const std::uint8_t*>(values.data()), values.size_bytes()});
+}
+
+// Each residue's sum and sum of squares over the group are the ranks' count times its own and
+// its square when every rank sent the same kind.
+std::pair<double, bool> exchange(const GroupSum& sum, bool failed, std::span<const double> kind,
+                                 std::span<double> sums) {
+  const double ranks = sum.group ? sum.group->size() : 1;
+  std::vector<double> residues;
+  for (const double x : kind)
+    for (const std::uint64_t p : kPrimes) residues.push_back(std::fmod(x, static_cast<double>(p)));
+  std::vector<double> v = {failed ? 1.0 : 0.0};
+  for (const double x : residues) v.insert(v.end(), {x, x * x});
+  v.insert(v.end(), sums.begin(), sums.end());
+  sum(v.data(), v.size());
+  bool same = true;
+  for (std::size_t i = 0; i < residues.size(); ++i) {
+    const double x = residues[i];
+    same = same && v[1 + 2 * i] == ranks * x && v[2 + 2 * i] == ranks * x * x;
+  }
+  std::copy(v.end() - static_cast<std::ptrdiff_t>(sums.size()), v.end(), sums.begin());
+  return {v[0], same};
 }
 
 void GroupSum::operator()(double* values, std::size_t n) const {

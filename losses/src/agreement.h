@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <exception>
 #include <span>
+#include <utility>
 
 #include "chunkloss/core/context.h"
 #include "chunkloss/dist/communicator.h"
@@ -34,6 +35,12 @@ struct GroupSum {
   dist::Communicator* group;
   void operator()(double* values, std::size_t n) const;
 };
+
+/// One exchange over `sum`'s group: the number of ranks flagging `failed`, whether every rank
+/// sent the same `kind` (integers >= 0 below 2^40: counts, sizes, flags, digests), and `sums`
+/// summed in place. Returns {failed ranks, same kind}.
+std::pair<double, bool> exchange(const GroupSum& sum, bool failed, std::span<const double> kind,
+                                 std::span<double> sums);
 
 /// The ranks of `vocab_group`, then of `data_group` (either may be null; both: a grid, whose
 /// data groups each hold one rank of every vocabulary group), exchange whether they `rejected`

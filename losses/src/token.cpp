@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <exception>
 #include <limits>
 #include <optional>
+#include <span>
 #include <string>
 
 #include "agreement.h"
@@ -90,6 +92,24 @@ std::array<double, kVocabKind> vocab_call_kind(const std::array<double, 2>& obje
   std::copy(objective.begin(), objective.end(), kind.begin() + detail::kVocabKind);
   return kind;
 }
+
+// A digest of the values an objective gave (each chunk's coefficients, then the totals), which
+// the ranks of a vocabulary split compare at the end: each runs its own copy of the objective on
+// the same rows. (64-bit FNV-style mixing of the values' bits; its top 40 bits, as kinds hold.)
+class ValuesDigest {
+ public:
+  void add(std::span<const float> values) {
+    for (float x : values) mix(std::bit_cast<std::uint32_t>(x));
+  }
+  void add(std::span<const double> values) {
+    for (double x : values) mix(std::bit_cast<std::uint64_t>(x));
+  }
+  double value() const { return static_cast<double>(h_ >> 24); }
+
+ private:
+  void mix(std::uint64_t word) { h_ = (h_ ^ word) * 0x100000001b3ULL; }
+  std::uint64_t h_ = 0xcbf29ce484222325ULL;
+};
 
 Device call_device(const TokenInputs& in) {
   return in.hidden.defined() ? in.hidden.device() : Device::kCpu;
@@ -190,13 +210,14 @@ TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
   const double divisor =
       options_.reduction == Reduction::kMean && valid_rows > 0 ? valid_rows : 1.0;
   std::vector<double> extras(extra_names.size());
-  // The loss, the extras' sums, then whether the objective failed: summed over the group.
-  std::vector<double> sums(extra_names.size() + 2, 0.0);
+  // The loss, the extras' sums, then the objective's failures and mismatches (at the end).
+  std::vector<double> sums(extra_names.size() + 3, 0.0);
   TokenResult r;
   r.logps.assign(y.size(), std::numeric_limits<double>::quiet_NaN());
   std::exception_ptr failed;  // with groups, thrown at the end once the ranks know of it
   // Gradients are (or, with groups, will be) written before the objective's failure throws.
   bool written = grouped && k.any_grad();
+  ValuesDigest values;  // with a vocabulary split
   const detail::RowCoefficients coefficients = [&](std::int64_t r0, std::int64_t r1,
                                                    const float* row_loss, float* coef) {
     const char* note = written ? "; gradients were already written, so the gradient buffers "
@@ -228,22 +249,39 @@ TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
         if (!failed) failed = std::current_exception();
       }
     }
+    if (vocab_group) values.add({coef, static_cast<std::size_t>(r1 - r0)});
     written = written || (k.any_grad() && plan.order == LoopOrder::kTokenChunk);
   };
   const detail::TokenTotals totals = detail::run_token_objective(ctx, k, plan, ws, coefficients);
-  // The failures are then summed over the vocabulary group too: in a grid each data group's
-  // count once per rank of the vocabulary group, so every rank of the grid counts once.
-  sums.back() = failed ? 1.0 : 0.0;
+  // The ranks of a vocabulary split count their failures and compare the values their objectives
+  // gave (each runs its own copy on the same rows); the data group then sums the loss, the
+  // extras, those failures and mismatches, so that in a grid every rank counts each failing rank
+  // once, and learns of a mismatch in another vocabulary group.
+  values.add({sums.data(), sums.size() - 2});
+  double& failures = sums[sums.size() - 2];
+  double& mismatches = sums.back();
+  failures = failed ? 1.0 : 0.0;
+  if (vocab_group) {
+    const double digest = values.value();
+    const bool same =
+        detail::exchange(detail::GroupSum{ctx, vocab_group}, false, {&digest, 1}, {&failures, 1})
+            .second;
+    mismatches = same ? 0.0 : 1.0;
+  }
   detail::GroupSum{ctx, group}(sums.data(), sums.size());
-  detail::GroupSum{ctx, vocab_group}(&sums.back(), 1);
   if (failed) std::rethrow_exception(failed);
-  CHUNKLOSS_CHECK(sums.back() == 0, who,
-                  ": the objective failed (threw or returned a non-finite value) on ", sums.back(),
+  CHUNKLOSS_CHECK(failures == 0, who,
+                  ": the objective failed (threw or returned a non-finite value) on ", failures,
                   " other rank(s) of ",
                   group && vocab_group ? "the data_group x vocab_shard.group grid"
                   : group              ? "data_group"
                                        : "vocab_shard.group",
                   "; the gradient buffers, if any, hold unspecified values");
+  CHUNKLOSS_CHECK(mismatches == 0, who,
+                  ": the objective gave different values on the ranks of a vocab_shard.group (each "
+                  "rank evaluates it on the same rows: it must be a pure function of its "
+                  "arguments, the same on every rank); the gradient buffers, if any, hold "
+                  "unspecified values");
 
   r.loss = sums[0] / divisor;
   r.valid_rows = static_cast<std::int64_t>(valid_rows);

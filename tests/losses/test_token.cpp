@@ -637,6 +637,19 @@ TEST_CASE(
       for (const std::string& m : e) CHECK(contains(m, "the objective's name and metrics"));
     }
   }
+  SUBCASE("an objective whose values differ over a vocabulary split: both throw at the end") {
+    const MakeObjective focal3 = [](std::int64_t, std::int64_t) {
+      return std::make_shared<reference::FocalObjective>(3.0);  // the same name and metrics
+    };
+    const std::vector<std::string> e = run(d, vocab, one_rank(0, 1, focal3, focal));
+    for (const std::string& m : e)
+      CHECK(contains(m,
+                     "Focal: the objective gave different values on the ranks of a "
+                     "vocab_shard.group"));
+    // In a grid the ranks of the other row part learn of it over their data groups.
+    for (const std::string& m : run(d, grid, one_rank(1, 1, focal3, focal)))
+      CHECK(contains(m, "Focal: the objective gave different values"));
+  }
   SUBCASE("different reductions over a vocabulary split: both throw before computing") {
     const std::vector<std::string> e = run(d, vocab, [&](std::size_t, std::size_t vi) {
       TokenOptions o;
