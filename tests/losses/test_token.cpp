@@ -531,8 +531,12 @@ void check_split(const CeData& d, const TokenSplit& s, bool reduced, const GradR
       }
       if (rk.grads.has_bias()) {
         const std::vector<double> rb = rk.grads.bias();
-        for (std::size_t j = 0; j < rb.size(); ++j)
-          db[static_cast<std::size_t>(v0) + j] += reduced && ri > 0 ? 0.0 : rb[j];
+        if (reduced)
+          check_close("each rank's db summed in the call", rb,
+                      std::vector<double>(ref.grad_bias.begin() + v0, ref.grad_bias.begin() + v1),
+                      grad_tol.grad);
+        else
+          for (std::size_t j = 0; j < rb.size(); ++j) db[static_cast<std::size_t>(v0) + j] += rb[j];
       }
     }
     check_close("grad_hidden", dh, ref.grad_hidden, grad_tol.grad);
@@ -545,7 +549,7 @@ void check_split(const CeData& d, const TokenSplit& s, bool reduced, const GradR
     check_close("logps", got, want, in_tol.rows);
   }
   if (!reduced) check_close("grad_weight", dw, ref.grad_weight, grad_tol.grad);
-  if (d.spec.bias && g.bias) check_close("grad_bias", db, ref.grad_bias, grad_tol.grad);
+  if (d.spec.bias && g.bias && !reduced) check_close("grad_bias", db, ref.grad_bias, grad_tol.grad);
 }
 
 TEST_CASE("token objectives, split over ranks: data, vocabulary and a grid match the whole call") {
@@ -631,6 +635,21 @@ TEST_CASE(
     CHECK(contains(e[0], "1 rank(s) of data_group rejected their calls (rank 1: Nll: targets[25]"));
     CHECK(contains(e[1], "Nll: targets[25] = 300 is outside [0, V=300)"));
   }
+  SUBCASE(
+      "a NaN in one vocabulary shard's weight, with check_finite: both throw, nothing written") {
+    CeData bad(s);
+    bad.weight[static_cast<std::size_t>(200 * s.h)] = std::nanf("");  // rank 1's row 50
+    const std::vector<std::string> e = run(bad, vocab, [&](std::size_t, std::size_t) {
+      TokenOptions o;
+      o.check_finite = true;
+      return std::pair{o, nll};
+    });
+    CHECK(contains(e[0],
+                   "Nll: 1 rank(s) of vocab_shard.group rejected their calls (rank 1: Nll: "
+                   "weight [150, 40] f32 cpu has a non-finite value nan at flat index 2000"));
+    CHECK(contains(e[0], "nothing was written"));
+    CHECK(contains(e[1], "Nll: weight [150, 40] f32 cpu has a non-finite value"));
+  }
   SUBCASE("different objectives over a data group or a vocabulary split: every rank throws") {
     for (const TokenSplit& split : {rows, vocab}) {
       const std::vector<std::string> e = run(d, split, one_rank(0, 0, nll, focal));
@@ -675,6 +694,14 @@ TEST_CASE(
     for (std::size_t k = 0; k < 3; ++k)
       CHECK(contains(g[k], "on 1 other rank(s) of the data_group x vocab_shard.group grid"));
     CHECK(contains(g[3], "Failing: the objective threw for row 30"));
+    // Both ranks of row part 1 fail: the ranks of row part 0 count two.
+    const std::vector<std::string> two = run(d, grid, [&](std::size_t ri, std::size_t) {
+      return std::pair{TokenOptions{}, ri == 1 ? fails_at_30 : never_fails};
+    });
+    for (std::size_t k = 0; k < 2; ++k)
+      CHECK(contains(two[k], "on 2 other rank(s) of the data_group x vocab_shard.group grid"));
+    for (std::size_t k = 2; k < 4; ++k)
+      CHECK(contains(two[k], "Failing: the objective threw for row 30"));
   }
 }
 

@@ -98,9 +98,10 @@ struct TokenInputs {
   /// [0, size)), objective and options, and its own weight (and bias) shard. Each chunk's row
   /// statistics are merged over the ranks before the objective runs, so every rank evaluates the
   /// objective on the same rows with the same logp (each rank calls its own objective: it must
-  /// give the same values on every rank; the ranks compare a digest of them at the end, and all
-  /// throw if they differ), and gets the same loss, metrics, logps and dH; dW and db are the
-  /// shard's. The ranks first agree whether any rank rejected its call or makes a call
+  /// give the same values on every rank; the ranks compare a digest of the coefficients and of
+  /// the loss and metric sums at the end, and all throw if they differ), and gets the same loss,
+  /// metrics, logps and dH; dW and db are the shard's. It runs in token-chunk order
+  /// (loop_order vocab_block is refused). The ranks first agree whether any rank rejected its call or makes a call
   /// whose collectives or objective differ (rows, H, chunks and the rows skip_ignored_rows
   /// computes, dH asked for, check_finite, a data_group passed or not, the vocabulary's size,
   /// ignore_index, the reduction, the objective's name and metrics), and then all throw. An
