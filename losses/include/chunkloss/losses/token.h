@@ -101,12 +101,12 @@ struct TokenInputs {
   /// give the same values on every rank; the ranks compare a digest of the coefficients and of
   /// the loss and metric sums at the end, and all throw if they differ), and gets the same loss,
   /// metrics, logps and dH; dW and db are the shard's. It runs in token-chunk order
-  /// (loop_order vocab_block is refused). The ranks first agree whether any rank rejected its call or makes a call
-  /// whose collectives or objective differ (rows, H, chunks and the rows skip_ignored_rows
-  /// computes, dH asked for, check_finite, a data_group passed or not, the vocabulary's size,
-  /// ignore_index, the reduction, the objective's name and metrics), and then all throw. An
-  /// objective that fails on any rank makes every rank throw at the end of the call. Unset: not
-  /// split.
+  /// (loop_order vocab_block is refused). The ranks first agree whether any rank rejected its call
+  /// or makes a call whose collectives or objective differ (rows, H, chunks and the rows
+  /// skip_ignored_rows computes, dH asked for, check_finite, a data_group passed or not, the
+  /// vocabulary's size, ignore_index, the reduction, the objective's name and metrics), and then
+  /// all throw. An objective that fails on any rank makes every rank throw at the end of the call.
+  /// Unset: not split.
   VocabShard vocab_shard = {};
 };
 
