@@ -18,8 +18,10 @@ class Nll final : public TokenObjective {
   }
 };
 
-CrossEntropyOptions ce_options(const CaseConfig& c) {
-  CrossEntropyOptions o;
+// The case's engine options, which CrossEntropyOptions and TokenOptions name alike.
+template <typename Options>
+Options case_options(const CaseConfig& c) {
+  Options o;
   o.memory_budget_bytes = c.budget_bytes;
   o.loop_order = c.order;
   o.logits_dtype = c.logits_dtype;
@@ -34,17 +36,11 @@ TokenInputs token_inputs(const CrossEntropyInputs& in) {
 
 }  // namespace
 
-CeLoss::CeLoss(const CaseConfig& c) : ce_(ce_options(c)) {
+CeLoss::CeLoss(const CaseConfig& c) : ce_(case_options<CrossEntropyOptions>(c)) {
   CHUNKLOSS_CHECK(c.token_objective == "none" || c.token_objective == "nll",
                   "bench: --token-objective must be none or nll, got '", c.token_objective, "'");
   if (c.token_objective == "none") return;
-  TokenOptions t;
-  t.memory_budget_bytes = c.budget_bytes;
-  t.loop_order = c.order;
-  t.logits_dtype = c.logits_dtype;
-  t.fp32_weight_grad_accumulator = c.fp32_weight_grad_accumulator;
-  t.skip_ignored_rows = c.skip_ignored_rows;
-  token_.emplace(std::make_shared<Nll>(), t);
+  token_.emplace(std::make_shared<Nll>(), case_options<TokenOptions>(c));
 }
 
 Plan CeLoss::plan(const CrossEntropyInputs& in, const CrossEntropyGrads& grads) const {
