@@ -115,6 +115,18 @@ Device call_device(const TokenInputs& in) {
   return in.hidden.defined() ? in.hidden.device() : Device::kCpu;
 }
 
+// The checks of a call's shapes: the cross-entropy head's, then the objective's row count.
+detail::CeCall check_call(const TokenObjective& obj, const std::string& who, const TokenOptions& o,
+                          Device device, const TokenInputs& in, const CrossEntropyGrads& grads,
+                          bool on_device) {
+  detail::CeCall c = detail::check_ce_call(who.c_str(), head_options(o), device, head_inputs(in),
+                                           grads, {}, on_device);
+  const std::optional<std::int64_t> rows = obj.rows();
+  CHUNKLOSS_CHECK(!rows || *rows == c.request.rows, who, ": the objective holds per-row data for ",
+                  rows.value_or(0), " rows, but hidden [N, H] has N=", c.request.rows);
+  return c;
+}
+
 }  // namespace
 
 TokenLoss::TokenLoss(std::shared_ptr<const TokenObjective> objective, const TokenOptions& options)
@@ -133,9 +145,8 @@ TokenLoss::TokenLoss(std::shared_ptr<const TokenObjective> objective, const Toke
 
 Plan TokenLoss::plan(const TokenInputs& in, const CrossEntropyGrads& grads) const {
   const std::string who(objective_->name());
-  const detail::CeCall c = detail::check_ce_call(
-      who.c_str(), head_options(options_), call_device(in), head_inputs(in), grads, {}, false);
-  return plan_token_objective(c.request);
+  return plan_token_objective(
+      check_call(*objective_, who, options_, call_device(in), in, grads, false).request);
 }
 
 std::size_t TokenLoss::workspace_bytes(const TokenInputs& in,
@@ -164,8 +175,7 @@ TokenResult TokenLoss::forward_backward(Context& ctx, const TokenInputs& in,
   double valid_rows = 0;  // the data group's, after the exchange
   std::vector<std::string> extra_names;
   try {
-    c.emplace(
-        detail::check_ce_call(who.c_str(), o, ctx.device(), head_inputs(in), grads, {}, true));
+    c.emplace(check_call(obj, who, options_, ctx.device(), in, grads, true));
     plan = plan_token_objective(c->request);
     CHUNKLOSS_CHECK(ws.device() == ctx.device(), who, ": workspace is on ",
                     device_name(ws.device()), ", the context on ", device_name(ctx.device()));

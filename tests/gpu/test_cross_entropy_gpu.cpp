@@ -10,6 +10,7 @@
 #include <chunkloss/core/error.h>
 #include <chunkloss/gpu/context.h>
 #include <chunkloss/losses/cross_entropy.h>
+#include <chunkloss/losses/grpo.h>
 #include <chunkloss/losses/token.h>
 
 #include <algorithm>
@@ -828,7 +829,8 @@ TEST_CASE("gpu: out-of-range targets and non-finite inputs raise chunkloss::Erro
   CHECK_NOTHROW(run(weighted, d, none, Device::kCuda));
 }
 
-TEST_CASE("gpu: token objectives match the CPU path: focal, a clipped ratio, orders, skipping") {
+TEST_CASE(
+    "gpu: token objectives match the CPU path: focal, clipped ratios, GRPO, orders, skipping") {
   if (!have_gpu()) return;
   for (DType t : {DType::kF32, DType::kBF16}) {
     for (LoopOrder order : {LoopOrder::kTokenChunk, LoopOrder::kVocabBlock}) {
@@ -847,9 +849,9 @@ TEST_CASE("gpu: token objectives match the CPU path: focal, a clipped ratio, ord
         const std::vector<float> w = as_floats(d.w, t), b = as_floats(d.b, t);
         // The clipped ratio's old log-probs sit 0 or +-0.5 from the rows' float64 log-probs, so
         // that rows clip on either side, none near a clipping boundary.
-        std::mt19937_64 g(5);
+        std::mt19937_64 g(5), g_ref(6);
         std::normal_distribution<double> nd(0.0, 1.0);
-        std::vector<double> adv, old, z(static_cast<std::size_t>(p.v));
+        std::vector<double> adv, old, ref, z(static_cast<std::size_t>(p.v));
         for (std::int64_t i = 0; i < p.n; ++i) {
           const auto row = static_cast<std::size_t>(i);
           for (std::int64_t j = 0; j < p.v; ++j) {
@@ -869,10 +871,17 @@ TEST_CASE("gpu: token objectives match the CPU path: focal, a clipped ratio, ord
           adv.push_back(nd(g));
           old.push_back(logp + 0.5 * static_cast<double>(i % 3 == 1) -
                         0.5 * static_cast<double>(i % 3 == 2));
+          ref.push_back(logp + 0.3 * nd(g_ref));
         }
+        // GRPO with every term: DAPO's clip-higher, the cap (e^0.5 > 1.5), the k3 KL.
+        GrpoOptions grpo;
+        grpo.epsilon_high = 0.28;
+        grpo.delta = 1.5;
+        grpo.beta = 0.04;
         const std::shared_ptr<const TokenObjective> objectives[] = {
             std::make_shared<reference::FocalObjective>(2.0),
-            std::make_shared<reference::ClippedRatioObjective>(adv, old, 0.2)};
+            std::make_shared<reference::ClippedRatioObjective>(adv, old, 0.2),
+            std::make_shared<GrpoObjective>(grpo, GrpoRows{adv, old, ref})};
         for (const auto& obj : objectives) {
           for (Reduction r : {Reduction::kMean, Reduction::kSum}) {
             for (bool accumulate : {false, true}) {
@@ -894,17 +903,16 @@ TEST_CASE("gpu: token objectives match the CPU path: focal, a clipped ratio, ord
               const Outcome cpu = run(p, d, o, Device::kCpu, true, accumulate, nullptr, obj);
               CHECK(gpu.plan.num_chunks > 2);
               check_close(p, o, gpu, cpu);
-              REQUIRE(gpu.token.metrics.size() == 1);
-              CHECK(std::abs(gpu.token.metrics[0].second - cpu.token.metrics[0].second) <=
-                    (t == DType::kF32 ? 1e-5 : 1e-3));
-              // The data exercise both of the clipped ratio's branches (some rows clip, others
-              // not), and focal loss's weight: the mean target probability is far from 0.
-              if (obj->name() == "ClippedRatio") {
-                CHECK(cpu.token.metrics[0].second > 0.05);
-                CHECK(cpu.token.metrics[0].second < 0.95);
-              } else {
-                CHECK(cpu.token.metrics[0].second > 0.05);
-              }
+              REQUIRE(gpu.token.metrics.size() == obj->extra_metrics().size());
+              for (std::size_t m = 0; m < gpu.token.metrics.size(); ++m)
+                CHECK(std::abs(gpu.token.metrics[m].second - cpu.token.metrics[m].second) <=
+                      (t == DType::kF32 ? 1e-5 : 1e-3));
+              // The data exercise both branches of the clipped ratios (some rows clip, others
+              // not; GRPO's clip_ratio/region_mean), and focal loss's weight: the mean target
+              // probability is far from 0.
+              const double clipped = cpu.token.metrics[obj->name() == "Grpo" ? 2 : 0].second;
+              CHECK(clipped > 0.05);
+              if (obj->name() != "Focal") CHECK(clipped < 0.95);
             }
           }
         }

@@ -8,6 +8,7 @@
 #include <chunkloss/core/error.h>
 #include <chunkloss/dist/communicator.h>
 #include <chunkloss/losses/cross_entropy.h>
+#include <chunkloss/losses/grpo.h>
 #include <chunkloss/losses/token.h>
 
 #include <cmath>
@@ -103,9 +104,35 @@ std::shared_ptr<const TokenObjective> clipped_ratio(const CeData& d) {
   return std::make_shared<reference::ClippedRatioObjective>(adv, old, 0.2);
 }
 
+// The library's GRPO objective with every term: old log-probs as clipped_ratio's (ratios 1,
+// e^0.5 > delta and e^-0.5 < 1 - epsilon_low, none near a boundary), DAPO's clip-higher, the
+// two-sided cap, the k3 KL to reference log-probs up to 0.3 away, and the grpo loss type's
+// weights over completions of 5 rows.
+std::shared_ptr<const TokenObjective> grpo(const CeData& d) {
+  const reference::TokenOracle base =
+      reference::token_loss(d.problem({}), -100, Reduction::kMean, reference::NllObjective());
+  const std::size_t n = base.logps.size();
+  const std::vector<float> a = normal_floats(n, 1.0f, d.spec.seed + 7);
+  const std::vector<float> r = normal_floats(n, 0.3f, d.spec.seed + 8);
+  std::vector<double> adv(a.begin(), a.end()), old, ref;
+  std::vector<std::int64_t> completion;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double logp = std::isnan(base.logps[i]) ? 0.0 : base.logps[i];
+    old.push_back(logp + (static_cast<int>(i % 3) - 1) * 0.5);
+    ref.push_back(logp + r[i]);
+    completion.push_back(static_cast<std::int64_t>(i / 5));
+  }
+  const GrpoNormalization norm = grpo_normalization(GrpoLossType::kGrpo, completion);
+  GrpoOptions o;
+  o.epsilon_high = 0.28;
+  o.delta = 1.5;
+  o.beta = 0.04;
+  return std::make_shared<GrpoObjective>(o, GrpoRows{adv, old, ref, norm.weights});
+}
+
 std::vector<std::shared_ptr<const TokenObjective>> objectives(const CeData& d) {
   return {std::make_shared<reference::NllObjective>(),
-          std::make_shared<reference::FocalObjective>(2.0), clipped_ratio(d)};
+          std::make_shared<reference::FocalObjective>(2.0), clipped_ratio(d), grpo(d)};
 }
 
 // The smallest budget giving `rows` rows per chunk in `order`, as the CE fixture finds it (a
@@ -218,12 +245,13 @@ TEST_CASE("token objectives: finite differences of the float64 loss at the libra
   const CeData d(s);
   for (const auto& obj :
        {std::shared_ptr<const TokenObjective>(std::make_shared<reference::FocalObjective>(1.5)),
-        clipped_ratio(d)}) {
+        clipped_ratio(d), grpo(d)}) {
     for (LoopOrder order : kOrders) {
       CAPTURE(obj->name());
       CAPTURE(loop_order_name(order));
       TokenOptions o;
       o.loop_order = order;
+      if (obj->name() == "Grpo") o.reduction = Reduction::kSum;  // its weights' reduction
       const TokenLoss loss(obj, o);
       const TokenRun run = run_token(d, loss, {});
       const double step = 1e-5;
@@ -703,6 +731,193 @@ TEST_CASE(
     for (std::size_t k = 2; k < 4; ++k)
       CHECK(contains(two[k], "Failing: the objective threw for row 30"));
   }
+}
+
+// ---- GRPO ------------------------------------------------------------------------------------
+
+// TRL's per-token GRPO loss, written from its formula: the ratio's two terms, the cap, the k3 KL.
+double trl_grpo_token_loss(const GrpoOptions& o, double a, double logp, double old, double ref,
+                           double weight) {
+  const double ratio = std::exp(logp - old);
+  const double coef2 = std::clamp(ratio, 1 - o.epsilon_low, 1 + o.epsilon_high);
+  const double coef1 = o.delta > 0 ? std::min(ratio, o.delta) : ratio;
+  double loss = -std::min(coef1 * a, coef2 * a);
+  if (o.beta > 0) loss += o.beta * (std::exp(ref - logp) - (ref - logp) - 1);
+  return weight * loss;
+}
+
+TEST_CASE("GRPO objective: TRL's per-token loss, its derivative, the clip metrics and the k3 KL") {
+  // logp - old from -0.6 to 0.6: ratios below 1 - epsilon_low, inside, and above delta; none
+  // within 0.05 of a boundary, so central differences see no kink.
+  const double logp = -1.3, ref = -1.1;
+  for (bool on_policy : {false, true}) {
+    for (double shift : {-0.6, -0.1, 0.0, 0.1, 0.6}) {
+      for (double a : {-1.3, 0.7}) {
+        for (double delta : {0.0, 1.6}) {
+          for (double beta : {0.0, 0.1}) {
+            for (double weight : {1.0, 0.25}) {
+              if (on_policy && shift != 0.0) continue;
+              const double old = logp - shift;
+              GrpoOptions o;
+              o.epsilon_high = 0.28;
+              o.delta = delta;
+              o.beta = beta;
+              const std::vector<double> adv = {0.0, a}, olds = {0.0, old}, refs = {0.0, ref},
+                                        w = {1.0, weight};
+              const GrpoObjective obj(o, {adv, on_policy ? std::span<const double>{} : olds,
+                                          beta > 0 ? refs : std::span<const double>{}, w});
+              CAPTURE(on_policy);
+              CAPTURE(shift);
+              CAPTURE(a);
+              CAPTURE(delta);
+              CAPTURE(beta);
+              CAPTURE(weight);
+              std::vector<double> extras(obj.extra_metrics().size(), 0.0);
+              const TokenValue v = obj.evaluate({1, 4, logp}, extras);
+              // On-policy, the old log-prob is the current one, held constant.
+              const auto f = [&](double lp) {
+                return trl_grpo_token_loss(o, a, lp, on_policy ? logp : old, ref, weight);
+              };
+              CHECK(v.loss == doctest::Approx(f(logp)).epsilon(1e-14));
+              const double h = 1e-6, fd = (f(logp + h) - f(logp - h)) / (2 * h);
+              CHECK(v.dlogp == doctest::Approx(fd).epsilon(1e-7).scale(1.0));
+              const double ratio = std::exp(shift);
+              const bool low = ratio < 0.8 && a<0, high = ratio> 1.28 && a > 0;
+              REQUIRE(extras.size() == (beta > 0 ? 4u : 3u));
+              CHECK(extras[0] == (low ? 1.0 : 0.0));
+              CHECK(extras[1] == (high ? 1.0 : 0.0));
+              CHECK(extras[2] == (low || high ? 1.0 : 0.0));
+              if (beta > 0)
+                CHECK(extras[3] == doctest::Approx(std::exp(ref - logp) - (ref - logp) - 1));
+            }
+          }
+        }
+      }
+    }
+  }
+  GrpoOptions kl;
+  kl.beta = 0.1;
+  const std::vector<double> one = {1.0};
+  CHECK(GrpoObjective(kl, {one, {}, one, {}}).extra_metrics() ==
+        std::vector<std::string>{"clip_ratio/low_mean", "clip_ratio/high_mean",
+                                 "clip_ratio/region_mean", "kl"});
+  CHECK(GrpoObjective({}, {one}).extra_metrics().size() == 3);
+}
+
+TEST_CASE("GRPO: the loss types' weights and reductions") {
+  const std::vector<std::int64_t> completion = {0, 0, 0, 1, 1, -1, 2};
+  const GrpoNormalization grpo = grpo_normalization(GrpoLossType::kGrpo, completion);
+  CHECK(grpo.reduction == Reduction::kSum);
+  const std::vector<double> third = {1.0 / 9, 1.0 / 9, 1.0 / 9, 1.0 / 6, 1.0 / 6, 0.0, 1.0 / 3};
+  REQUIRE(grpo.weights.size() == third.size());
+  for (std::size_t t = 0; t < third.size(); ++t)
+    CHECK(grpo.weights[t] == doctest::Approx(third[t]).epsilon(1e-15));
+  // Five completions over the data group, three of them here.
+  const GrpoNormalization group = grpo_normalization(GrpoLossType::kGrpo, completion, 5);
+  CHECK(group.weights[0] == doctest::Approx(1.0 / 15).epsilon(1e-15));
+  CHECK(group.weights[6] == doctest::Approx(1.0 / 5).epsilon(1e-15));
+  const GrpoNormalization dr = grpo_normalization(GrpoLossType::kDrGrpo, completion, 0, 4);
+  CHECK(dr.reduction == Reduction::kSum);
+  for (std::size_t t = 0; t < completion.size(); ++t)
+    CHECK(dr.weights[t] == (completion[t] < 0 ? 0.0 : doctest::Approx(1.0 / 12).epsilon(1e-15)));
+  const GrpoNormalization bnpo = grpo_normalization(GrpoLossType::kBnpo, completion);
+  CHECK(bnpo.reduction == Reduction::kMean);
+  CHECK(bnpo.weights.empty());
+  for (GrpoLossType t : {GrpoLossType::kGrpo, GrpoLossType::kBnpo, GrpoLossType::kDrGrpo})
+    CHECK(parse_grpo_loss(grpo_loss_name(t)) == t);
+  CHECK(contains(error_message([] { (void)parse_grpo_loss("dapo2"); }),
+                 "unknown loss_type 'dapo2'; expected one of grpo, bnpo, dr_grpo"));
+  const std::vector<std::int64_t> bad = {0, -2};
+  CHECK(contains(error_message([&] { (void)grpo_normalization(GrpoLossType::kGrpo, bad); }),
+                 "completion[1] = -2 must be -1 (no completion)"));
+  CHECK(
+      contains(error_message([&] { (void)grpo_normalization(GrpoLossType::kGrpo, completion, 2); }),
+               "completion[6] = 2 must be -1 (no completion) or in [0, 2)"));
+  CHECK(
+      contains(error_message([&] { (void)grpo_normalization(GrpoLossType::kDrGrpo, completion); }),
+               "dr_grpo needs max_completion_length > 0, got 0"));
+
+  // A whole call with the grpo type's weights is the mean over completions of their token
+  // means, taken here from the unweighted objective's values at the call's own log-probs.
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    CeSpec s = chunked_spec(true, dtype);
+    s.ignored_run = {70, 100};
+    const CeData d(s);
+    const std::size_t n = static_cast<std::size_t>(s.n);
+    const std::vector<float> a = normal_floats(n, 1.0f, 11);
+    const std::vector<double> adv(a.begin(), a.end());
+    std::vector<std::int64_t> comp(n);
+    for (std::size_t t = 0; t < n; ++t)
+      comp[t] = d.targets32[t] == -100 ? -1 : static_cast<std::int64_t>(t / 12);
+    const GrpoNormalization norm = grpo_normalization(GrpoLossType::kGrpo, comp);
+    TokenOptions o;
+    o.reduction = norm.reduction;
+    o.memory_budget_bytes = chunk_budget(d, grads_in(dtype), 64);
+    const TokenRun run = run_token(
+        d,
+        TokenLoss(
+            std::make_shared<GrpoObjective>(GrpoOptions{}, GrpoRows{adv, {}, {}, norm.weights}), o),
+        grads_in(dtype));
+    CHECK(run.plan.num_chunks == 3);
+    const GrpoObjective plain({}, {adv});
+    std::vector<double> sum, count;
+    std::vector<double> extras(3);
+    for (std::size_t t = 0; t < n; ++t) {
+      if (comp[t] < 0) continue;
+      const auto c = static_cast<std::size_t>(comp[t]);
+      if (c >= sum.size()) sum.resize(c + 1, 0.0), count.resize(c + 1, 0.0);
+      sum[c] +=
+          plain
+              .evaluate({static_cast<std::int64_t>(t), d.targets32[t], run.result.logps[t]}, extras)
+              .loss;
+      count[c] += 1;
+    }
+    // Completions whose rows are all ignored (the run 70-100) are not counted.
+    double want = 0, completions = 0;
+    for (std::size_t c = 0; c < sum.size(); ++c)
+      if (count[c] > 0) want += sum[c] / count[c], completions += 1;
+    want /= completions;
+    CHECK(completions < static_cast<double>(sum.size()));
+    CHECK(run.result.loss == doctest::Approx(want).epsilon(1e-12));
+  }
+}
+
+TEST_CASE(
+    "GRPO: bad options and rows raise chunkloss::Error naming them, before anything is written") {
+  const std::vector<double> two = {0.5, -0.5}, nan = {0.5, std::nan("")}, neg = {1.0, -1.0},
+                            three = {1.0, 2.0, 3.0};
+  const auto message = [](const GrpoOptions& o, const GrpoRows& r) {
+    return error_message([&] { GrpoObjective obj(o, r); });
+  };
+  GrpoOptions o;
+  o.epsilon_low = 1.0;
+  CHECK(contains(message(o, {two}), "Grpo: epsilon_low must be in [0, 1), got 1"));
+  o = {};
+  o.epsilon_high = -0.1;
+  CHECK(contains(message(o, {two}), "Grpo: epsilon_high must be finite and >= 0, got -0.1"));
+  o = {};
+  o.delta = 1.1;
+  CHECK(contains(message(o, {two}),
+                 "Grpo: delta must be 0 (off) or finite and > 1 + epsilon_high = 1.2, got 1.1"));
+  o = {};
+  o.beta = 0.1;
+  CHECK(contains(message(o, {two}), "Grpo: beta = 0.1 needs rows.ref_logps"));
+  CHECK(contains(message({}, {}), "Grpo: rows.advantages is empty"));
+  CHECK(contains(message({}, {two, three}), "Grpo: rows.old_logps has 3 values, expected 0 or 2"));
+  CHECK(contains(message({}, {nan}), "Grpo: rows.advantages[1] = nan must be finite"));
+  CHECK(contains(message({}, {two, {}, {}, neg}),
+                 "Grpo: rows.weights[1] = -1 must be finite and >= 0"));
+
+  // Rows for 2 rows, a call on 150: refused before anything is written.
+  const CeData d(chunked_spec(true));
+  const TokenLoss loss(std::make_shared<GrpoObjective>(GrpoOptions{}, GrpoRows{two}));
+  GradBuffers buffers(d, {}, 7.0f);
+  CHECK(contains(error_message([&] { run_token(d, loss, {}, true, &buffers); }),
+                 "Grpo: the objective holds per-row data for 2 rows, but hidden [N, H] has N=150"));
+  CHECK(contains(error_message([&] { (void)loss.plan(token_inputs(d)); }),
+                 "per-row data for 2 rows"));
+  for (double x : buffers.hidden()) REQUIRE(x == 7.0);
+  for (double x : buffers.weight()) REQUIRE(x == 7.0);
 }
 
 }  // namespace

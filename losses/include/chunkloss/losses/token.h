@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -55,6 +56,9 @@ class TokenObjective {
   virtual TokenValue evaluate(const TokenStats& row, std::span<double> extras) const = 0;
   /// Names of the extra metrics written into `extras`.
   virtual std::vector<std::string> extra_metrics() const { return {}; }
+  /// The number of rows its per-row data covers: TokenLoss refuses a call whose hidden has
+  /// another N before anything is written. nullopt (the default): any N.
+  virtual std::optional<std::int64_t> rows() const { return std::nullopt; }
 };
 
 /// Options of a token loss; the engine's options of CrossEntropyOptions, same meaning.

@@ -1,0 +1,152 @@
+// GrpoObjective: the clipped-ratio policy loss with the k3 KL, per token, and the weights of
+// TRL's loss types.
+#include "chunkloss/losses/grpo.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <utility>
+
+#include "chunkloss/core/error.h"
+
+namespace chunkloss {
+
+namespace {
+
+constexpr std::pair<GrpoLossType, std::string_view> kGrpoNames[] = {
+    {GrpoLossType::kGrpo, "grpo"},
+    {GrpoLossType::kBnpo, "bnpo"},
+    {GrpoLossType::kDrGrpo, "dr_grpo"},
+};
+
+// Copies `values` (empty or one per row, finite, and >= 0 when `nonnegative`).
+std::vector<double> row_values(const char* what, std::span<const double> values, std::size_t rows,
+                               bool required, bool nonnegative) {
+  CHUNKLOSS_CHECK(values.empty() ? !required : values.size() == rows, "Grpo: rows.", what, " has ",
+                  values.size(), " values, expected ", required ? "" : "0 or ", rows,
+                  " (one per row, as rows.advantages)");
+  for (std::size_t t = 0; t < values.size(); ++t)
+    CHUNKLOSS_CHECK(std::isfinite(values[t]) && (!nonnegative || values[t] >= 0), "Grpo: rows.",
+                    what, "[", t, "] = ", values[t], " must be finite",
+                    nonnegative ? " and >= 0" : "");
+  return {values.begin(), values.end()};
+}
+
+}  // namespace
+
+GrpoObjective::GrpoObjective(const GrpoOptions& o, const GrpoRows& rows) : options_(o) {
+  CHUNKLOSS_CHECK(o.epsilon_low >= 0 && o.epsilon_low < 1,
+                  "Grpo: epsilon_low must be in [0, 1), got ", o.epsilon_low);
+  CHUNKLOSS_CHECK(o.epsilon_high >= 0 && std::isfinite(o.epsilon_high),
+                  "Grpo: epsilon_high must be finite and >= 0, got ", o.epsilon_high);
+  CHUNKLOSS_CHECK(o.delta == 0 || (o.delta > 1 + o.epsilon_high && std::isfinite(o.delta)),
+                  "Grpo: delta must be 0 (off) or finite and > 1 + epsilon_high = ",
+                  1 + o.epsilon_high, ", got ", o.delta);
+  CHUNKLOSS_CHECK(o.beta >= 0 && std::isfinite(o.beta), "Grpo: beta must be finite and >= 0, got ",
+                  o.beta);
+  CHUNKLOSS_CHECK(!rows.advantages.empty(), "Grpo: rows.advantages is empty (one per row)");
+  const std::size_t n = rows.advantages.size();
+  advantages_ = row_values("advantages", rows.advantages, n, true, false);
+  old_logps_ = row_values("old_logps", rows.old_logps, n, false, false);
+  CHUNKLOSS_CHECK(o.beta == 0 || !rows.ref_logps.empty(), "Grpo: beta = ", o.beta,
+                  " needs rows.ref_logps (the reference's log-probs)");
+  ref_logps_ = row_values("ref_logps", rows.ref_logps, n, false, false);
+  weights_ = row_values("weights", rows.weights, n, false, true);
+}
+
+std::vector<std::string> GrpoObjective::extra_metrics() const {
+  std::vector<std::string> names = {"clip_ratio/low_mean", "clip_ratio/high_mean",
+                                    "clip_ratio/region_mean"};
+  if (options_.beta > 0) names.emplace_back("kl");
+  return names;
+}
+
+TokenValue GrpoObjective::evaluate(const TokenStats& row, std::span<double> extras) const {
+  const auto t = static_cast<std::size_t>(row.row);
+  const double a = advantages_[t];
+  // The ratio and d ratio / d logp: with no old log-probs, exp(logp - stop_gradient(logp)).
+  const double ratio = old_logps_.empty() ? 1.0 : std::exp(row.logp - old_logps_[t]);
+  const double lo = 1 - options_.epsilon_low, hi = 1 + options_.epsilon_high;
+  // The unclipped term (capped at delta) and the clipped one, each with its d / d logp.
+  const bool capped = options_.delta > 0 && ratio > options_.delta;
+  const double unclipped = capped ? options_.delta : ratio, d_unclipped = capped ? 0.0 : ratio;
+  const double clipped = std::clamp(ratio, lo, hi);
+  const double d_clipped = ratio >= lo && ratio <= hi ? ratio : 0.0;
+  TokenValue v;
+  if (clipped * a < unclipped * a) {
+    v = {-clipped * a, -d_clipped * a};
+  } else {
+    v = {-unclipped * a, -d_unclipped * a};
+  }
+  const bool low = ratio < lo && a<0, high = ratio> hi && a > 0;
+  extras[0] = low ? 1.0 : 0.0;
+  extras[1] = high ? 1.0 : 0.0;
+  extras[2] = low || high ? 1.0 : 0.0;
+  if (options_.beta > 0) {
+    const double d = ref_logps_[t] - row.logp, e = std::exp(d);
+    const double k3 = e - d - 1;
+    v.loss += options_.beta * k3;
+    v.dlogp += options_.beta * (1 - e);
+    extras[3] = k3;
+  }
+  if (!weights_.empty()) {
+    v.loss *= weights_[t];
+    v.dlogp *= weights_[t];
+  }
+  return v;
+}
+
+std::string_view grpo_loss_name(GrpoLossType t) {
+  for (const auto& [k, n] : kGrpoNames)
+    if (k == t) return n;
+  return "?";
+}
+
+GrpoLossType parse_grpo_loss(std::string_view name) {
+  std::string all;
+  for (const auto& [k, n] : kGrpoNames) {
+    if (n == name) return k;
+    all += (all.empty() ? "" : ", ") + std::string(n);
+  }
+  CHUNKLOSS_FAIL("Grpo: unknown loss_type '", name, "'; expected one of ", all);
+}
+
+GrpoNormalization grpo_normalization(GrpoLossType type, std::span<const std::int64_t> completion,
+                                     std::int64_t completions, std::int64_t max_completion_length) {
+  CHUNKLOSS_CHECK(completions >= 0, "grpo_normalization: completions must be >= 0, got ",
+                  completions);
+  std::vector<std::int64_t> length;  // of each completion index, in rows
+  for (std::size_t t = 0; t < completion.size(); ++t) {
+    const std::int64_t c = completion[t];
+    CHUNKLOSS_CHECK(
+        c >= -1 && (completions == 0 || c < completions), "grpo_normalization: completion[", t,
+        "] = ", c, " must be -1 (no completion) or in [0, ",
+        completions == 0 ? std::string("completions") : std::to_string(completions), ")");
+    if (c < 0) continue;
+    if (static_cast<std::size_t>(c) >= length.size())
+      length.resize(static_cast<std::size_t>(c) + 1, 0);
+    ++length[static_cast<std::size_t>(c)];
+  }
+  GrpoNormalization g;
+  if (type == GrpoLossType::kBnpo) return g;
+  CHUNKLOSS_CHECK(type == GrpoLossType::kGrpo || type == GrpoLossType::kDrGrpo,
+                  "grpo_normalization: unknown loss type ", static_cast<int>(type));
+  CHUNKLOSS_CHECK(type != GrpoLossType::kDrGrpo || max_completion_length > 0,
+                  "grpo_normalization: dr_grpo needs max_completion_length > 0, got ",
+                  max_completion_length);
+  const auto named =
+      std::count_if(length.begin(), length.end(), [](std::int64_t l) { return l > 0; });
+  const double count = static_cast<double>(completions > 0 ? completions : named);
+  g.reduction = Reduction::kSum;
+  g.weights.assign(completion.size(), 0.0);
+  for (std::size_t t = 0; t < completion.size(); ++t) {
+    if (completion[t] < 0) continue;
+    const double rows = type == GrpoLossType::kDrGrpo
+                            ? static_cast<double>(max_completion_length)
+                            : static_cast<double>(length[static_cast<std::size_t>(completion[t])]);
+    g.weights[t] = 1.0 / (count * rows);
+  }
+  return g;
+}
+
+}  // namespace chunkloss
