@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "chunkloss/core/error.h"
+#include "loss_type_names.h"
 
 namespace chunkloss {
 
@@ -97,18 +98,11 @@ TokenValue GrpoObjective::evaluate(const TokenStats& row, std::span<double> extr
 }
 
 std::string_view grpo_loss_name(GrpoLossType t) {
-  for (const auto& [k, n] : kGrpoNames)
-    if (k == t) return n;
-  return "?";
+  return detail::loss_type_name<GrpoLossType>(kGrpoNames, t);
 }
 
 GrpoLossType parse_grpo_loss(std::string_view name) {
-  std::string all;
-  for (const auto& [k, n] : kGrpoNames) {
-    if (n == name) return k;
-    all += (all.empty() ? "" : ", ") + std::string(n);
-  }
-  CHUNKLOSS_FAIL("Grpo: unknown loss_type '", name, "'; expected one of ", all);
+  return detail::parse_loss_type<GrpoLossType>(kGrpoNames, name, "Grpo");
 }
 
 GrpoNormalization grpo_normalization(GrpoLossType type, std::span<const std::int64_t> completion,

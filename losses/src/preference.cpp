@@ -7,6 +7,7 @@
 #include <string>
 
 #include "chunkloss/core/error.h"
+#include "loss_type_names.h"
 
 namespace chunkloss {
 
@@ -307,19 +308,10 @@ class KtoObjective final : public SequenceObjective {
 
 }  // namespace
 
-std::string_view dpo_loss_name(DpoLoss t) {
-  for (const auto& [k, n] : kDpoNames)
-    if (k == t) return n;
-  return "?";
-}
+std::string_view dpo_loss_name(DpoLoss t) { return detail::loss_type_name<DpoLoss>(kDpoNames, t); }
 
 DpoLoss parse_dpo_loss(std::string_view name) {
-  std::string all;
-  for (const auto& [k, n] : kDpoNames) {
-    if (n == name) return k;
-    all += (all.empty() ? "" : ", ") + std::string(n);
-  }
-  CHUNKLOSS_FAIL("Dpo: unknown loss_type '", name, "'; expected one of ", all);
+  return detail::parse_loss_type<DpoLoss>(kDpoNames, name, "Dpo");
 }
 
 Dpo::Dpo(const DpoOptions& o) : SequenceLoss(std::make_shared<DpoObjective>(o), o.engine) {}
