@@ -20,16 +20,18 @@ constexpr std::pair<GrpoLossType, std::string_view> kGrpoNames[] = {
     {GrpoLossType::kDrGrpo, "dr_grpo"},
 };
 
-// Copies `values` (empty or one per row, finite, and >= 0 when `nonnegative`).
+// Copies `values` (empty or one per row; with `nonnegative`, none below 0). Ignored rows' values
+// are not read, so NaN may stand there (TokenResult::logps has NaN at ignored rows); a valid
+// row's non-finite value makes the call throw, naming the row (the objective's value is then not
+// finite).
 std::vector<double> row_values(const char* what, std::span<const double> values, std::size_t rows,
                                bool required, bool nonnegative) {
   CHUNKLOSS_CHECK(values.empty() ? !required : values.size() == rows, "Grpo: rows.", what, " has ",
                   values.size(), " values, expected ", required ? "" : "0 or ", rows,
                   " (one per row, as rows.advantages)");
-  for (std::size_t t = 0; t < values.size(); ++t)
-    CHUNKLOSS_CHECK(std::isfinite(values[t]) && (!nonnegative || values[t] >= 0), "Grpo: rows.",
-                    what, "[", t, "] = ", values[t], " must be finite",
-                    nonnegative ? " and >= 0" : "");
+  for (std::size_t t = 0; nonnegative && t < values.size(); ++t)
+    CHUNKLOSS_CHECK(!(values[t] < 0), "Grpo: rows.", what, "[", t, "] = ", values[t],
+                    " must be >= 0");
   return {values.begin(), values.end()};
 }
 
@@ -68,18 +70,16 @@ TokenValue GrpoObjective::evaluate(const TokenStats& row, std::span<double> extr
   // The ratio and d ratio / d logp: with no old log-probs, exp(logp - stop_gradient(logp)).
   const double ratio = old_logps_.empty() ? 1.0 : std::exp(row.logp - old_logps_[t]);
   const double lo = 1 - options_.epsilon_low, hi = 1 + options_.epsilon_high;
-  // The unclipped term (capped at delta) and the clipped one, each with its d / d logp.
+  // The unclipped term, capped at delta, and its d / d logp.
   const bool capped = options_.delta > 0 && ratio > options_.delta;
   const double unclipped = capped ? options_.delta : ratio, d_unclipped = capped ? 0.0 : ratio;
+  // The clipped term is the smaller only where the ratio is outside [lo, hi] (inside, both terms
+  // are equal), so there it is constant in logp.
   const double clipped = std::clamp(ratio, lo, hi);
-  const double d_clipped = ratio >= lo && ratio <= hi ? ratio : 0.0;
-  TokenValue v;
-  if (clipped * a < unclipped * a) {
-    v = {-clipped * a, -d_clipped * a};
-  } else {
-    v = {-unclipped * a, -d_unclipped * a};
-  }
-  const bool low = ratio < lo && a<0, high = ratio> hi && a > 0;
+  TokenValue v = clipped * a < unclipped * a ? TokenValue{-clipped * a, 0.0}
+                                             : TokenValue{-unclipped * a, -d_unclipped * a};
+  const bool low = ratio < lo && a < 0;
+  const bool high = ratio > hi && a > 0;
   extras[0] = low ? 1.0 : 0.0;
   extras[1] = high ? 1.0 : 0.0;
   extras[2] = low || high ? 1.0 : 0.0;

@@ -11,6 +11,7 @@
 #include <chunkloss/losses/grpo.h>
 #include <chunkloss/losses/token.h>
 
+#include <algorithm>
 #include <cmath>
 #include <exception>
 #include <functional>
@@ -884,8 +885,7 @@ TEST_CASE("GRPO: the loss types' weights and reductions") {
 
 TEST_CASE(
     "GRPO: bad options and rows raise chunkloss::Error naming them, before anything is written") {
-  const std::vector<double> two = {0.5, -0.5}, nan = {0.5, std::nan("")}, neg = {1.0, -1.0},
-                            three = {1.0, 2.0, 3.0};
+  const std::vector<double> two = {0.5, -0.5}, neg = {1.0, -1.0}, three = {1.0, 2.0, 3.0};
   const auto message = [](const GrpoOptions& o, const GrpoRows& r) {
     return error_message([&] { GrpoObjective obj(o, r); });
   };
@@ -904,9 +904,12 @@ TEST_CASE(
   CHECK(contains(message(o, {two}), "Grpo: beta = 0.1 needs rows.ref_logps"));
   CHECK(contains(message({}, {}), "Grpo: rows.advantages is empty"));
   CHECK(contains(message({}, {two, three}), "Grpo: rows.old_logps has 3 values, expected 0 or 2"));
-  CHECK(contains(message({}, {nan}), "Grpo: rows.advantages[1] = nan must be finite"));
-  CHECK(contains(message({}, {two, {}, {}, neg}),
-                 "Grpo: rows.weights[1] = -1 must be finite and >= 0"));
+  CHECK(contains(message({}, {two, {}, {}, neg}), "Grpo: rows.weights[1] = -1 must be >= 0"));
+  o = {};
+  o.beta = -0.5;
+  CHECK(contains(message(o, {two, {}, two}), "Grpo: beta must be finite and >= 0, got -0.5"));
+  CHECK(contains(message({}, {two, {}, three}),
+                 "Grpo: rows.ref_logps has 3 values, expected 0 or 2"));
 
   // Rows for 2 rows, a call on 150: refused before anything is written.
   const CeData d(chunked_spec(true));
@@ -918,6 +921,31 @@ TEST_CASE(
                  "per-row data for 2 rows"));
   for (double x : buffers.hidden()) REQUIRE(x == 7.0);
   for (double x : buffers.weight()) REQUIRE(x == 7.0);
+
+  // NaN old or reference log-probs at ignored rows (as TokenResult::logps holds them) are not
+  // read; at a valid row the call throws naming the row.
+  const auto n = static_cast<std::size_t>(d.spec.n);
+  std::vector<double> adv(n, 1.0), old(n, -1.0);
+  const auto first = [&](bool ignored_row) {
+    return static_cast<std::size_t>(
+        std::find_if(d.targets32.begin(), d.targets32.end(),
+                     [&](std::int32_t y) { return (y == -100) == ignored_row; }) -
+        d.targets32.begin());
+  };
+  const std::size_t ignored = first(true), valid = first(false);
+  REQUIRE(valid < n);
+  REQUIRE(ignored < n);
+  old[ignored] = std::nan("");
+  GrpoOptions kl;
+  kl.beta = 0.1;
+  CHECK_NOTHROW(
+      run_token(d, TokenLoss(std::make_shared<GrpoObjective>(kl, GrpoRows{adv, old, old})), {}));
+  old[valid] = std::nan("");
+  CHECK(contains(
+      error_message([&] {
+        run_token(d, TokenLoss(std::make_shared<GrpoObjective>(kl, GrpoRows{adv, old, old})), {});
+      }),
+      "Grpo: row " + std::to_string(valid) + " (target"));
 }
 
 }  // namespace

@@ -34,7 +34,8 @@ struct GrpoOptions {
 };
 
 /// Per-row data of this rank's N rows (row t of hidden), copied by the objective. Values of
-/// ignored rows (target == ignore_index) are not read, but must be finite.
+/// ignored rows (target == ignore_index) are not read: NaN may stand there, as in
+/// TokenResult::logps. A valid row's non-finite value makes the call throw, naming the row.
 struct GrpoRows {
   /// [N] each row's advantage (its completion's, for GRPO). Required: its size is N.
   std::span<const double> advantages = {};
@@ -87,12 +88,15 @@ struct GrpoNormalization {
 };
 
 /// The weights and reduction that make a token loss `type`'s. completion[t] is the index of the
-/// completion row t belongs to, or -1 for a row of none (a prompt, padding); the rows a
-/// completion's loss averages over are those of its index (ignored rows among them count, so
-/// mark only the completion's tokens). completions: the number of completions the loss divides
-/// by (over a data group, the group's); 0: the indices that name a row here. max_completion_length
-/// (kDrGrpo only, > 0): the constant divisor. Throws chunkloss::Error on a negative index other
-/// than -1, an index >= completions, or a missing max_completion_length.
+/// completion row t belongs to, or -1 for a row of none (a prompt, padding after the end), whose
+/// target must be ignore_index too (kBnpo and the metrics go by the targets alone). The rows a
+/// completion's loss averages over are those of its index here (ignored rows among them count,
+/// so mark only the completion's tokens, and keep a completion's rows on one rank of a data
+/// group). completions: the number of completions the loss divides by (over a data group, the
+/// group's; TRL divides by the batch's completions, those with no token left included); 0: the
+/// indices that name a row here. max_completion_length (kDrGrpo only, > 0): the constant
+/// divisor. Throws chunkloss::Error on completions < 0, a negative index other than -1, an index
+/// >= completions, or a missing max_completion_length.
 GrpoNormalization grpo_normalization(GrpoLossType type, std::span<const std::int64_t> completion,
                                      std::int64_t completions = 0,
                                      std::int64_t max_completion_length = 0);
