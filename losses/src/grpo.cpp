@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <unordered_map>
 #include <utility>
 
 #include "chunkloss/core/error.h"
@@ -25,9 +26,9 @@ constexpr std::pair<GrpoLossType, std::string_view> kGrpoNames[] = {
 // row's non-finite value makes the call throw, naming the row (the objective's value is then not
 // finite).
 std::vector<double> row_values(const char* what, std::span<const double> values, std::size_t rows,
-                               bool required, bool nonnegative) {
-  CHUNKLOSS_CHECK(values.empty() ? !required : values.size() == rows, "Grpo: rows.", what, " has ",
-                  values.size(), " values, expected ", required ? "" : "0 or ", rows,
+                               bool nonnegative = false) {
+  CHUNKLOSS_CHECK(values.empty() || values.size() == rows, "Grpo: rows.", what, " has ",
+                  values.size(), " values, expected 0 or ", rows,
                   " (one per row, as rows.advantages)");
   for (std::size_t t = 0; nonnegative && t < values.size(); ++t)
     CHUNKLOSS_CHECK(!(values[t] < 0), "Grpo: rows.", what, "[", t, "] = ", values[t],
@@ -49,12 +50,12 @@ GrpoObjective::GrpoObjective(const GrpoOptions& o, const GrpoRows& rows) : optio
                   o.beta);
   CHUNKLOSS_CHECK(!rows.advantages.empty(), "Grpo: rows.advantages is empty (one per row)");
   const std::size_t n = rows.advantages.size();
-  advantages_ = row_values("advantages", rows.advantages, n, true, false);
-  old_logps_ = row_values("old_logps", rows.old_logps, n, false, false);
+  advantages_.assign(rows.advantages.begin(), rows.advantages.end());
+  old_logps_ = row_values("old_logps", rows.old_logps, n);
   CHUNKLOSS_CHECK(o.beta == 0 || !rows.ref_logps.empty(), "Grpo: beta = ", o.beta,
                   " needs rows.ref_logps (the reference's log-probs)");
-  ref_logps_ = row_values("ref_logps", rows.ref_logps, n, false, false);
-  weights_ = row_values("weights", rows.weights, n, false, true);
+  ref_logps_ = row_values("ref_logps", rows.ref_logps, n);
+  weights_ = row_values("weights", rows.weights, n, true);
 }
 
 std::vector<std::string> GrpoObjective::extra_metrics() const {
@@ -109,17 +110,14 @@ GrpoNormalization grpo_normalization(GrpoLossType type, std::span<const std::int
                                      std::int64_t completions, std::int64_t max_completion_length) {
   CHUNKLOSS_CHECK(completions >= 0, "grpo_normalization: completions must be >= 0, got ",
                   completions);
-  std::vector<std::int64_t> length;  // of each completion index, in rows
+  std::unordered_map<std::int64_t, std::int64_t> length;  // rows of each completion index
   for (std::size_t t = 0; t < completion.size(); ++t) {
     const std::int64_t c = completion[t];
     CHUNKLOSS_CHECK(
         c >= -1 && (completions == 0 || c < completions), "grpo_normalization: completion[", t,
         "] = ", c, " must be -1 (no completion) or in [0, ",
         completions == 0 ? std::string("completions") : std::to_string(completions), ")");
-    if (c < 0) continue;
-    if (static_cast<std::size_t>(c) >= length.size())
-      length.resize(static_cast<std::size_t>(c) + 1, 0);
-    ++length[static_cast<std::size_t>(c)];
+    if (c >= 0) ++length[c];
   }
   GrpoNormalization g;
   if (type == GrpoLossType::kBnpo) return g;
@@ -128,16 +126,14 @@ GrpoNormalization grpo_normalization(GrpoLossType type, std::span<const std::int
   CHUNKLOSS_CHECK(type != GrpoLossType::kDrGrpo || max_completion_length > 0,
                   "grpo_normalization: dr_grpo needs max_completion_length > 0, got ",
                   max_completion_length);
-  const auto named =
-      std::count_if(length.begin(), length.end(), [](std::int64_t l) { return l > 0; });
-  const double count = static_cast<double>(completions > 0 ? completions : named);
+  const double count =
+      static_cast<double>(completions > 0 ? completions : static_cast<std::int64_t>(length.size()));
   g.reduction = Reduction::kSum;
   g.weights.assign(completion.size(), 0.0);
   for (std::size_t t = 0; t < completion.size(); ++t) {
     if (completion[t] < 0) continue;
-    const double rows = type == GrpoLossType::kDrGrpo
-                            ? static_cast<double>(max_completion_length)
-                            : static_cast<double>(length[static_cast<std::size_t>(completion[t])]);
+    const double rows = type == GrpoLossType::kDrGrpo ? static_cast<double>(max_completion_length)
+                                                      : static_cast<double>(length[completion[t]]);
     g.weights[t] = 1.0 / (count * rows);
   }
   return g;
