@@ -210,13 +210,8 @@ nlohmann::json evaluate(apps::LossDevice& dev, model::LlamaModel& m, const Data&
   g.eos_id = tok.eos_id();
   double exact = 0;
   for (const data::SftExample& ex : d.sft) {
-    std::vector<std::int32_t> prompt = {tok.bos_id()};
-    for (std::int32_t id : tok.encode(ex.prompt)) prompt.push_back(id);
-    const model::GenerateResult out = model::generate(m, prompt, g);
-    // (An id that is no byte, e.g. above the tokenizer's of a larger vocab_size, is a miss.)
-    const bool bytes = std::all_of(out.tokens.begin(), out.tokens.end(),
-                                   [](std::int32_t id) { return id >= 0 && id < 256; });
-    exact += out.stopped_at_eos && bytes && tok.decode(out.tokens) == ex.completion ? 1 : 0;
+    const model::GenerateResult out = model::generate(m, apps::prompt_ids(tok, ex.prompt), g);
+    exact += apps::exact_match(tok, out, ex.completion) ? 1 : 0;
   }
   r["exact_match"] = exact / static_cast<double>(d.sft.size());
   return r;

@@ -1,8 +1,8 @@
 // chunkloss-train: trains the shared-model layer's Llama-style decoder on the CPU with one of the
 // library's losses, run on the CPU or a CUDA device: SFT with cross-entropy, or preference tuning
-// (DPO, ORPO, SimPO, CPO, KTO) from an SFT checkpoint. Options from the command line and/or an INI
-// file; progress on stderr; metrics appended to a JSONL file; an SVG chart of the curves at the
-// end; exact resume.
+// (DPO, ORPO, SimPO, CPO, KTO) or online GRPO from an SFT checkpoint. Options from the command line
+// and/or an INI file; progress on stderr; metrics appended to a JSONL file; an SVG chart of the
+// curves at the end; exact resume.
 #include <chunkloss/apps/app_main.h>
 #include <chunkloss/apps/chart.h>
 #include <chunkloss/apps/cli.h>
@@ -50,11 +50,11 @@ using namespace chunkloss::train;
 namespace {
 
 constexpr const char* kProg = "chunkloss-train";
-const std::vector<std::string> kLosses = {"ce", "dpo", "orpo", "simpo", "cpo", "kto"};
+const std::vector<std::string> kLosses = {"ce", "dpo", "orpo", "simpo", "cpo", "kto", "grpo"};
 // The loss options and the losses that take each (--budget-mib is every loss's); giving one to
 // another loss is a usage error rather than silently ignored.
 const std::vector<std::pair<std::string, std::vector<std::string>>> kLossOptions = {
-    {"beta", {"dpo", "orpo", "simpo", "cpo", "kto"}},
+    {"beta", {"dpo", "orpo", "simpo", "cpo", "kto", "grpo"}},
     {"label-smoothing", {"ce", "dpo", "simpo", "cpo"}},
     {"z-loss", {"ce"}},
     {"skip-ignored-rows", {"ce"}},
@@ -65,7 +65,12 @@ const std::vector<std::pair<std::string, std::vector<std::string>>> kLossOptions
     {"simpo-alpha", {"simpo"}},
     {"cpo-alpha", {"cpo"}},
     {"desirable-weight", {"kto"}},
-    {"undesirable-weight", {"kto"}}};
+    {"undesirable-weight", {"kto"}},
+    {"num-generations", {"grpo"}},
+    {"temperature", {"grpo"}},
+    {"max-completion-length", {"grpo"}},
+    {"grpo-loss-type", {"grpo"}},
+    {"scale-rewards", {"grpo"}}};
 // The model options and their LlamaConfig fields (with --init or --resume, the checkpoint's).
 const std::vector<std::pair<std::string, std::int64_t (*)(const model::LlamaConfig&)>>
     kArchitecture = {
@@ -98,8 +103,13 @@ struct Settings {
   double max_grad_norm = 1.0;
 };
 
+// Whether the run has a frozen reference model: DPO's and KTO's, and GRPO's for its KL term.
+bool uses_reference(const LossSettings& l) {
+  return l.loss == "dpo" || l.loss == "kto" || (l.loss == "grpo" && l.beta > 0);
+}
+
 std::string default_train_file(const std::string& loss) {
-  if (loss == "ce") return apps::bundled_data("sft_train.jsonl");
+  if (loss == "ce" || loss == "grpo") return apps::bundled_data("sft_train.jsonl");
   if (loss == "kto") return apps::bundled_data("kto_train.jsonl");
   return apps::bundled_data("pref_train.jsonl");
 }
@@ -111,7 +121,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   general.add_options()
     ("help,h", "print this help and exit")
     ("config", po::value<std::string>()->default_value("", "none"), "read options from this INI file (key = value, keys are the long option names; the command line wins)")
-    ("loss", po::value<std::string>()->default_value("ce"), "ce (SFT) | dpo | orpo | simpo | cpo | kto")
+    ("loss", po::value<std::string>()->default_value("ce"), "ce (SFT) | dpo | orpo | simpo | cpo | kto | grpo (online: completions sampled from the policy, rewarded by exact match)")
     ("device", po::value<std::string>()->default_value("cpu"), "where the loss runs: cpu | cuda (CUDA device 0; each step's hidden states and lm_head are copied there and the gradients back; the model layer runs on the CPU)")
     ("gemm-selection", po::value<std::string>()->default_value("default"), "with --device cuda: default (cuBLAS's own algorithm for each GEMM shape, the same bits in every run) | measured (cuBLAS's and cuBLASLt's candidates timed on each shape's first calls, the fastest kept: faster on large heads, exact, but bits may differ between runs)")
     ("threads", po::value<int>()->default_value(1), "CPU threads for the model and the loss (0: all cores; the bundled model is too small to gain from more than 1); the results differ by rounding between thread counts, so --resume asks for the same (see --resume-inexact)")
@@ -120,7 +130,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("seed", po::value<std::int64_t>()->default_value(0), "seed of the model init and the data order (>= 0)");
   po::options_description data_opts("Data");
   data_opts.add_options()
-    ("train-file", po::value<std::string>()->default_value("", "the bundled file for --loss"), "training JSONL: {prompt, completion} (ce), {prompt, chosen, rejected} (dpo, orpo, simpo, cpo), {prompt, completion, label} (kto)")
+    ("train-file", po::value<std::string>()->default_value("", "the bundled file for --loss"), "training JSONL: {prompt, completion} (ce; grpo: the completion is the answer a sample must match), {prompt, chosen, rejected} (dpo, orpo, simpo, cpo), {prompt, completion, label} (kto)")
     ("max-length", po::value<std::int64_t>()->default_value(64), "truncate sequences to this many positions (0: no limit)")
     ("max-prompt-length", po::value<std::int64_t>()->default_value(0, "0 = no limit"), "keep the last this many prompt bytes")
     ("batch-size", po::value<std::int64_t>()->default_value(32), "examples per micro-batch (pairs for the paired losses)");
@@ -133,7 +143,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("kv-heads", po::value<std::int64_t>()->default_value(4), "key/value heads (< heads: grouped-query attention)")
     ("max-positions", po::value<std::int64_t>()->default_value(64), "max_position_embeddings")
     ("tie-embeddings", po::value<std::string>()->default_value("0"), "tie lm_head to the token embedding")
-    ("init", po::value<std::string>()->default_value("", "none"), "start from this checkpoint directory (the SFT model): the policy, and for dpo/kto also the frozen reference (not with --resume, which takes the --init its run was saved with)")
+    ("init", po::value<std::string>()->default_value("", "none"), "start from this checkpoint directory (the SFT model): the policy, and for dpo/kto (grpo with --beta) also the frozen reference (not with --resume, which takes the --init its run was saved with)")
     ("resume", po::value<std::string>()->default_value("", "none"), "continue the run saved in this directory (model, optimizer, step) exactly")
     ("resume-inexact", po::value<std::string>()->default_value("0"), "with --resume: let the options that change only the rounding (--threads, --device, --gemm-selection, --budget-mib, --vocab-parallel) differ from the saved run's, as on another machine; the run continues the same optimisation, its numbers then differ from an uninterrupted run's by rounding, and a warning names each change");
   po::options_description optim("Optimiser");
@@ -150,7 +160,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("grad-accum", po::value<std::int64_t>()->default_value(1), "micro-batches per optimizer step (ce: the step is the mean over all their tokens; the preference losses' micro-batch means count equally, as in TRL)");
   po::options_description loss_opts("Loss (the formulas are in chunkloss/losses/preference.h; an option another --loss takes is refused)");
   loss_opts.add_options()
-    ("beta", po::value<double>()->default_value(0, "0 = the loss's default: 0.1, simpo 2.0"), "beta of dpo, orpo, simpo, cpo, kto")
+    ("beta", po::value<double>()->default_value(0, "0 = the loss's default: 0.1, simpo 2.0, grpo 0"), "beta of dpo, orpo, simpo, cpo, kto; grpo: weight of the k3 KL to the --init model (0: no KL term, no reference)")
     ("label-smoothing", po::value<double>()->default_value(0), "ce: label smoothing; dpo, simpo, cpo: the conservative eps")
     ("z-loss", po::value<double>()->default_value(0, "0 = off"), "ce: weight of the z-loss, z_loss * lse^2 per valid token, added to the loss (reported as z_loss)")
     ("skip-ignored-rows", po::value<std::string>()->default_value("1"), "ce: leave the rows of long runs of ignored targets (prompts, padding) out of the loss's GEMMs (CrossEntropyOptions::skip_ignored_rows); the results agree to rounding")
@@ -162,6 +172,11 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("cpo-alpha", po::value<double>()->default_value(1.0), "cpo: weight of the NLL term")
     ("desirable-weight", po::value<double>()->default_value(1.0), "kto: weight of desirable examples")
     ("undesirable-weight", po::value<double>()->default_value(1.0), "kto: weight of undesirable examples")
+    ("num-generations", po::value<std::int64_t>()->default_value(8), "grpo: completions sampled per prompt, a group (>= 2)")
+    ("temperature", po::value<double>()->default_value(1.0), "grpo: sampling temperature (> 0)")
+    ("max-completion-length", po::value<std::int64_t>()->default_value(16), "grpo: new tokens a completion may have, EOS included (>= 1)")
+    ("grpo-loss-type", po::value<std::string>()->default_value("grpo"), "grpo: grpo (each completion's token mean, then the mean), bnpo (the token mean), dr_grpo (the token sum over completions x --max-completion-length)")
+    ("scale-rewards", po::value<std::string>()->default_value("group"), "grpo: group (advantages divided by the group's reward standard deviation) | none (Dr. GRPO)")
     ("budget-mib", po::value<double>()->default_value(0, "0 = the library's default: 256 on the CPU, 1024 on CUDA"), "the loss's workspace budget in MiB");
   po::options_description output("Output");
   output.add_options()
@@ -191,7 +206,8 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.config_file = config_file;
   s.loss.loss = vm["loss"].as<std::string>();
   if (std::find(kLosses.begin(), kLosses.end(), s.loss.loss) == kLosses.end())
-    throw apps::UsageError("--loss: '" + s.loss.loss + "' is not ce, dpo, orpo, simpo, cpo or kto");
+    throw apps::UsageError("--loss: '" + s.loss.loss +
+                           "' is not ce, dpo, orpo, simpo, cpo, kto or grpo");
   s.device = vm["device"].as<std::string>();
   if (const std::string bad = LossDevice::usage_error(s.device); !bad.empty())
     throw apps::UsageError(bad);
@@ -301,6 +317,14 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.loss.cpo_alpha = apps::in_range<double>(vm, "cpo-alpha", 0, 1e6);
   s.loss.desirable_weight = apps::in_range<double>(vm, "desirable-weight", 0, 1e6);
   s.loss.undesirable_weight = apps::in_range<double>(vm, "undesirable-weight", 0, 1e6);
+  s.loss.num_generations = apps::in_range<std::int64_t>(vm, "num-generations", 2, 1 << 16);
+  s.loss.temperature = apps::in_range<double>(vm, "temperature", 1e-6, 1e6);
+  s.loss.max_completion_length =
+      apps::in_range<std::int64_t>(vm, "max-completion-length", 1, 1 << 20);
+  s.loss.grpo_loss_type = vm["grpo-loss-type"].as<std::string>();
+  s.loss.scale_rewards = vm["scale-rewards"].as<std::string>();
+  if (s.loss.scale_rewards != "group" && s.loss.scale_rewards != "none")
+    throw apps::UsageError("--scale-rewards: '" + s.loss.scale_rewards + "' is not group or none");
   s.loss.budget_bytes = apps::budget_bytes(vm["budget-mib"].as<double>(), s.device);
   if (const std::string bad =
           apps::label_smoothing_error(s.loss.loss, s.loss.dpo_loss_type, s.loss.label_smoothing);
@@ -448,7 +472,10 @@ std::map<std::string, std::string> run_options(const Settings& s, const std::str
     o["reference_digest"] =
         digest({reinterpret_cast<const char*>(p.data()), p.size() * sizeof(float)});
   }
-  const double beta = l.beta > 0 ? l.beta : l.loss == "simpo" ? SimpoOptions{}.beta : 0.1;
+  const double beta = l.beta > 0          ? l.beta
+                      : l.loss == "simpo" ? SimpoOptions{}.beta
+                      : l.loss == "grpo"  ? 0.0
+                                          : 0.1;
   const std::map<std::string, std::map<std::string, std::string>> by_loss = {
       {"ce",
        {{"label_smoothing", num(l.label_smoothing)},
@@ -473,7 +500,14 @@ std::map<std::string, std::string> run_options(const Settings& s, const std::str
       {"kto",
        {{"beta", num(beta)},
         {"desirable_weight", num(l.desirable_weight)},
-        {"undesirable_weight", num(l.undesirable_weight)}}}};
+        {"undesirable_weight", num(l.undesirable_weight)}}},
+      {"grpo",
+       {{"beta", num(beta)},
+        {"num_generations", integer(l.num_generations)},
+        {"temperature", num(l.temperature)},
+        {"max_completion_length", integer(l.max_completion_length)},
+        {"grpo_loss_type", l.grpo_loss_type},
+        {"scale_rewards", l.scale_rewards}}}};
   o.merge(std::map(by_loss.at(l.loss)));
   // How the micro-batches of a step weigh (Trainer::step_weight): a build before this key
   // weighed cross-entropy's equally.
@@ -568,6 +602,8 @@ std::unique_ptr<Trainer> make_trainer(const Settings& s, const DataSettings& dat
                                       std::optional<model::LlamaModel> reference) {
   if (s.loss.loss == "ce") return make_ce_trainer(data, s.loss, device);
   if (s.loss.loss == "kto") return make_kto_trainer(data, s.loss, device, std::move(*reference));
+  if (s.loss.loss == "grpo")
+    return make_grpo_trainer(data, s.loss, device, s.seed, std::move(reference));
   return make_pair_trainer(data, s.loss, device, std::move(reference));
 }
 
@@ -823,12 +859,12 @@ double usable_memory() {
 // Refuses a model whose host buffers exceed the memory this process may use before they are
 // allocated (their zeros would be written page by page, until the kernel killed the process
 // without a word): 4 bytes a parameter for each of the policy's weights, gradients and AdamW's
-// two moments, DPO's and KTO's reference (weights and gradients), and each further rank's
-// replica.
+// two moments, the reference (DPO's, KTO's, GRPO's with a KL term: weights and gradients), and
+// each further rank's replica.
 void check_host_memory(const Settings& s, const model::LlamaConfig& c, const std::string& what) {
   const double params = model::parameter_count(c);
-  const double per_param = 4.0 * (4 + (s.loss.loss == "dpo" || s.loss.loss == "kto" ? 2 : 0) +
-                                  2.0 * (s.data_parallel * s.vocab_parallel - 1));
+  const double per_param =
+      4.0 * (4 + (uses_reference(s.loss) ? 2 : 0) + 2.0 * (s.data_parallel * s.vocab_parallel - 1));
   const double usable = usable_memory();
   const auto gib = [](double bytes) {
     char b[32];
@@ -911,9 +947,10 @@ int run(const Settings& s, const std::string& invocation) {
                           s.resume.empty() ? "--init " + init : "--resume " + s.resume);
   if (!opt) opt.emplace(policy->params().size(), s.adam);
   opt_ptr = &*opt;
-  // DPO's and KTO's frozen reference: the --init model, or a new one like the policy's start.
+  // The frozen reference (DPO's, KTO's, GRPO's with a KL term): the --init model, or a new one
+  // like the policy's start.
   std::optional<model::LlamaModel> reference;
-  if (s.loss.loss == "dpo" || s.loss.loss == "kto") {
+  if (uses_reference(s.loss)) {
     reference.emplace(init.empty() ? model::LlamaModel(policy->config(), s.seed)
                                    : load_reference(init, s));
     if (!init.empty()) apps::check_tokenizer(reference->config(), "the reference " + init);
@@ -1025,6 +1062,7 @@ int run(const Settings& s, const std::string& invocation) {
       if (ranks > 1) omp_set_num_threads(rank_threads);
       model::LlamaModel& m = model_of(r);
       m.zero_grad();
+      trainers[static_cast<std::size_t>(r)]->set_step(step);
       for (std::size_t i = 0; i < micro_batches.size(); ++i)
         stats[static_cast<std::size_t>(r)].push_back(
             trainers[static_cast<std::size_t>(r)]->step(m, micro_batches[i], weights[i]));

@@ -1,13 +1,19 @@
 // The per-loss trainers of chunkloss-train (see trainers.h).
 #include "trainers.h"
 
-#include <chunkloss/data/jsonl.h>
-#include <chunkloss/losses/cross_entropy.h>
-#include <chunkloss/losses/preference.h>
-
 #include <chunkloss/core/error.h>
+#include <chunkloss/data/jsonl.h>
+#include <chunkloss/data/sampler.h>
+#include <chunkloss/losses/cross_entropy.h>
+#include <chunkloss/losses/grpo.h>
+#include <chunkloss/losses/preference.h>
+#include <chunkloss/losses/token.h>
+#include <chunkloss/model/generate.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
 #include <numeric>
 
 namespace chunkloss::train {
@@ -340,11 +346,230 @@ class KtoTrainer final : public Trainer {
   CpuContext host_;  // the KL sums' collective (host memory)
 };
 
+GrpoOptions grpo_options(const LossSettings& s) {
+  GrpoOptions o;
+  o.beta = s.beta;  // (its default is 0: no KL term)
+  return o;
+}
+
+// Online GRPO (see make_grpo_trainer).
+class GrpoTrainer final : public Trainer {
+ public:
+  GrpoTrainer(const DataSettings& data, const LossSettings& loss, LossDevice& device,
+              std::uint64_t seed, std::optional<model::LlamaModel> reference)
+      : dev_(device),
+        settings_(loss),
+        seed_(seed),
+        max_length_(data.encode.max_length),
+        type_(parse_grpo_loss(loss.grpo_loss_type)),
+        reference_(std::move(reference)) {
+    CHUNKLOSS_CHECK(reference_.has_value() == (loss.beta > 0), "--loss grpo ",
+                    reference_ ? "takes no reference model without --beta"
+                               : "with --beta > 0 needs a reference model");
+    CHUNKLOSS_CHECK(loss.num_generations >= 2, "--num-generations ", loss.num_generations,
+                    " must be >= 2 (a group's advantages are relative to each other)");
+    examples_ = data::parse_sft_jsonl(data.text, data.file);
+    // A prompt keeps its last --max-prompt-length bytes and, under --max-length, room for one
+    // completion token (data::encode's rule).
+    std::int64_t keep = data.encode.max_prompt_length;
+    if (max_length_ > 0) keep = keep > 0 ? std::min(keep, max_length_ - 1) : max_length_ - 1;
+    for (const data::SftExample& e : examples_)
+      prompts_.push_back(apps::prompt_ids(tok_, e.prompt, keep));
+    CrossEntropyOptions ref;
+    ref.reduction = Reduction::kNone;
+    ref.skip_ignored_rows = true;
+    ref.memory_budget_bytes = loss.budget_bytes;
+    ref_ce_ = LinearCrossEntropy(ref);
+  }
+  std::size_t size() const override { return examples_.size(); }
+  apps::Longest longest() const override {
+    apps::Longest l;
+    for (std::size_t i = 0; i < examples_.size(); ++i) {
+      data::Sequence s;  // (only its length counts: the prompt's, then every new token's)
+      s.tokens.resize(prompts_[i].size() - 1 + static_cast<std::size_t>(new_tokens(i)));
+      l.take(s, examples_[i].line, "the prompt with --max-completion-length new tokens");
+    }
+    return l;
+  }
+  std::pair<const char*, const char*> accuracy_metric() const override {
+    return {"reward", "reward"};
+  }
+
+  MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples,
+                  double /*weight: 1, as step_weight gives*/) override {
+    const std::span<const std::size_t> mine = own(examples);
+    const auto first = static_cast<std::size_t>(mine.data() - examples.data());
+    const auto group = static_cast<std::size_t>(settings_.num_generations);
+    // This rank's rollouts, group by group, with their rewards. Summed for the metrics: the
+    // rewards, the groups' standard deviations, the groups of equal rewards, the completions'
+    // lengths (EOS included) and those cut at the length bound.
+    std::vector<data::Sequence> rollouts;
+    std::vector<double> rewards, advantages;
+    std::array<double, 5> sums{};
+    for (const std::size_t e : mine) {
+      model::GenerateOptions g;
+      g.max_new_tokens = new_tokens(e);
+      g.temperature = settings_.temperature;
+      g.eos_id = tok_.eos_id();
+      for (std::size_t k = 0; k < group; ++k) {
+        g.seed = data::BatchSampler::epoch_seed(
+            data::BatchSampler::epoch_seed(
+                data::BatchSampler::epoch_seed(seed_, static_cast<std::uint64_t>(step_)), e),
+            k);
+        const model::GenerateResult out = model::generate(model, prompts_[e], g);
+        rewards.push_back(apps::exact_match(tok_, out, examples_[e].completion) ? 1.0 : 0.0);
+        rollouts.push_back(rollout(prompts_[e], out));
+        sums[3] += static_cast<double>(out.tokens.size() + (out.stopped_at_eos ? 1 : 0));
+        sums[4] += out.stopped_at_eos ? 0 : 1;
+      }
+      const auto r = std::span(rewards).last(group);
+      const double mean = std::accumulate(r.begin(), r.end(), 0.0) / static_cast<double>(group);
+      double var = 0;
+      for (const double x : r) var += (x - mean) * (x - mean);
+      const double sd = std::sqrt(var / static_cast<double>(group - 1));  // (unbiased, as TRL)
+      for (const double x : r)
+        advantages.push_back(settings_.scale_rewards == "group" ? (x - mean) / (sd + 1e-4)
+                                                                : x - mean);
+      sums[0] += mean * static_cast<double>(group);
+      sums[1] += sd;
+      sums[2] += sd == 0 ? 1 : 0;
+    }
+    std::vector<std::size_t> all(rollouts.size());
+    std::iota(all.begin(), all.end(), std::size_t{0});
+    const data::Batch batch = data::collate_sft(rollouts, all);
+
+    // Per row: its completion's advantage and index among the micro-batch's completions (over
+    // the data group), -1 for prompt and padding rows.
+    const auto rows = static_cast<std::size_t>(batch.rows * batch.length);
+    std::vector<double> row_advantages(rows, 0.0);
+    std::vector<std::int64_t> completion(rows, -1);
+    for (std::size_t i = 0; i < rows; ++i) {
+      if (batch.targets[i] == data::EncodeOptions{}.ignore_index) continue;
+      const std::size_t b = i / static_cast<std::size_t>(batch.length);
+      row_advantages[i] = advantages[b];
+      completion[i] = static_cast<std::int64_t>(first * group + b);
+    }
+    const GrpoNormalization norm =
+        grpo_normalization(type_, completion, static_cast<std::int64_t>(examples.size() * group),
+                           settings_.max_completion_length);
+    const VocabShard sh = shard(model);
+    const std::vector<double> ref =
+        reference_ ? token_logps(*reference_, batch, sh) : std::vector<double>();
+    TokenOptions to;
+    to.reduction = norm.reduction;
+    to.skip_ignored_rows = true;
+    to.memory_budget_bytes = settings_.budget_bytes;
+    const TokenLoss loss(
+        std::make_shared<GrpoObjective>(
+            grpo_options(settings_), GrpoRows{row_advantages, /*old_logps=*/{}, ref, norm.weights}),
+        to);
+
+    const TensorView hidden = model.forward(batch.tokens_view());
+    const TensorView d_hidden = dh_.view(hidden);
+    dev_.begin();
+    TokenInputs in;
+    in.hidden = dev_.in(hidden);
+    in.weight = dev_.in(apps::lm_head_rows(model.lm_head_weight(), sh));
+    in.targets = dev_.in(batch.targets_view());
+    in.data_group = data_group_;
+    in.vocab_shard = sh;
+    CrossEntropyGrads g;
+    g.hidden = dev_.inout(d_hidden);
+    g.weight = dev_.inout(apps::lm_head_rows(model.lm_head_weight_grad(), sh));
+    g.accumulate = true;
+    const TokenResult r =
+        loss.forward_backward(dev_.context(), in, g, dev_.workspace(loss.workspace_bytes(in, g)));
+    dev_.end();
+    if (runs_backward()) model.backward(d_hidden);
+
+    if (data_group_)
+      data_group_->all_reduce_sum(host_, sums.data(), static_cast<std::int64_t>(sums.size()));
+    const auto completions = static_cast<double>(examples.size() * group),
+               groups = static_cast<double>(examples.size());
+    MicroStats stats{r.loss,
+                     {{"reward", sums[0] / completions},
+                      {"reward_std", sums[1] / groups},
+                      {"frac_reward_zero_std", sums[2] / groups},
+                      {"completions/mean_length", sums[3] / completions},
+                      {"completions/clipped_ratio", sums[4] / completions}},
+                     input_tokens(batch)};
+    stats.metrics.insert(stats.metrics.end(), r.metrics.begin(), r.metrics.end());
+    return stats;
+  }
+
+ private:
+  // New tokens example i may draw: --max-completion-length, and under --max-length the
+  // positions its prompt leaves.
+  std::int64_t new_tokens(std::size_t i) const {
+    const auto prompt = static_cast<std::int64_t>(prompts_[i].size()) - 1;  // (bytes, no BOS)
+    return max_length_ > 0 ? std::min(settings_.max_completion_length, max_length_ - prompt)
+                           : settings_.max_completion_length;
+  }
+
+  // The training sequence of a rollout: [BOS] prompt completion [EOS when it stopped there],
+  // shifted as data::encode lays it out (the prompt's targets ignored).
+  data::Sequence rollout(std::span<const std::int32_t> prompt,
+                         const model::GenerateResult& out) const {
+    std::vector<std::int32_t> s(prompt.begin(), prompt.end());
+    s.insert(s.end(), out.tokens.begin(), out.tokens.end());
+    if (out.stopped_at_eos) s.push_back(tok_.eos_id());
+    data::Sequence q;
+    q.tokens.assign(s.begin(), s.end() - 1);
+    for (std::size_t t = 1; t < s.size(); ++t)
+      q.targets.push_back(t >= prompt.size() ? s[t] : data::EncodeOptions{}.ignore_index);
+    return q;
+  }
+
+  // The reference's log-prob of each row's target (NaN at ignored rows): minus the per-row
+  // cross-entropy.
+  std::vector<double> token_logps(model::LlamaModel& m, const data::Batch& batch,
+                                  const VocabShard& sh) {
+    const TensorView hidden = m.forward(batch.tokens_view());
+    row_loss_.assign(batch.targets.size(), 0.0f);
+    dev_.begin();
+    CrossEntropyInputs in;
+    in.hidden = dev_.in(hidden);
+    in.weight = dev_.in(apps::lm_head_rows(m.lm_head_weight(), sh));
+    in.targets = dev_.in(batch.targets_view());
+    in.vocab_shard = sh;
+    CrossEntropyOutputs out;
+    out.row_loss =
+        dev_.inout(TensorView::of(row_loss_.data(), {static_cast<std::int64_t>(row_loss_.size())}));
+    (void)ref_ce_.forward(dev_.context(), in, out, dev_.workspace(ref_ce_.workspace_bytes(in)));
+    dev_.end();
+    std::vector<double> logps(row_loss_.size(), std::numeric_limits<double>::quiet_NaN());
+    for (std::size_t i = 0; i < logps.size(); ++i)
+      if (batch.targets[i] != data::EncodeOptions{}.ignore_index)
+        logps[i] = -static_cast<double>(row_loss_[i]);
+    return logps;
+  }
+
+  LossDevice& dev_;
+  LossSettings settings_;
+  std::uint64_t seed_;
+  std::int64_t max_length_;
+  GrpoLossType type_;
+  std::optional<model::LlamaModel> reference_;
+  data::ByteTokenizer tok_;
+  std::vector<data::SftExample> examples_;
+  std::vector<std::vector<std::int32_t>> prompts_;  // BOS and the kept prompt bytes
+  LinearCrossEntropy ref_ce_;
+  std::vector<float> row_loss_;
+  HiddenGrad dh_;
+  CpuContext host_;  // the metric sums' collective (host memory)
+};
+
 }  // namespace
 
 void check_loss_settings(const LossSettings& loss) {
   if (loss.loss == "ce") {
     (void)LinearCrossEntropy(ce_options(loss));
+  } else if (loss.loss == "grpo") {
+    (void)parse_grpo_loss(loss.grpo_loss_type);
+    const std::array<double, 1> row{};  // (the options are checked on one row)
+    (void)GrpoObjective(
+        grpo_options(loss),
+        {row, {}, loss.beta > 0 ? std::span<const double>(row) : std::span<const double>(), {}});
   } else if (loss.loss == "kto") {
     (void)make_kto_loss(loss);
   } else {
@@ -361,6 +586,12 @@ std::unique_ptr<Trainer> make_pair_trainer(const DataSettings& data, const LossS
 std::unique_ptr<Trainer> make_kto_trainer(const DataSettings& data, const LossSettings& loss,
                                           LossDevice& device, model::LlamaModel reference) {
   return std::make_unique<KtoTrainer>(data, loss, device, std::move(reference));
+}
+
+std::unique_ptr<Trainer> make_grpo_trainer(const DataSettings& data, const LossSettings& loss,
+                                           LossDevice& device, std::uint64_t seed,
+                                           std::optional<model::LlamaModel> reference) {
+  return std::make_unique<GrpoTrainer>(data, loss, device, seed, std::move(reference));
 }
 
 std::unique_ptr<Trainer> make_ce_trainer(const DataSettings& data, const LossSettings& loss,

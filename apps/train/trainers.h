@@ -42,6 +42,14 @@ struct LossSettings {
   double simpo_alpha = 0;      ///< SimPO's NLL term weight (0: off)
   double cpo_alpha = 1;        ///< CPO
   double desirable_weight = 1, undesirable_weight = 1;  ///< KTO
+  /// GRPO: completions sampled per prompt (>= 2), their sampling temperature (> 0) and length
+  /// bound (new tokens, EOS included), TRL's loss type, and how advantages are scaled: "group"
+  /// (by the group's reward standard deviation) or "none" (Dr. GRPO).
+  std::int64_t num_generations = 8;
+  double temperature = 1.0;
+  std::int64_t max_completion_length = 16;
+  std::string grpo_loss_type = "grpo";
+  std::string scale_rewards = "group";
   std::size_t budget_bytes = 0;
 };
 
@@ -80,6 +88,9 @@ class Trainer {
   /// model.grads() summed over the group is the whole gradient, with a tied lm_head too. With a
   /// data group as well, the two form a grid. Every rank must step together. null: alone.
   void set_vocab_group(dist::Communicator* group) { vocab_group_ = group; }
+  /// The optimizer step the next step() calls belong to (0-based): GRPO seeds its sampling
+  /// with it, so that a resumed run draws the same completions.
+  void set_step(std::int64_t step) { step_ = step; }
 
  protected:
   /// This rank's examples of a micro-batch of n: [n r / K, n (r + 1) / K) for rank r of K.
@@ -99,6 +110,7 @@ class Trainer {
 
   dist::Communicator* data_group_ = nullptr;
   dist::Communicator* vocab_group_ = nullptr;
+  std::int64_t step_ = 0;
 };
 
 /// Encoding options shared by every data set.
@@ -127,5 +139,16 @@ std::unique_ptr<Trainer> make_pair_trainer(const DataSettings& data, const LossS
 /// (prompt i with completion i + 1), detached, as TRL computes it.
 std::unique_ptr<Trainer> make_kto_trainer(const DataSettings& data, const LossSettings& loss,
                                           LossDevice& device, model::LlamaModel reference);
+
+/// Online GRPO on {"prompt", "completion"} lines (the SFT format): for each prompt of a
+/// micro-batch, loss.num_generations completions sampled from the policy (seeded by `seed`, the
+/// step and the example, so a resumed or split run draws the same ones), each rewarded 1 when it
+/// is the line's completion exactly (as chunkloss-eval's exact match), else 0; advantages
+/// normalised within each prompt's group; the loss GrpoObjective on TokenLoss, on-policy (one
+/// optimizer step per rollout batch: the ratio is 1). With loss.beta > 0 the k3 KL to the frozen
+/// `reference` (per-token log-probs from LinearCrossEntropy on it), which is then required.
+std::unique_ptr<Trainer> make_grpo_trainer(const DataSettings& data, const LossSettings& loss,
+                                           LossDevice& device, std::uint64_t seed,
+                                           std::optional<model::LlamaModel> reference);
 
 }  // namespace chunkloss::train

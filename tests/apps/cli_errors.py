@@ -683,6 +683,14 @@ def loss_options_case(train, work):
             (["--loss", "dpo", "--discopop-tau", "0.1"], ("--discopop-tau", "sigmoid", "discopop")),
             (["--loss", "dpo", "--dpo-loss-type", "discopop", "--discopop-tau", "0"],
              ("--loss dpo options", "discopop_tau must be finite and > 0")),
+            (["--temperature", "0.5"], ("--temperature", "--loss ce", "grpo")),
+            (["--loss", "dpo", "--num-generations", "4"], ("--num-generations", "--loss dpo")),
+            (["--loss", "grpo", "--num-generations", "1"], ("--num-generations", "1")),
+            (["--loss", "grpo", "--temperature", "0"], ("--temperature",)),
+            (["--loss", "grpo", "--max-completion-length", "0"], ("--max-completion-length",)),
+            (["--loss", "grpo", "--grpo-loss-type", "dapo"],
+             ("--loss grpo options", "dapo", "dr_grpo")),
+            (["--loss", "grpo", "--scale-rewards", "batch"], ("--scale-rewards", "batch")),
             (["--init", "a", "--resume", "b"], ("--init a", "--resume b")),
             (["--chart", os.path.join(work, "c.svg")], ("--chart", "--metrics", "--save"))):
         one_line(t + extra, 2, *words)
@@ -692,7 +700,9 @@ def loss_options_case(train, work):
     for extra in (["--label-smoothing", "0.1"],
                   ["--loss", "dpo", "--dpo-loss-type", "exo_pair", "--label-smoothing", "0.1"],
                   ["--loss", "dpo", "--dpo-loss-type", "discopop", "--discopop-tau", "0.1"],
-                  ["--loss", "simpo", "--gamma", "1", "--label-smoothing", "0.5"]):
+                  ["--loss", "simpo", "--gamma", "1", "--label-smoothing", "0.5"],
+                  ["--loss", "grpo", "--num-generations", "2", "--max-completion-length", "4",
+                   "--grpo-loss-type", "bnpo", "--scale-rewards", "none"]):
         run(t + extra)
     # The z-loss is reported, and is part of the loss (the same run without it has a lower loss).
     losses = []

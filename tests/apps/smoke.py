@@ -125,6 +125,8 @@ def main():
               (row["rewards/margins"], row["rewards/accuracies"]))
         if not (row["rewards/margins"] > 0 and row["rewards/accuracies"] > 0.53):
             fail("%s did not learn the preference: %s" % (case, row))
+    elif case == "grpo":
+        grpo_case(train, evaluate, work)
     elif case == "resume":
         a, b = os.path.join(work, "straight"), os.path.join(work, "resumed")
         for d in (a, b):
@@ -453,6 +455,57 @@ def eval_overflow_case(evaluate, work, sft):
         fail("the table must show '-' for the overflowed perplexity:\n" + p.stdout)
 
 
+def grpo_case(train, evaluate, work):
+    """Online GRPO from an SFT model of the bundled config that gets about half of its sampled
+    answers right: the reward of the sampled completions goes up; the grpo type's loss is 0 at
+    every step (on-policy the ratio is 1, and each group's advantages sum to 0, so its mean of
+    completion means is 0: a wrong weight or advantage makes it not); 6 steps straight and 3 +
+    resume + 3 give the same bits (the sampling is seeded by the step); --beta's KL to the --init
+    model is 0 until the first update moves the policy, then positive."""
+    conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "apps", "configs",
+                        "sft.ini")
+    sft = os.path.join(work, "grpo-sft")
+    shutil.rmtree(sft, ignore_errors=True)
+    run([train, "--config", conf, "--steps", "1000", "--save", sft])
+    out = os.path.join(work, "grpo")
+    shutil.rmtree(out, ignore_errors=True)
+    run([train, "--loss", "grpo", "--init", sft, "--steps", "100", "--lr", "3e-4",
+         "--warmup-steps", "0", "--batch-size", "16", "--save", out])
+    r = records(os.path.join(out, "metrics.jsonl"))
+    if len(r) != 100:
+        fail("grpo: metrics.jsonl must have one line per step")
+    for x in r:
+        for k in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+                  "completions/clipped_ratio", "clip_ratio/region_mean"):
+            if k not in x:
+                fail("grpo: step %d has no %s: %s" % (x["step"], k, x))
+        if not abs(x["loss"]) < 1e-9:
+            fail("grpo: on-policy, the grpo type's loss must be 0, step %d has %.3g" %
+                 (x["step"], x["loss"]))
+        if not 0 <= x["reward"] <= 1 or not x["completions/mean_length"] >= 1:
+            fail("grpo: step %d's reward or length out of range: %s" % (x["step"], x))
+    first, last = (sum(x["reward"] for x in part) / 25 for part in (r[:25], r[-25:]))
+    print("grpo: mean reward of the first 25 steps %.3f, of the last 25 %.3f" % (first, last))
+    if not last > first:
+        fail("grpo: the sampled completions' reward did not go up (%.3f, then %.3f)" %
+             (first, last))
+    a, b = os.path.join(work, "grpo-straight"), os.path.join(work, "grpo-resumed")
+    for d in (a, b):
+        shutil.rmtree(d, ignore_errors=True)
+    common = ["--loss", "grpo", "--steps", "6", "--warmup-steps", "1", "--batch-size", "8",
+              "--beta", "0.04", "--grpo-loss-type", "dr_grpo"]
+    run([train, "--init", sft, "--save", a, "--save-every", "3"] + common)
+    run([train, "--resume", os.path.join(a, "checkpoint-3"), "--save", b] + common)
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        if tensors(os.path.join(a, name)) != tensors(os.path.join(b, name)):
+            fail("grpo: 6 steps straight and 3 + resume + 3 differ in " + name)
+    kl = [x["kl"] for x in records(os.path.join(a, "metrics.jsonl"))]
+    # (step 1's update is at lr 0, warming up: steps 1 and 2 see the reference itself)
+    if kl[0] != 0 or kl[1] != 0 or not all(k > 0 for k in kl[2:]):
+        fail("grpo --beta: the KL must be 0 at the reference, then positive: %s" % kl)
+    print("grpo: resume bitwise; KL %s" % ", ".join("%.3g" % k for k in kl))
+
+
 def grad_accum_case(train, work, sft):
     """--grad-accum: an SFT step is the mean over all of its tokens, so micro-batches of 16 + 4
     (an epoch's short last one) or 10 + 10 give the steps of one micro-batch of all 20 examples
@@ -490,8 +543,12 @@ def grad_accum_case(train, work, sft):
 
 def data_parallel_case(train, work, sft):
     """--data-parallel K: the ranks' loss calls share the library's data group, so a run over K
-    ranks computes the same steps as over one, up to the order of sums."""
-    for loss, init in (("ce", []), ("dpo", ["--init", sft]), ("kto", ["--init", sft])):
+    ranks computes the same steps as over one, up to the order of sums. (GRPO with a larger
+    AdamW epsilon: most of its gradient entries are 0 up to rounding, in groups of equal rewards,
+    and AdamW scales such noise up to steps of the learning rate's size, which parted the runs
+    by 1.6e-4 at step 5; with --adam-eps 1e-4, by 8e-7 at most.)"""
+    for loss, init in (("ce", []), ("dpo", ["--init", sft]), ("kto", ["--init", sft]),
+                       ("grpo", ["--init", sft, "--beta", "0.04", "--adam-eps", "1e-4"])):
         paths = []
         for k in ("1", "3"):
             m = os.path.join(work, "dp-%s-%s.jsonl" % (loss, k))
@@ -536,7 +593,9 @@ def vocab_parallel_case(train, work, sft):
     runs = (("ce", small, ("2", "1")), ("ce", small + ["--tie-embeddings", "true"], ("2", "1")),
             ("ce", small, ("2", "2")), ("dpo", ["--init", sft], ("2", "1")),
             ("dpo", ["--init", sft, "--grad-accum", "2"], ("3", "2")),
-            ("orpo", ["--init", sft], ("2", "1")), ("kto", ["--init", sft], ("2", "2")))
+            ("orpo", ["--init", sft], ("2", "1")), ("kto", ["--init", sft], ("2", "2")),
+            ("grpo", ["--init", sft, "--beta", "0.04", "--grpo-loss-type", "bnpo",
+                      "--adam-eps", "1e-4"], ("2", "2")))
     for i, (loss, extra, (vocab, data)) in enumerate(runs):
         paths = []
         for k, d in (("1", "1"), (vocab, data)):
@@ -558,8 +617,9 @@ def vocab_parallel_case(train, work, sft):
 
 
 def cuda_case(train, evaluate, work, small):
-    """The same runs with the loss on the CPU and on the GPU (SFT, DPO, DPO over ranks, SFT over
-    accumulated micro-batches): the curves agree to rounding; so do chunkloss-eval's numbers."""
+    """The same runs with the loss on the CPU and on the GPU (SFT, DPO, DPO over ranks, GRPO, SFT
+    over accumulated micro-batches): the curves agree to rounding; so do chunkloss-eval's
+    numbers."""
     runs = {}
     for dev in ("cuda", "cpu"):  # cuda first: a build or machine without it skips at once
         d = os.path.join(work, "cuda-check-" + dev)
@@ -602,6 +662,22 @@ def cuda_case(train, evaluate, work, small):
     check_same_curves(os.path.join(work, "cuda-check-cpu", "dpo", "metrics.jsonl"),
                       os.path.join(grid, "metrics.jsonl"), "dpo: cpu, cuda over 2 x 2 ranks",
                       1e-4, skip={(1, "rewards/accuracies")})
+    # GRPO from an SFT model that samples right answers about half the time, with the KL term:
+    # the rollouts are sampled on the CPU from the same model at step 1, and the steps agree to
+    # rounding, the reference's per-token log-probs on the loss's device too (AdamW's epsilon
+    # raised as in data_parallel_case).
+    conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "apps", "configs",
+                        "sft.ini")
+    grpo_sft = os.path.join(work, "cuda-check-grpo-sft")
+    shutil.rmtree(grpo_sft, ignore_errors=True)
+    run([train, "--config", conf, "--steps", "1000", "--save", grpo_sft])
+    for dev in ("cuda", "cpu"):
+        m = os.path.join(work, "cuda-check-grpo-%s.jsonl" % dev)
+        run([train, "--device", dev, "--loss", "grpo", "--init", grpo_sft, "--steps", "8",
+             "--warmup-steps", "0", "--lr", "3e-4", "--batch-size", "16", "--beta", "0.04",
+             "--adam-eps", "1e-4", "--metrics", m])
+    check_same_curves(os.path.join(work, "cuda-check-grpo-cpu.jsonl"),
+                      os.path.join(work, "cuda-check-grpo-cuda.jsonl"), "grpo: cpu, cuda", 1e-4)
     check_went_down(os.path.join(work, "cuda-check-cuda", "sft", "metrics.jsonl"), 40)
     check_went_down(os.path.join(work, "cuda-check-cuda", "dpo", "metrics.jsonl"), 16)
     for stage, i in (("sft", 0), ("dpo", 1)):

@@ -5,6 +5,7 @@
 #include <chunkloss/data/tokenizer.h>
 #include <chunkloss/model/checkpoint.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <tuple>
 
@@ -20,6 +21,22 @@ void check_checkpoint_dir(std::string_view option, const std::string& path) {
   const std::filesystem::file_status st = input_status(option, path);
   if (std::filesystem::exists(st) && !std::filesystem::is_directory(st))
     throw UsageError("--" + std::string(option) + ": " + path + " is not a directory");
+}
+
+std::vector<std::int32_t> prompt_ids(const data::ByteTokenizer& tok, std::string_view prompt,
+                                     std::int64_t max_prompt_length) {
+  if (max_prompt_length > 0 && prompt.size() > static_cast<std::size_t>(max_prompt_length))
+    prompt.remove_prefix(prompt.size() - static_cast<std::size_t>(max_prompt_length));
+  std::vector<std::int32_t> ids = {tok.bos_id()};
+  for (const std::int32_t id : tok.encode(prompt)) ids.push_back(id);
+  return ids;
+}
+
+bool exact_match(const data::ByteTokenizer& tok, const model::GenerateResult& out,
+                 std::string_view completion) {
+  const bool bytes = std::all_of(out.tokens.begin(), out.tokens.end(),
+                                 [](std::int32_t id) { return id >= 0 && id < 256; });
+  return out.stopped_at_eos && bytes && tok.decode(out.tokens) == completion;
 }
 
 void Longest::take(const data::Sequence& s, std::size_t at_line, const std::string& description) {

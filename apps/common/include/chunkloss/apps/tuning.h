@@ -4,8 +4,10 @@
 
 #include <chunkloss/apps/loss_device.h>
 #include <chunkloss/data/batch.h>
+#include <chunkloss/data/tokenizer.h>
 #include <chunkloss/losses/cross_entropy.h>
 #include <chunkloss/losses/sequence.h>
+#include <chunkloss/model/generate.h>
 #include <chunkloss/model/model.h>
 
 #include <cstddef>
@@ -60,6 +62,16 @@ void check_fits(const Longest& longest, const std::string& file, const model::Ll
 /// accuracy.
 CrossEntropyResult batch_cross_entropy(LossDevice& device, model::LlamaModel& model,
                                        const data::Batch& batch, std::size_t budget_bytes);
+
+/// A prompt as generation takes it: BOS, then its bytes (with max_prompt_length > 0, its last
+/// max_prompt_length bytes, as data::encode truncates it).
+std::vector<std::int32_t> prompt_ids(const data::ByteTokenizer& tok, std::string_view prompt,
+                                     std::int64_t max_prompt_length = 0);
+
+/// Whether a generation is exactly `completion`: it stopped at EOS, and its ids are bytes that
+/// spell it (an id that is no byte, such as BOS or an id above the tokenizer's, is a miss).
+bool exact_match(const data::ByteTokenizer& tok, const model::GenerateResult& out,
+                 std::string_view completion);
 
 /// The [S, T] target view of a batch, as the sequence losses take it.
 TensorView sequence_targets(const data::Batch& batch);
