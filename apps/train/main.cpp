@@ -70,7 +70,11 @@ const std::vector<std::pair<std::string, std::vector<std::string>>> kLossOptions
     {"temperature", {"grpo"}},
     {"max-completion-length", {"grpo"}},
     {"grpo-loss-type", {"grpo"}},
-    {"scale-rewards", {"grpo"}}};
+    {"scale-rewards", {"grpo"}},
+    {"num-iterations", {"grpo"}},
+    {"epsilon", {"grpo"}},
+    {"epsilon-high", {"grpo"}},
+    {"delta", {"grpo"}}};
 // The model options and their LlamaConfig fields (with --init or --resume, the checkpoint's).
 const std::vector<std::pair<std::string, std::int64_t (*)(const model::LlamaConfig&)>>
     kArchitecture = {
@@ -177,6 +181,10 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("max-completion-length", po::value<std::int64_t>()->default_value(16), "grpo: new tokens a completion may have, EOS included (>= 1)")
     ("grpo-loss-type", po::value<std::string>()->default_value("grpo"), "grpo: grpo (each completion's token mean, then the mean), bnpo (the token mean), dr_grpo (the token sum over completions x --max-completion-length)")
     ("scale-rewards", po::value<std::string>()->default_value("group"), "grpo: group (advantages divided by the group's reward standard deviation) | none (Dr. GRPO)")
+    ("num-iterations", po::value<std::int64_t>()->default_value(1), "grpo: optimizer steps on each batch of rollouts (TRL's num_iterations; the steps of one batch take the same micro-batches, and --save-every must be a multiple)")
+    ("epsilon", po::value<double>()->default_value(0.2), "grpo: ratios below 1 - epsilon are clipped (acts from the second of --num-iterations on)")
+    ("epsilon-high", po::value<double>()->default_value(0, "0 = --epsilon"), "grpo: ratios above 1 + epsilon-high are clipped (DAPO: 0.28)")
+    ("delta", po::value<double>()->default_value(0, "0 = off"), "grpo: cap of the unclipped ratio (two-sided clipping; > 1 + epsilon-high)")
     ("budget-mib", po::value<double>()->default_value(0, "0 = the library's default: 256 on the CPU, 1024 on CUDA"), "the loss's workspace budget in MiB");
   po::options_description output("Output");
   output.add_options()
@@ -325,6 +333,11 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.loss.scale_rewards = vm["scale-rewards"].as<std::string>();
   if (s.loss.scale_rewards != "group" && s.loss.scale_rewards != "none")
     throw apps::UsageError("--scale-rewards: '" + s.loss.scale_rewards + "' is not group or none");
+  s.loss.num_iterations = apps::in_range<std::int64_t>(vm, "num-iterations", 1, 1 << 20);
+  s.loss.epsilon_low = apps::in_range<double>(vm, "epsilon", 0, 0.999999);
+  s.loss.epsilon_high =
+      vm["epsilon-high"].defaulted() ? -1 : apps::in_range<double>(vm, "epsilon-high", 1e-12, 1e6);
+  s.loss.delta = apps::in_range<double>(vm, "delta", 0, 1e6);
   s.loss.budget_bytes = apps::budget_bytes(vm["budget-mib"].as<double>(), s.device);
   if (const std::string bad =
           apps::label_smoothing_error(s.loss.loss, s.loss.dpo_loss_type, s.loss.label_smoothing);
@@ -339,6 +352,11 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.save = apps::path_option(vm, "save");
   s.save_every = apps::in_range<std::int64_t>(vm, "save-every", 0, std::int64_t{1} << 40);
   if (s.save_every > 0 && s.save.empty()) throw apps::UsageError("--save-every needs --save DIR");
+  if (s.save_every % s.loss.num_iterations != 0)  // (a resume starts a batch of rollouts)
+    throw apps::UsageError("--save-every " + std::to_string(s.save_every) +
+                           " is not a multiple of --num-iterations " +
+                           std::to_string(s.loss.num_iterations) +
+                           ": a run resumes where a batch of rollouts is sampled");
   s.metrics = apps::path_option(vm, "metrics");
   s.chart = apps::path_option(vm, "chart");
   if (!s.save.empty()) {
@@ -507,7 +525,11 @@ std::map<std::string, std::string> run_options(const Settings& s, const std::str
         {"temperature", num(l.temperature)},
         {"max_completion_length", integer(l.max_completion_length)},
         {"grpo_loss_type", l.grpo_loss_type},
-        {"scale_rewards", l.scale_rewards}}}};
+        {"scale_rewards", l.scale_rewards},
+        {"num_iterations", integer(l.num_iterations)},
+        {"epsilon", num(l.epsilon_low)},
+        {"epsilon_high", num(l.epsilon_high < 0 ? l.epsilon_low : l.epsilon_high)},
+        {"delta", num(l.delta)}}}};
   o.merge(std::map(by_loss.at(l.loss)));
   // How the micro-batches of a step weigh (Trainer::step_weight): a build before this key
   // weighed cross-entropy's equally.
@@ -1037,9 +1059,11 @@ int run(const Settings& s, const std::string& invocation) {
   std::vector<std::vector<std::size_t>> epoch_batches;
   double last_loss = NAN;
   for (std::int64_t step = start; step < s.steps; ++step) {
+    // (GRPO's --num-iterations steps on one batch of rollouts take the same micro-batches)
+    const std::int64_t data_step = step / s.loss.num_iterations;
     std::vector<std::vector<std::size_t>> micro_batches;
     for (std::int64_t micro = 0; micro < s.grad_accum; ++micro) {
-      const std::int64_t m = step * s.grad_accum + micro;
+      const std::int64_t m = data_step * s.grad_accum + micro;
       if (m / per_epoch != cached_epoch) {
         cached_epoch = m / per_epoch;
         epoch_batches = sampler.epoch(static_cast<std::uint64_t>(cached_epoch));
@@ -1097,13 +1121,13 @@ int run(const Settings& s, const std::string& invocation) {
       std::copy(policy->params().begin(), policy->params().end(), m.params().begin());
     last_loss = sum.loss * inv;
 
-    nlohmann::json rec = {
-        {"step", step + 1},
-        {"epoch", static_cast<double>((step + 1) * s.grad_accum) / static_cast<double>(per_epoch)},
-        {"loss", last_loss},
-        {"lr", lr},
-        {"grad_norm", norm},
-        {"tokens", sum.tokens}};
+    nlohmann::json rec = {{"step", step + 1},
+                          {"epoch", static_cast<double>((step + 1) * s.grad_accum) /
+                                        static_cast<double>(per_epoch * s.loss.num_iterations)},
+                          {"loss", last_loss},
+                          {"lr", lr},
+                          {"grad_norm", norm},
+                          {"tokens", sum.tokens}};
     for (const auto& [k, v] : step_metric) rec[k] = v;
     metrics.append(rec);
     const auto acc = step_metric.find(acc_key);

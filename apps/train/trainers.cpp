@@ -349,6 +349,9 @@ class KtoTrainer final : public Trainer {
 GrpoOptions grpo_options(const LossSettings& s) {
   GrpoOptions o;
   o.beta = s.beta;  // (its default is 0: no KL term)
+  o.epsilon_low = s.epsilon_low;
+  o.epsilon_high = s.epsilon_high < 0 ? s.epsilon_low : s.epsilon_high;
+  o.delta = s.delta;
   return o;
 }
 
@@ -397,6 +400,73 @@ class GrpoTrainer final : public Trainer {
 
   MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples,
                   double /*weight: 1, as step_weight gives*/) override {
+    // The micro-batch's rollouts: sampled at the first step of each num_iterations, then reused
+    // (with the micro-batches, which the main loop repeats).
+    const std::int64_t iteration = step_ % settings_.num_iterations;
+    const std::size_t micro = micro_++;
+    if (iteration == 0) {
+      if (micro == 0) cache_.clear();
+      cache_.push_back(sample(model, examples));
+    }
+    CHUNKLOSS_CHECK(
+        micro < cache_.size() && cache_[micro].examples.size() == examples.size() &&
+            std::equal(examples.begin(), examples.end(), cache_[micro].examples.begin()),
+        "grpo: step ", step_ + 1, " is iteration ", iteration + 1, " of ", settings_.num_iterations,
+        " on rollouts sampled at step ", step_ - iteration + 1,
+        " that this process has not sampled (a run resumes at a multiple of "
+        "--num-iterations), or its micro-batch differs");
+    Rollouts& ro = cache_[micro];
+
+    const VocabShard sh = shard(model);
+    if (iteration == 0 && reference_) ro.ref_logps = token_logps(*reference_, ro.batch, sh);
+    TokenOptions to;
+    to.reduction = ro.norm.reduction;
+    to.skip_ignored_rows = true;
+    to.memory_budget_bytes = settings_.budget_bytes;
+    const TokenLoss loss(std::make_shared<GrpoObjective>(
+                             grpo_options(settings_),
+                             GrpoRows{ro.advantages, ro.old_logps, ro.ref_logps, ro.norm.weights}),
+                         to);
+
+    const TensorView hidden = model.forward(ro.batch.tokens_view());
+    const TensorView d_hidden = dh_.view(hidden);
+    dev_.begin();
+    TokenInputs in;
+    in.hidden = dev_.in(hidden);
+    in.weight = dev_.in(apps::lm_head_rows(model.lm_head_weight(), sh));
+    in.targets = dev_.in(ro.batch.targets_view());
+    in.data_group = data_group_;
+    in.vocab_shard = sh;
+    CrossEntropyGrads g;
+    g.hidden = dev_.inout(d_hidden);
+    g.weight = dev_.inout(apps::lm_head_rows(model.lm_head_weight_grad(), sh));
+    g.accumulate = true;
+    TokenResult r =
+        loss.forward_backward(dev_.context(), in, g, dev_.workspace(loss.workspace_bytes(in, g)));
+    dev_.end();
+    if (runs_backward()) model.backward(d_hidden);
+    // The sampling policy's log-probs for the later iterations (NaN at ignored rows).
+    if (iteration == 0 && settings_.num_iterations > 1) ro.old_logps = std::move(r.logps);
+
+    MicroStats stats{r.loss, ro.metrics, input_tokens(ro.batch)};
+    stats.metrics.insert(stats.metrics.end(), r.metrics.begin(), r.metrics.end());
+    return stats;
+  }
+
+ private:
+  // A micro-batch's rollouts and what its iterations reuse.
+  struct Rollouts {
+    std::vector<std::size_t> examples;  // the micro-batch they were sampled for
+    data::Batch batch;                  // this rank's completions, prompts first
+    std::vector<double> advantages;     // [rows] the row's completion's (0: prompt, padding)
+    GrpoNormalization norm;             // the loss type's weights and reduction
+    std::vector<double> old_logps;      // [rows] the sampling policy's (iterations > 1)
+    std::vector<double> ref_logps;      // [rows] the reference's (beta > 0)
+    std::vector<std::pair<std::string, double>> metrics;  // the rollouts' (the whole batch's)
+  };
+
+  // Samples the completions of this rank's part of `examples`, rewards them and lays them out.
+  Rollouts sample(model::LlamaModel& model, std::span<const std::size_t> examples) {
     const std::span<const std::size_t> mine = own(examples);
     const auto first = static_cast<std::size_t>(mine.data() - examples.data());
     const auto group = static_cast<std::size_t>(settings_.num_generations);
@@ -436,68 +506,37 @@ class GrpoTrainer final : public Trainer {
     }
     std::vector<std::size_t> all(rollouts.size());
     std::iota(all.begin(), all.end(), std::size_t{0});
-    const data::Batch batch = data::collate_sft(rollouts, all);
+    Rollouts ro;
+    ro.examples.assign(examples.begin(), examples.end());
+    ro.batch = data::collate_sft(rollouts, all);
 
     // Per row: its completion's advantage and index among the micro-batch's completions (over
     // the data group), -1 for prompt and padding rows.
-    const auto rows = static_cast<std::size_t>(batch.rows * batch.length);
-    std::vector<double> row_advantages(rows, 0.0);
+    const auto rows = static_cast<std::size_t>(ro.batch.rows * ro.batch.length);
+    ro.advantages.assign(rows, 0.0);
     std::vector<std::int64_t> completion(rows, -1);
     for (std::size_t i = 0; i < rows; ++i) {
-      if (batch.targets[i] == data::EncodeOptions{}.ignore_index) continue;
-      const std::size_t b = i / static_cast<std::size_t>(batch.length);
-      row_advantages[i] = advantages[b];
+      if (ro.batch.targets[i] == data::EncodeOptions{}.ignore_index) continue;
+      const std::size_t b = i / static_cast<std::size_t>(ro.batch.length);
+      ro.advantages[i] = advantages[b];
       completion[i] = static_cast<std::int64_t>(first * group + b);
     }
-    const GrpoNormalization norm =
+    ro.norm =
         grpo_normalization(type_, completion, static_cast<std::int64_t>(examples.size() * group),
                            settings_.max_completion_length);
-    const VocabShard sh = shard(model);
-    const std::vector<double> ref =
-        reference_ ? token_logps(*reference_, batch, sh) : std::vector<double>();
-    TokenOptions to;
-    to.reduction = norm.reduction;
-    to.skip_ignored_rows = true;
-    to.memory_budget_bytes = settings_.budget_bytes;
-    const TokenLoss loss(
-        std::make_shared<GrpoObjective>(
-            grpo_options(settings_), GrpoRows{row_advantages, /*old_logps=*/{}, ref, norm.weights}),
-        to);
-
-    const TensorView hidden = model.forward(batch.tokens_view());
-    const TensorView d_hidden = dh_.view(hidden);
-    dev_.begin();
-    TokenInputs in;
-    in.hidden = dev_.in(hidden);
-    in.weight = dev_.in(apps::lm_head_rows(model.lm_head_weight(), sh));
-    in.targets = dev_.in(batch.targets_view());
-    in.data_group = data_group_;
-    in.vocab_shard = sh;
-    CrossEntropyGrads g;
-    g.hidden = dev_.inout(d_hidden);
-    g.weight = dev_.inout(apps::lm_head_rows(model.lm_head_weight_grad(), sh));
-    g.accumulate = true;
-    const TokenResult r =
-        loss.forward_backward(dev_.context(), in, g, dev_.workspace(loss.workspace_bytes(in, g)));
-    dev_.end();
-    if (runs_backward()) model.backward(d_hidden);
 
     if (data_group_)
       data_group_->all_reduce_sum(host_, sums.data(), static_cast<std::int64_t>(sums.size()));
     const auto completions = static_cast<double>(examples.size() * group),
                groups = static_cast<double>(examples.size());
-    MicroStats stats{r.loss,
-                     {{"reward", sums[0] / completions},
-                      {"reward_std", sums[1] / groups},
-                      {"frac_reward_zero_std", sums[2] / groups},
-                      {"completions/mean_length", sums[3] / completions},
-                      {"completions/clipped_ratio", sums[4] / completions}},
-                     input_tokens(batch)};
-    stats.metrics.insert(stats.metrics.end(), r.metrics.begin(), r.metrics.end());
-    return stats;
+    ro.metrics = {{"reward", sums[0] / completions},
+                  {"reward_std", sums[1] / groups},
+                  {"frac_reward_zero_std", sums[2] / groups},
+                  {"completions/mean_length", sums[3] / completions},
+                  {"completions/clipped_ratio", sums[4] / completions}};
+    return ro;
   }
 
- private:
   // New tokens example i may draw: --max-completion-length, and under --max-length the
   // positions its prompt leaves.
   std::int64_t new_tokens(std::size_t i) const {
@@ -553,6 +592,7 @@ class GrpoTrainer final : public Trainer {
   data::ByteTokenizer tok_;
   std::vector<data::SftExample> examples_;
   std::vector<std::vector<std::int32_t>> prompts_;  // BOS and the kept prompt bytes
+  std::vector<Rollouts> cache_;                     // the current step's micro-batches' rollouts
   LinearCrossEntropy ref_ce_;
   std::vector<float> row_loss_;
   HiddenGrad dh_;

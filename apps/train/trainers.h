@@ -50,6 +50,11 @@ struct LossSettings {
   std::int64_t max_completion_length = 16;
   std::string grpo_loss_type = "grpo";
   std::string scale_rewards = "group";
+  /// GRPO: optimizer steps on each batch of rollouts (TRL's num_iterations, >= 1), and from the
+  /// second on, the clip range of the importance ratio and its cap (GrpoOptions; epsilon_high
+  /// < 0: epsilon_low's value; delta 0: no cap).
+  std::int64_t num_iterations = 1;
+  double epsilon_low = 0.2, epsilon_high = -1, delta = 0;
   std::size_t budget_bytes = 0;
 };
 
@@ -88,9 +93,13 @@ class Trainer {
   /// model.grads() summed over the group is the whole gradient, with a tied lm_head too. With a
   /// data group as well, the two form a grid. Every rank must step together. null: alone.
   void set_vocab_group(dist::Communicator* group) { vocab_group_ = group; }
-  /// The optimizer step the next step() calls belong to (0-based): GRPO seeds its sampling
-  /// with it, so that a resumed run draws the same completions.
-  void set_step(std::int64_t step) { step_ = step; }
+  /// The optimizer step the next step() calls belong to (0-based), each call one micro-batch of
+  /// it in order: GRPO seeds its sampling with it, so that a resumed run draws the same
+  /// completions, and counts its iterations on a batch of rollouts by it.
+  void set_step(std::int64_t step) {
+    step_ = step;
+    micro_ = 0;
+  }
 
  protected:
   /// This rank's examples of a micro-batch of n: [n r / K, n (r + 1) / K) for rank r of K.
@@ -111,6 +120,7 @@ class Trainer {
   dist::Communicator* data_group_ = nullptr;
   dist::Communicator* vocab_group_ = nullptr;
   std::int64_t step_ = 0;
+  std::size_t micro_ = 0;  ///< step() calls since set_step (advanced by the trainer that counts)
 };
 
 /// Encoding options shared by every data set.
@@ -144,9 +154,11 @@ std::unique_ptr<Trainer> make_kto_trainer(const DataSettings& data, const LossSe
 /// micro-batch, loss.num_generations completions sampled from the policy (seeded by `seed`, the
 /// step and the example, so a resumed or split run draws the same ones), each rewarded 1 when it
 /// is the line's completion exactly (as chunkloss-eval's exact match), else 0; advantages
-/// normalised within each prompt's group; the loss GrpoObjective on TokenLoss, on-policy (one
-/// optimizer step per rollout batch: the ratio is 1). With loss.beta > 0 the k3 KL to the frozen
-/// `reference` (per-token log-probs from LinearCrossEntropy on it), which is then required.
+/// normalised within each prompt's group; the loss GrpoObjective on TokenLoss. Each batch of
+/// rollouts serves loss.num_iterations optimizer steps (the main loop gives their steps the same
+/// micro-batches): the first on-policy (ratio 1), the others with the sampling policy's
+/// log-probs, from the first step's call, as the old ones. With loss.beta > 0 the k3 KL to the
+/// frozen `reference` (per-token log-probs from LinearCrossEntropy on it), then required.
 std::unique_ptr<Trainer> make_grpo_trainer(const DataSettings& data, const LossSettings& loss,
                                            LossDevice& device, std::uint64_t seed,
                                            std::optional<model::LlamaModel> reference);

@@ -691,6 +691,11 @@ def loss_options_case(train, work):
             (["--loss", "grpo", "--grpo-loss-type", "dapo"],
              ("--loss grpo options", "dapo", "dr_grpo")),
             (["--loss", "grpo", "--scale-rewards", "batch"], ("--scale-rewards", "batch")),
+            (["--loss", "dpo", "--epsilon", "0.1"], ("--epsilon", "--loss dpo")),
+            (["--loss", "grpo", "--epsilon", "1"], ("--epsilon",)),
+            (["--loss", "grpo", "--delta", "1.1"], ("--loss grpo options", "delta")),
+            (["--loss", "grpo", "--num-iterations", "2", "--save", os.path.join(work, "it"),
+              "--save-every", "3"], ("--save-every 3", "--num-iterations 2")),
             (["--init", "a", "--resume", "b"], ("--init a", "--resume b")),
             (["--chart", os.path.join(work, "c.svg")], ("--chart", "--metrics", "--save"))):
         one_line(t + extra, 2, *words)
@@ -702,7 +707,8 @@ def loss_options_case(train, work):
                   ["--loss", "dpo", "--dpo-loss-type", "discopop", "--discopop-tau", "0.1"],
                   ["--loss", "simpo", "--gamma", "1", "--label-smoothing", "0.5"],
                   ["--loss", "grpo", "--num-generations", "2", "--max-completion-length", "4",
-                   "--grpo-loss-type", "bnpo", "--scale-rewards", "none"]):
+                   "--grpo-loss-type", "bnpo", "--scale-rewards", "none", "--num-iterations",
+                   "2", "--epsilon", "0.1", "--epsilon-high", "0.28", "--delta", "2"]):
         run(t + extra)
     # The z-loss is reported, and is part of the loss (the same run without it has a lower loss).
     losses = []

@@ -456,12 +456,12 @@ def eval_overflow_case(evaluate, work, sft):
 
 
 def grpo_case(train, evaluate, work):
-    """Online GRPO from an SFT model of the bundled config that gets about half of its sampled
-    answers right: the reward of the sampled completions goes up; the grpo type's loss is 0 at
-    every step (on-policy the ratio is 1, and each group's advantages sum to 0, so its mean of
-    completion means is 0: a wrong weight or advantage makes it not); 6 steps straight and 3 +
-    resume + 3 give the same bits (the sampling is seeded by the step); --beta's KL to the --init
-    model is 0 until the first update moves the policy, then positive."""
+    """Online GRPO from an SFT model of the bundled config that gets most of its sampled answers
+    right: the reward of the sampled completions goes up; the grpo type's loss is 0 at every step
+    (on-policy the ratio is 1, and each group's advantages sum to 0, so its mean of completion
+    means is 0: a wrong weight or advantage makes it not); 6 steps straight and 3 + resume + 3
+    give the same bits (the sampling is seeded by the step); --beta's KL to the --init model is 0
+    until the first update moves the policy, then positive; --num-iterations."""
     conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "apps", "configs",
                         "sft.ini")
     sft = os.path.join(work, "grpo-sft")
@@ -493,7 +493,7 @@ def grpo_case(train, evaluate, work):
     for d in (a, b):
         shutil.rmtree(d, ignore_errors=True)
     common = ["--loss", "grpo", "--steps", "6", "--warmup-steps", "1", "--batch-size", "8",
-              "--beta", "0.04", "--grpo-loss-type", "dr_grpo"]
+              "--lr", "3e-4", "--beta", "0.04", "--grpo-loss-type", "dr_grpo"]
     run([train, "--init", sft, "--save", a, "--save-every", "3"] + common)
     run([train, "--resume", os.path.join(a, "checkpoint-3"), "--save", b] + common)
     for name in ("model.safetensors", "optimizer.safetensors"):
@@ -504,6 +504,31 @@ def grpo_case(train, evaluate, work):
     if kl[0] != 0 or kl[1] != 0 or not all(k > 0 for k in kl[2:]):
         fail("grpo --beta: the KL must be 0 at the reference, then positive: %s" % kl)
     print("grpo: resume bitwise; KL %s" % ", ".join("%.3g" % k for k in kl))
+    # --num-iterations 3: each batch of rollouts serves 3 steps (the same rewards), the first
+    # on-policy (loss 0, nothing clipped), the later ones against the sampling policy's
+    # log-probs, so that a tight clip acts; resumed at a batch's first step, bitwise.
+    a, b = os.path.join(work, "grpo-it-straight"), os.path.join(work, "grpo-it-resumed")
+    for d in (a, b):
+        shutil.rmtree(d, ignore_errors=True)
+    common = ["--loss", "grpo", "--steps", "9", "--warmup-steps", "0", "--batch-size", "8",
+              "--lr", "1e-3", "--num-iterations", "3", "--epsilon", "0.02", "--delta", "1.5"]
+    run([train, "--init", sft, "--save", a, "--save-every", "6"] + common)
+    run([train, "--resume", os.path.join(a, "checkpoint-6"), "--save", b] + common)
+    if tensors(os.path.join(a, "model.safetensors")) != \
+            tensors(os.path.join(b, "model.safetensors")):
+        fail("grpo --num-iterations 3: 9 steps straight and 6 + resume + 3 differ")
+    r = records(os.path.join(a, "metrics.jsonl"))
+    for x in r:
+        later = (x["step"] - 1) % 3 != 0
+        if x["reward"] != r[(x["step"] - 1) // 3 * 3]["reward"]:
+            fail("grpo --num-iterations 3: step %d's rollouts are not its batch's" % x["step"])
+        if not later and (abs(x["loss"]) > 1e-9 or x["clip_ratio/region_mean"] != 0):
+            fail("grpo --num-iterations 3: a batch's first step is on-policy: %s" % x)
+    clipped = [x["clip_ratio/region_mean"] for x in r if (x["step"] - 1) % 3 != 0]
+    if not all(c > 0 for c in clipped):
+        fail("grpo --num-iterations 3 --epsilon 0.02: the later steps clip nothing: %s" % clipped)
+    print("grpo --num-iterations 3: resume bitwise; clipped at the later steps %s" %
+          ", ".join("%.3f" % c for c in clipped))
 
 
 def grad_accum_case(train, work, sft):
@@ -548,7 +573,8 @@ def data_parallel_case(train, work, sft):
     and AdamW scales such noise up to steps of the learning rate's size, which parted the runs
     by 1.6e-4 at step 5; with --adam-eps 1e-4, by 8e-7 at most.)"""
     for loss, init in (("ce", []), ("dpo", ["--init", sft]), ("kto", ["--init", sft]),
-                       ("grpo", ["--init", sft, "--beta", "0.04", "--adam-eps", "1e-4"])):
+                       ("grpo", ["--init", sft, "--beta", "0.04", "--adam-eps", "1e-4",
+                                 "--num-iterations", "2", "--epsilon", "0.05"])):
         paths = []
         for k in ("1", "3"):
             m = os.path.join(work, "dp-%s-%s.jsonl" % (loss, k))
