@@ -74,7 +74,8 @@ const std::vector<std::pair<std::string, std::vector<std::string>>> kLossOptions
     {"num-iterations", {"grpo"}},
     {"epsilon", {"grpo"}},
     {"epsilon-high", {"grpo"}},
-    {"delta", {"grpo"}}};
+    {"delta", {"grpo"}},
+    {"importance-sampling-level", {"grpo"}}};
 // The model options and their LlamaConfig fields (with --init or --resume, the checkpoint's).
 const std::vector<std::pair<std::string, std::int64_t (*)(const model::LlamaConfig&)>>
     kArchitecture = {
@@ -185,6 +186,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("epsilon", po::value<double>()->default_value(0.2), "grpo: ratios below 1 - epsilon are clipped (acts from the second of --num-iterations on)")
     ("epsilon-high", po::value<double>()->default_value(0, "0 = --epsilon"), "grpo: ratios above 1 + epsilon-high are clipped (DAPO: 0.28)")
     ("delta", po::value<double>()->default_value(0, "0 = off"), "grpo: cap of the unclipped ratio (two-sided clipping; > 1 + epsilon-high)")
+    ("importance-sampling-level", po::value<std::string>()->default_value("token"), "grpo: token (each token's ratio) | sequence (GSPO: the completion's length-normalised ratio)")
     ("budget-mib", po::value<double>()->default_value(0, "0 = the library's default: 256 on the CPU, 1024 on CUDA"), "the loss's workspace budget in MiB");
   po::options_description output("Output");
   output.add_options()
@@ -338,6 +340,7 @@ std::optional<Settings> parse(int argc, char** argv) {
   s.loss.epsilon_high =
       vm["epsilon-high"].defaulted() ? -1 : apps::in_range<double>(vm, "epsilon-high", 1e-12, 1e6);
   s.loss.delta = apps::in_range<double>(vm, "delta", 0, 1e6);
+  s.loss.importance_sampling_level = vm["importance-sampling-level"].as<std::string>();
   s.loss.budget_bytes = apps::budget_bytes(vm["budget-mib"].as<double>(), s.device);
   if (const std::string bad =
           apps::label_smoothing_error(s.loss.loss, s.loss.dpo_loss_type, s.loss.label_smoothing);
@@ -529,7 +532,8 @@ std::map<std::string, std::string> run_options(const Settings& s, const std::str
         {"num_iterations", integer(l.num_iterations)},
         {"epsilon", num(l.epsilon_low)},
         {"epsilon_high", num(l.epsilon_high < 0 ? l.epsilon_low : l.epsilon_high)},
-        {"delta", num(l.delta)}}}};
+        {"delta", num(l.delta)},
+        {"importance_sampling_level", l.importance_sampling_level}}}};
   o.merge(std::map(by_loss.at(l.loss)));
   // How the micro-batches of a step weigh (Trainer::step_weight): a build before this key
   // weighed cross-entropy's equally.

@@ -352,6 +352,7 @@ GrpoOptions grpo_options(const LossSettings& s) {
   o.epsilon_low = s.epsilon_low;
   o.epsilon_high = s.epsilon_high < 0 ? s.epsilon_low : s.epsilon_high;
   o.delta = s.delta;
+  o.importance_sampling_level = parse_importance_sampling_level(s.importance_sampling_level);
   return o;
 }
 
@@ -423,10 +424,6 @@ class GrpoTrainer final : public Trainer {
     to.reduction = ro.norm.reduction;
     to.skip_ignored_rows = true;
     to.memory_budget_bytes = settings_.budget_bytes;
-    const TokenLoss loss(std::make_shared<GrpoObjective>(
-                             grpo_options(settings_),
-                             GrpoRows{ro.advantages, ro.old_logps, ro.ref_logps, ro.norm.weights}),
-                         to);
 
     const TensorView hidden = model.forward(ro.batch.tokens_view());
     const TensorView d_hidden = dh_.view(hidden);
@@ -437,6 +434,19 @@ class GrpoTrainer final : public Trainer {
     in.targets = dev_.in(ro.batch.targets_view());
     in.data_group = data_group_;
     in.vocab_shard = sh;
+    GrpoRows rows{ro.advantages, ro.old_logps, ro.ref_logps, ro.norm.weights};
+    std::vector<double> current;
+    if (grpo_options(settings_).importance_sampling_level == ImportanceSamplingLevel::kSequence &&
+        !ro.old_logps.empty()) {
+      // The completions' sequence ratios need the current policy's log-probs of every row: one
+      // forward of the token-level loss (its values unused) before the step's call.
+      const TokenLoss probe(
+          std::make_shared<GrpoObjective>(GrpoOptions{}, GrpoRows{rows.advantages}), to);
+      current = probe.forward(dev_.context(), in, dev_.workspace(probe.workspace_bytes(in))).logps;
+      rows.completion = ro.completion;
+      rows.current_logps = current;
+    }
+    const TokenLoss loss(std::make_shared<GrpoObjective>(grpo_options(settings_), rows), to);
     CrossEntropyGrads g;
     g.hidden = dev_.inout(d_hidden);
     g.weight = dev_.inout(apps::lm_head_rows(model.lm_head_weight_grad(), sh));
@@ -456,12 +466,13 @@ class GrpoTrainer final : public Trainer {
  private:
   // A micro-batch's rollouts and what its iterations reuse.
   struct Rollouts {
-    std::vector<std::size_t> examples;  // the micro-batch they were sampled for
-    data::Batch batch;                  // this rank's completions, prompts first
-    std::vector<double> advantages;     // [rows] the row's completion's (0: prompt, padding)
-    GrpoNormalization norm;             // the loss type's weights and reduction
-    std::vector<double> old_logps;      // [rows] the sampling policy's (iterations > 1)
-    std::vector<double> ref_logps;      // [rows] the reference's (beta > 0)
+    std::vector<std::size_t> examples;     // the micro-batch they were sampled for
+    data::Batch batch;                     // this rank's completions, prompts first
+    std::vector<double> advantages;        // [rows] the row's completion's (0: prompt, padding)
+    std::vector<std::int64_t> completion;  // [rows] the row's completion's index, or -1
+    GrpoNormalization norm;                // the loss type's weights and reduction
+    std::vector<double> old_logps;         // [rows] the sampling policy's (iterations > 1)
+    std::vector<double> ref_logps;         // [rows] the reference's (beta > 0)
     std::vector<std::pair<std::string, double>> metrics;  // the rollouts' (the whole batch's)
   };
 
@@ -514,15 +525,15 @@ class GrpoTrainer final : public Trainer {
     // the data group), -1 for prompt and padding rows.
     const auto rows = static_cast<std::size_t>(ro.batch.rows * ro.batch.length);
     ro.advantages.assign(rows, 0.0);
-    std::vector<std::int64_t> completion(rows, -1);
+    ro.completion.assign(rows, -1);
     for (std::size_t i = 0; i < rows; ++i) {
       if (ro.batch.targets[i] == data::EncodeOptions{}.ignore_index) continue;
       const std::size_t b = i / static_cast<std::size_t>(ro.batch.length);
       ro.advantages[i] = advantages[b];
-      completion[i] = static_cast<std::int64_t>(first * group + b);
+      ro.completion[i] = static_cast<std::int64_t>(first * group + b);
     }
     ro.norm =
-        grpo_normalization(type_, completion, static_cast<std::int64_t>(examples.size() * group),
+        grpo_normalization(type_, ro.completion, static_cast<std::int64_t>(examples.size() * group),
                            settings_.max_completion_length);
 
     if (data_group_)

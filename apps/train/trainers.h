@@ -55,6 +55,9 @@ struct LossSettings {
   /// < 0: epsilon_low's value; delta 0: no cap).
   std::int64_t num_iterations = 1;
   double epsilon_low = 0.2, epsilon_high = -1, delta = 0;
+  /// GRPO: "token" (each token's ratio) or "sequence" (GSPO: the completion's, whose later
+  /// iterations take one more forward of the loss for the current log-probs).
+  std::string importance_sampling_level = "token";
   std::size_t budget_bytes = 0;
 };
 

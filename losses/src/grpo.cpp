@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <unordered_map>
 #include <utility>
 
@@ -19,6 +20,10 @@ constexpr std::pair<GrpoLossType, std::string_view> kGrpoNames[] = {
     {GrpoLossType::kGrpo, "grpo"},
     {GrpoLossType::kBnpo, "bnpo"},
     {GrpoLossType::kDrGrpo, "dr_grpo"},
+};
+constexpr std::pair<ImportanceSamplingLevel, std::string_view> kLevelNames[] = {
+    {ImportanceSamplingLevel::kToken, "token"},
+    {ImportanceSamplingLevel::kSequence, "sequence"},
 };
 
 // Copies `values` (empty or one per row; with `nonnegative`, none below 0). Ignored rows' values
@@ -56,6 +61,38 @@ GrpoObjective::GrpoObjective(const GrpoOptions& o, const GrpoRows& rows) : optio
                   " needs rows.ref_logps (the reference's log-probs)");
   ref_logps_ = row_values("ref_logps", rows.ref_logps, n);
   weights_ = row_values("weights", rows.weights, n, true);
+  if (o.importance_sampling_level == ImportanceSamplingLevel::kSequence && !old_logps_.empty())
+    sequence_shift_ = sequence_shifts(rows);
+}
+
+std::vector<double> GrpoObjective::sequence_shifts(const GrpoRows& rows) const {
+  const std::size_t n = advantages_.size();
+  CHUNKLOSS_CHECK(rows.completion.size() == n && rows.current_logps.size() == n,
+                  "Grpo: the sequence level with old_logps needs rows.completion and "
+                  "rows.current_logps, one per row (",
+                  n, "), got ", rows.completion.size(), " and ", rows.current_logps.size());
+  // The mean of current - old over each completion's rows that have a current log-prob.
+  std::unordered_map<std::int64_t, std::pair<double, double>> sums;  // (sum, rows)
+  for (std::size_t t = 0; t < n; ++t) {
+    const double cur = rows.current_logps[t];
+    if (std::isnan(cur)) continue;  // (an ignored row)
+    const std::int64_t c = rows.completion[t];
+    CHUNKLOSS_CHECK(c >= 0, "Grpo: row ", t, " has a current log-prob (", cur,
+                    ") but completion -1: the sequence level needs its completion");
+    CHUNKLOSS_CHECK(std::isfinite(cur) && std::isfinite(old_logps_[t]), "Grpo: row ", t,
+                    " of completion ", c, ": current_logps ", cur, " and old_logps ", old_logps_[t],
+                    " must be finite");
+    auto& [sum, count] = sums[c];
+    sum += cur - old_logps_[t];
+    count += 1;
+  }
+  std::vector<double> shift(n, std::numeric_limits<double>::quiet_NaN());
+  for (std::size_t t = 0; t < n; ++t) {
+    const auto it = sums.find(rows.completion[t]);
+    if (it == sums.end() || std::isnan(rows.current_logps[t])) continue;
+    shift[t] = it->second.first / it->second.second - rows.current_logps[t];
+  }
+  return shift;
 }
 
 std::vector<std::string> GrpoObjective::extra_metrics() const {
@@ -68,8 +105,18 @@ std::vector<std::string> GrpoObjective::extra_metrics() const {
 TokenValue GrpoObjective::evaluate(const TokenStats& row, std::span<double> extras) const {
   const auto t = static_cast<std::size_t>(row.row);
   const double a = advantages_[t];
-  // The ratio and d ratio / d logp: with no old log-probs, exp(logp - stop_gradient(logp)).
-  const double ratio = old_logps_.empty() ? 1.0 : std::exp(row.logp - old_logps_[t]);
+  // The ratio, which is also d ratio / d logp: with no old log-probs, exp(logp -
+  // stop_gradient(logp)); at the sequence level s_i exp(logp - current logp).
+  double log_ratio = 0;
+  if (!sequence_shift_.empty()) {
+    CHUNKLOSS_CHECK(!std::isnan(sequence_shift_[t]), "Grpo: row ", t,
+                    " is valid, but rows.current_logps has NaN there: the sequence level needs "
+                    "the current log-probs of the call's valid rows");
+    log_ratio = sequence_shift_[t] + row.logp;
+  } else if (!old_logps_.empty()) {
+    log_ratio = row.logp - old_logps_[t];
+  }
+  const double ratio = std::exp(log_ratio);
   const double lo = 1 - options_.epsilon_low, hi = 1 + options_.epsilon_high;
   // The unclipped term, capped at delta, and its d / d logp.
   const bool capped = options_.delta > 0 && ratio > options_.delta;
@@ -104,6 +151,15 @@ std::string_view grpo_loss_name(GrpoLossType t) {
 
 GrpoLossType parse_grpo_loss(std::string_view name) {
   return detail::parse_loss_type<GrpoLossType>(kGrpoNames, name, "Grpo");
+}
+
+std::string_view importance_sampling_level_name(ImportanceSamplingLevel l) {
+  return detail::loss_type_name<ImportanceSamplingLevel>(kLevelNames, l);
+}
+
+ImportanceSamplingLevel parse_importance_sampling_level(std::string_view name) {
+  return detail::parse_loss_type<ImportanceSamplingLevel>(kLevelNames, name, "Grpo",
+                                                          "importance_sampling_level");
 }
 
 GrpoNormalization grpo_normalization(GrpoLossType type, std::span<const std::int64_t> completion,

@@ -21,15 +21,17 @@ std::string_view loss_type_name(LossTypeNames<T> names, T t) {
   return "?";
 }
 
-/// The type named `name`; throws chunkloss::Error naming `who` and listing the names.
+/// The type named `name`; throws chunkloss::Error naming `who` and the option (`what`), and
+/// listing the names.
 template <typename T>
-T parse_loss_type(LossTypeNames<T> names, std::string_view name, const char* who) {
+T parse_loss_type(LossTypeNames<T> names, std::string_view name, const char* who,
+                  const char* what = "loss_type") {
   std::string all;
   for (const auto& [k, n] : names) {
     if (n == name) return k;
     all += (all.empty() ? "" : ", ") + std::string(n);
   }
-  CHUNKLOSS_FAIL(who, ": unknown loss_type '", name, "'; expected one of ", all);
+  CHUNKLOSS_FAIL(who, ": unknown ", what, " '", name, "'; expected one of ", all);
 }
 
 }  // namespace chunkloss::detail

@@ -692,6 +692,8 @@ def loss_options_case(train, work):
              ("--loss grpo options", "dapo", "dr_grpo")),
             (["--loss", "grpo", "--scale-rewards", "batch"], ("--scale-rewards", "batch")),
             (["--loss", "dpo", "--epsilon", "0.1"], ("--epsilon", "--loss dpo")),
+            (["--loss", "grpo", "--importance-sampling-level", "seq"],
+             ("--loss grpo options", "importance_sampling_level 'seq'")),
             (["--loss", "grpo", "--epsilon", "1"], ("--epsilon",)),
             (["--loss", "grpo", "--delta", "1.1"], ("--loss grpo options", "delta")),
             (["--loss", "grpo", "--num-iterations", "2", "--save", os.path.join(work, "it"),
@@ -708,7 +710,8 @@ def loss_options_case(train, work):
                   ["--loss", "simpo", "--gamma", "1", "--label-smoothing", "0.5"],
                   ["--loss", "grpo", "--num-generations", "2", "--max-completion-length", "4",
                    "--grpo-loss-type", "bnpo", "--scale-rewards", "none", "--num-iterations",
-                   "2", "--epsilon", "0.1", "--epsilon-high", "0.28", "--delta", "2"]):
+                   "2", "--epsilon", "0.1", "--epsilon-high", "0.28", "--delta", "2",
+                   "--importance-sampling-level", "sequence"]):
         run(t + extra)
     # The z-loss is reported, and is part of the loss (the same run without it has a lower loss).
     losses = []

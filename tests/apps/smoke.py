@@ -529,6 +529,21 @@ def grpo_case(train, evaluate, work):
         fail("grpo --num-iterations 3 --epsilon 0.02: the later steps clip nothing: %s" % clipped)
     print("grpo --num-iterations 3: resume bitwise; clipped at the later steps %s" %
           ", ".join("%.3f" % c for c in clipped))
+    # GSPO (--importance-sampling-level sequence) with GSPO's tight clip range: the later steps
+    # clip whole completions, the first stays on-policy.
+    m = os.path.join(work, "gspo.jsonl")
+    if os.path.exists(m):
+        os.remove(m)
+    run([train, "--init", sft, "--loss", "grpo", "--steps", "6", "--warmup-steps", "0",
+         "--batch-size", "8", "--lr", "1e-3", "--num-iterations", "3", "--epsilon", "3e-3",
+         "--epsilon-high", "4e-3", "--importance-sampling-level", "sequence", "--metrics", m])
+    r = records(m)
+    for x in r:
+        first_step = (x["step"] - 1) % 3 == 0
+        if first_step != (abs(x["loss"]) < 1e-9 and x["clip_ratio/region_mean"] == 0):
+            fail("gspo: on-policy at a batch's first step only, clipped after it: %s" % x)
+    print("gspo: clipped at the later steps %s" % ", ".join(
+        "%.3f" % x["clip_ratio/region_mean"] for x in r if (x["step"] - 1) % 3 != 0))
 
 
 def grad_accum_case(train, work, sft):
@@ -621,7 +636,10 @@ def vocab_parallel_case(train, work, sft):
             ("dpo", ["--init", sft, "--grad-accum", "2"], ("3", "2")),
             ("orpo", ["--init", sft], ("2", "1")), ("kto", ["--init", sft], ("2", "2")),
             ("grpo", ["--init", sft, "--beta", "0.04", "--grpo-loss-type", "bnpo",
-                      "--adam-eps", "1e-4"], ("2", "2")))
+                      "--adam-eps", "1e-4"], ("2", "2")),
+            ("grpo", ["--init", sft, "--importance-sampling-level", "sequence",
+                      "--num-iterations", "2", "--epsilon", "0.01", "--adam-eps", "1e-4"],
+             ("2", "2")))
     for i, (loss, extra, (vocab, data)) in enumerate(runs):
         paths = []
         for k, d in (("1", "1"), (vocab, data)):

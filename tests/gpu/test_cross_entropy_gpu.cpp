@@ -852,6 +852,10 @@ TEST_CASE(
         std::mt19937_64 g(5), g_ref(6);
         std::normal_distribution<double> nd(0.0, 1.0);
         std::vector<double> adv, old, ref, z(static_cast<std::size_t>(p.v));
+        // GSPO's completions of 4 rows, their mean log-ratios near -0.5, 0 or 0.5 (old log-probs
+        // +-0.1 apart within one), and the current log-probs (NaN at ignored rows).
+        std::vector<double> seq_old, current;
+        std::vector<std::int64_t> completion;
         for (std::int64_t i = 0; i < p.n; ++i) {
           const auto row = static_cast<std::size_t>(i);
           for (std::int64_t j = 0; j < p.v; ++j) {
@@ -872,16 +876,24 @@ TEST_CASE(
           old.push_back(logp + 0.5 * static_cast<double>(i % 3 == 1) -
                         0.5 * static_cast<double>(i % 3 == 2));
           ref.push_back(logp + 0.3 * nd(g_ref));
+          const std::int64_t c = i / 4;
+          completion.push_back(d.y[row] < 0 ? -1 : c);
+          current.push_back(d.y[row] < 0 ? std::nan("") : logp);
+          seq_old.push_back(logp + 0.5 * static_cast<double>(c % 3 - 1) + (i % 2 ? 0.1 : -0.1));
         }
         // GRPO with every term: DAPO's clip-higher, the cap (e^0.5 > 1.5), the k3 KL.
         GrpoOptions grpo;
         grpo.epsilon_high = 0.28;
         grpo.delta = 1.5;
         grpo.beta = 0.04;
+        GrpoOptions gspo = grpo;
+        gspo.importance_sampling_level = ImportanceSamplingLevel::kSequence;
         const std::shared_ptr<const TokenObjective> objectives[] = {
             std::make_shared<reference::FocalObjective>(2.0),
             std::make_shared<reference::ClippedRatioObjective>(adv, old, 0.2),
-            std::make_shared<GrpoObjective>(grpo, GrpoRows{adv, old, ref})};
+            std::make_shared<GrpoObjective>(grpo, GrpoRows{adv, old, ref}),
+            std::make_shared<GrpoObjective>(gspo,
+                                            GrpoRows{adv, seq_old, ref, {}, completion, current})};
         for (const auto& obj : objectives) {
           for (Reduction r : {Reduction::kMean, Reduction::kSum}) {
             for (bool accumulate : {false, true}) {

@@ -131,9 +131,39 @@ std::shared_ptr<const TokenObjective> grpo(const CeData& d) {
   return std::make_shared<GrpoObjective>(o, GrpoRows{adv, old, ref, norm.weights});
 }
 
+// GRPO at the sequence level (GSPO): old log-probs 0.25 apart within completions of 5 rows (so
+// the completions' ratios s_i spread on both sides of the clip range), the current log-probs
+// the float64 oracle's, DAPO's clip-higher, the cap, the KL and the grpo type's weights.
+std::shared_ptr<const TokenObjective> grpo_sequence(const CeData& d) {
+  const reference::TokenOracle base =
+      reference::token_loss(d.problem({}), -100, Reduction::kMean, reference::NllObjective());
+  const std::size_t n = base.logps.size();
+  const std::vector<float> a = normal_floats(n, 1.0f, d.spec.seed + 9);
+  const std::vector<float> r = normal_floats(n, 0.3f, d.spec.seed + 10);
+  std::vector<double> adv, old, ref;
+  std::vector<std::int64_t> completion;
+  for (std::size_t i = 0; i < n; ++i) {
+    const bool valid = !std::isnan(base.logps[i]);
+    const double logp = valid ? base.logps[i] : 0.0;
+    adv.push_back(a[i / 5 * 5]);  // (the completion's)
+    old.push_back(logp + (static_cast<int>(i / 5 % 3) - 1) * 0.25 + (i % 2 ? 0.1 : -0.1));
+    ref.push_back(logp + r[i]);
+    completion.push_back(valid ? static_cast<std::int64_t>(i / 5) : -1);
+  }
+  const GrpoNormalization norm = grpo_normalization(GrpoLossType::kGrpo, completion);
+  GrpoOptions o;
+  o.epsilon_high = 0.28;
+  o.delta = 1.5;
+  o.beta = 0.04;
+  o.importance_sampling_level = ImportanceSamplingLevel::kSequence;
+  return std::make_shared<GrpoObjective>(
+      o, GrpoRows{adv, old, ref, norm.weights, completion, base.logps});
+}
+
 std::vector<std::shared_ptr<const TokenObjective>> objectives(const CeData& d) {
   return {std::make_shared<reference::NllObjective>(),
-          std::make_shared<reference::FocalObjective>(2.0), clipped_ratio(d), grpo(d)};
+          std::make_shared<reference::FocalObjective>(2.0), clipped_ratio(d), grpo(d),
+          grpo_sequence(d)};
 }
 
 // The smallest budget giving `rows` rows per chunk in `order`, as the CE fixture finds it (a
@@ -246,7 +276,7 @@ TEST_CASE("token objectives: finite differences of the float64 loss at the libra
   const CeData d(s);
   for (const auto& obj :
        {std::shared_ptr<const TokenObjective>(std::make_shared<reference::FocalObjective>(1.5)),
-        clipped_ratio(d), grpo(d)}) {
+        clipped_ratio(d), grpo(d), grpo_sequence(d)}) {
     for (LoopOrder order : kOrders) {
       CAPTURE(obj->name());
       CAPTURE(loop_order_name(order));
@@ -803,6 +833,130 @@ TEST_CASE("GRPO objective: TRL's per-token loss, its derivative, the clip metric
         std::vector<std::string>{"clip_ratio/low_mean", "clip_ratio/high_mean",
                                  "clip_ratio/region_mean", "kl"});
   CHECK(GrpoObjective({}, {one}).extra_metrics().size() == 3);
+}
+
+TEST_CASE("GSPO: the sequence ratio, TRL's sequence-level loss and its gradient, the metrics") {
+  // Completions 0 (rows 1-3) and 1 (rows 4-5); rows 0 and 6 have none (ignored, NaN current
+  // log-probs, as TokenResult::logps holds them).
+  const double nan = std::nan("");
+  const std::vector<std::int64_t> completion = {-1, 0, 0, 0, 1, 1, -1};
+  const std::vector<double> cur = {nan, -0.5, -1.2, -0.3, -2.0, -0.7, nan};
+  const std::vector<double> ref = {0.0, -0.4, -1.5, -0.2, -1.6, -0.9, 0.0};
+  const GrpoNormalization norm = grpo_normalization(GrpoLossType::kGrpo, completion);
+  // TRL's sequence-level total: every token of completion i has the loss of s_i = exp(mean of
+  // logp - old over i), weighted, plus its own k3 (the gradient flows through s_i).
+  const auto trl_total = [&](const GrpoOptions& o, const std::vector<double>& adv,
+                             const std::vector<double>& old, const std::vector<double>& logp) {
+    double total = 0;
+    for (std::int64_t c = 0; c < 2; ++c) {
+      double sum = 0, count = 0;
+      for (std::size_t t = 0; t < logp.size(); ++t)
+        if (completion[t] == c) sum += logp[t] - old[t], count += 1;
+      const double s = std::exp(sum / count);
+      for (std::size_t t = 0; t < logp.size(); ++t)
+        if (completion[t] == c)
+          total += norm.weights[t] *
+                   (-std::min((o.delta > 0 ? std::min(s, o.delta) : s) * adv[t],
+                              std::clamp(s, 1 - o.epsilon_low, 1 + o.epsilon_high) * adv[t]) +
+                    o.beta * (std::exp(ref[t] - logp[t]) - (ref[t] - logp[t]) - 1));
+    }
+    return total;
+  };
+  // Mean log-ratios (completion 0, completion 1): inside the range, below 1 - epsilon_low,
+  // above delta; none within 0.05 of a boundary.
+  for (const auto& [m0, m1] : {std::pair{0.05, -0.4}, std::pair{0.6, -0.05}}) {
+    for (const auto& [a0, a1] : {std::pair{1.2, -0.8}, std::pair{-0.9, 0.6}}) {
+      for (double beta : {0.0, 0.1}) {
+        for (double delta : {0.0, 1.6}) {
+          std::vector<double> old(cur.size(), nan), adv(cur.size(), 0.0);
+          const double offsets[] = {0, 0.2, -0.3, 0.1, 0.25, -0.25, 0};
+          for (std::size_t t = 0; t < cur.size(); ++t) {
+            if (completion[t] < 0) continue;
+            old[t] = cur[t] - (completion[t] == 0 ? m0 : m1) + offsets[t];
+            adv[t] = completion[t] == 0 ? a0 : a1;
+          }
+          GrpoOptions o;
+          o.epsilon_high = 0.28;
+          o.delta = delta;
+          o.beta = beta;
+          o.importance_sampling_level = ImportanceSamplingLevel::kSequence;
+          const GrpoObjective obj(
+              o, {adv, old, beta > 0 ? ref : std::vector<double>{}, norm.weights, completion, cur});
+          CAPTURE(m0);
+          CAPTURE(m1);
+          CAPTURE(a0);
+          CAPTURE(beta);
+          CAPTURE(delta);
+          std::vector<double> logp = cur;
+          for (std::size_t t = 0; t < logp.size(); ++t)
+            if (completion[t] < 0) logp[t] = 0;
+          double loss = 0;
+          for (std::size_t t = 0; t < cur.size(); ++t) {
+            if (completion[t] < 0) continue;
+            CAPTURE(t);
+            std::vector<double> extras(obj.extra_metrics().size(), 0.0);
+            const TokenValue v = obj.evaluate({static_cast<std::int64_t>(t), 3, cur[t]}, extras);
+            loss += v.loss;
+            const double s = std::exp(completion[t] == 0 ? m0 : m1);
+            const bool low = s < 0.8 && adv[t]<0, high = s> 1.28 && adv[t] > 0;
+            CHECK(extras[0] == (low ? 1.0 : 0.0));
+            CHECK(extras[1] == (high ? 1.0 : 0.0));
+            CHECK(extras[2] == (low || high ? 1.0 : 0.0));
+            // d total / d logp_t through s_i, by central differences.
+            const double h = 1e-6;
+            std::vector<double> up = logp, down = logp;
+            up[t] += h;
+            down[t] -= h;
+            const double fd = (trl_total(o, adv, old, up) - trl_total(o, adv, old, down)) / (2 * h);
+            CHECK(v.dlogp == doctest::Approx(fd).epsilon(1e-6).scale(1e-3));
+          }
+          CHECK(loss == doctest::Approx(trl_total(o, adv, old, logp)).epsilon(1e-13));
+        }
+      }
+    }
+  }
+  // On-policy, the sequence ratio is 1 as the token one: the same values.
+  const std::vector<double> adv = {0, 1.5, 1.5, 1.5, -0.5, -0.5, 0};
+  GrpoOptions seq;
+  seq.importance_sampling_level = ImportanceSamplingLevel::kSequence;
+  const GrpoObjective on_seq(seq, {adv, {}, {}, norm.weights});
+  const GrpoObjective on_tok({}, {adv, {}, {}, norm.weights});
+  for (std::int64_t t = 1; t < 6; ++t) {
+    std::vector<double> e1(3), e2(3);
+    const TokenValue a = on_seq.evaluate({t, 2, cur[static_cast<std::size_t>(t)]}, e1);
+    const TokenValue b = on_tok.evaluate({t, 2, cur[static_cast<std::size_t>(t)]}, e2);
+    CHECK(a.loss == b.loss);
+    CHECK(a.dlogp == b.dlogp);
+  }
+  // Names, and refused rows, named.
+  for (ImportanceSamplingLevel l :
+       {ImportanceSamplingLevel::kToken, ImportanceSamplingLevel::kSequence})
+    CHECK(parse_importance_sampling_level(importance_sampling_level_name(l)) == l);
+  CHECK(contains(error_message([] { (void)parse_importance_sampling_level("sequence_token"); }),
+                 "unknown importance_sampling_level 'sequence_token'; expected one of token, "
+                 "sequence"));
+  const std::vector<double> old = {nan, -0.4, -1.0, -0.3, -1.9, -0.8, nan};
+  const auto message = [&](const GrpoRows& r) {
+    return error_message([&] { GrpoObjective obj(seq, r); });
+  };
+  CHECK(contains(message({adv, old}),
+                 "the sequence level with old_logps needs rows.completion "
+                 "and rows.current_logps, one per row (7), got 0 and 0"));
+  std::vector<std::int64_t> orphan = completion;
+  orphan[2] = -1;
+  CHECK(contains(message({adv, old, {}, {}, orphan, cur}),
+                 "Grpo: row 2 has a current log-prob (-1.2) but completion -1"));
+  std::vector<double> bad_old = old;
+  bad_old[4] = nan;
+  CHECK(contains(message({adv, bad_old, {}, {}, completion, cur}),
+                 "Grpo: row 4 of completion 1: current_logps -2 and old_logps nan must be finite"));
+  // A row the call finds valid where current_logps has NaN.
+  const GrpoObjective obj(seq, {adv, old, {}, {}, completion, cur});
+  std::vector<double> extras(3);
+  CHECK(contains(error_message([&] {
+                   (void)obj.evaluate({6, 1, -0.5}, extras);
+                 }),
+                 "Grpo: row 6 is valid, but rows.current_logps has NaN there"));
 }
 
 TEST_CASE("GRPO: the loss types' weights and reductions") {

@@ -1,14 +1,19 @@
 // The GRPO family's policy loss as a token objective (LOSSES.md, "Later"): the clipped importance
 // ratio of PPO with per-sequence advantages, DAPO's asymmetric clip ("clip-higher"), the
 // two-sided cap of the unclipped ratio, and the k3 estimate of the KL to a reference, at the
-// token level of importance sampling, in TRL's GRPOTrainer conventions. The rollouts, rewards
-// and advantages are the caller's; this is the loss of one optimisation step on them.
+// token or the sequence level of importance sampling (GSPO), in TRL's GRPOTrainer conventions.
+// The rollouts, rewards and advantages are the caller's; this is the loss of one optimisation
+// step on them.
 //
-// Per valid row t (a completion token) with advantage A, r = exp(logp - old_logp):
+// Per valid row t (a completion token) with advantage A and importance ratio r:
 //   loss_t = w_t (-min(r' A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A) + beta k3_t)
 // with r' = min(r, delta) when delta is set (else r), k3_t = exp(ref - logp) - (ref - logp) - 1,
-// and w_t the row's weight (1 without GrpoRows::weights). The batch loss is the TokenLoss's mean
-// or sum of loss_t; grpo_normalization gives the weights and the reduction of TRL's loss types.
+// and w_t the row's weight (1 without GrpoRows::weights). Token level: r = exp(logp - old_logp).
+// Sequence level (GSPO): r = s_i exp(logp - stop_gradient(logp)), with s_i = exp(mean over the
+// completion i's tokens of (logp - old_logp)), TRL's "sequence_token" form; its value is s_i, and
+// its gradient is that of GSPO's (TRL's "sequence") wherever w_t is constant within each
+// completion, as grpo_normalization's weights are. The batch loss is the TokenLoss's mean or
+// sum of loss_t; grpo_normalization gives the weights and the reduction of TRL's loss types.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +28,12 @@
 
 namespace chunkloss {
 
+/// Where the importance ratio is taken (TRL's importance_sampling_level).
+enum class ImportanceSamplingLevel : std::uint8_t {
+  kToken,     ///< each token's own ratio (GRPO, DAPO)
+  kSequence,  ///< the completion's length-normalised ratio, for each of its tokens (GSPO)
+};
+
 struct GrpoOptions {
   double epsilon_low = 0.2;   ///< in [0, 1): ratios below 1 - epsilon_low are clipped
   double epsilon_high = 0.2;  ///< >= 0: ratios above 1 + epsilon_high (DAPO uses 0.28)
@@ -31,6 +42,8 @@ struct GrpoOptions {
   double delta = 0;
   /// >= 0: weight of the k3 KL estimate to the reference (TRL's beta); > 0 needs ref_logps.
   double beta = 0;
+  /// kSequence with old log-probs needs GrpoRows::completion and current_logps.
+  ImportanceSamplingLevel importance_sampling_level = ImportanceSamplingLevel::kToken;
 };
 
 /// Per-row data of this rank's N rows (row t of hidden), copied by the objective. Values of
@@ -47,6 +60,13 @@ struct GrpoRows {
   std::span<const double> ref_logps = {};
   /// [N] each row's weight in the loss (>= 0); empty: 1. See grpo_normalization.
   std::span<const double> weights = {};
+  /// Sequence level with old_logps: [N] the index of each row's completion (-1: none), as
+  /// grpo_normalization takes it, and [N] the rows' log-probs under the current policy
+  /// (TokenResult::logps of a forward() on the same inputs, NaN at ignored rows). s_i is the mean
+  /// of current - old over the completion's rows that current_logps holds a value for (the
+  /// valid ones). From another policy's log-probs, r is that policy's s_i times pi / pi_that.
+  std::span<const std::int64_t> completion = {};
+  std::span<const double> current_logps = {};
 };
 
 /// The GRPO policy loss per token. Extra metrics, means over the valid rows (TRL's names):
@@ -66,8 +86,13 @@ class GrpoObjective final : public TokenObjective {
   const GrpoOptions& options() const { return options_; }
 
  private:
+  std::vector<double> sequence_shifts(const GrpoRows& rows) const;
+
   GrpoOptions options_;
   std::vector<double> advantages_, old_logps_, ref_logps_, weights_;
+  /// Sequence level with old log-probs: per row, log s_i - current logp (NaN for rows of no
+  /// completion), so that log r = this + logp.
+  std::vector<double> sequence_shift_;
 };
 
 /// TRL's loss types: how the tokens' losses are summed into the batch's.
@@ -78,6 +103,9 @@ enum class GrpoLossType : std::uint8_t {
 };
 
 std::string_view grpo_loss_name(GrpoLossType t);
+std::string_view importance_sampling_level_name(ImportanceSamplingLevel l);
+/// Parses TRL's names "token" and "sequence"; throws chunkloss::Error listing them.
+ImportanceSamplingLevel parse_importance_sampling_level(std::string_view name);
 /// Parses a TRL name ("grpo", "bnpo", "dr_grpo"); throws chunkloss::Error listing the names.
 GrpoLossType parse_grpo_loss(std::string_view name);
 
