@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The main job: set up, build the two apps (CPU only), SFT a small decoder on the bundled addition
-# data, preference-tune it (DPO by default, or the loss given: dpo|orpo|simpo|cpo|kto), then print
+# data, preference-tune it (DPO by default, or the loss given: dpo|orpo|simpo|cpo|kto, or online
+# GRPO: grpo), then print
 # the before/after table of chunkloss-eval on the held-out files. Outputs go to runs/ (or
 # $CHUNKLOSS_RUNS): checkpoints, metrics.jsonl and training.svg per stage, eval-LOSS.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 loss="${1:-dpo}"
 case "$loss" in
-  dpo | orpo | simpo | cpo | kto) ;;
-  *) echo "usage: apps/run_main_job.sh [dpo|orpo|simpo|cpo|kto]" >&2; exit 2 ;;
+  dpo | orpo | simpo | cpo | kto | grpo) ;;
+  *) echo "usage: apps/run_main_job.sh [dpo|orpo|simpo|cpo|kto|grpo]" >&2; exit 2 ;;
 esac
 runs="${CHUNKLOSS_RUNS:-runs}"
 
