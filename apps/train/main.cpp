@@ -178,7 +178,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("desirable-weight", po::value<double>()->default_value(1.0), "kto: weight of desirable examples")
     ("undesirable-weight", po::value<double>()->default_value(1.0), "kto: weight of undesirable examples")
     ("num-generations", po::value<std::int64_t>()->default_value(8), "grpo: completions sampled per prompt, a group (>= 2)")
-    ("temperature", po::value<double>()->default_value(1.0), "grpo: sampling temperature (> 0)")
+    ("temperature", po::value<double>()->default_value(1.0), "grpo: sampling temperature (> 0); the loss's log-probs (and the reference's) are those of the logits divided by it, as TRL's")
     ("max-completion-length", po::value<std::int64_t>()->default_value(16), "grpo: new tokens a completion may have, EOS included (>= 1)")
     ("grpo-loss-type", po::value<std::string>()->default_value("grpo"), "grpo: grpo (each completion's token mean, then the mean), bnpo (the token mean), dr_grpo (the token sum over completions x --max-completion-length)")
     ("scale-rewards", po::value<std::string>()->default_value("group"), "grpo: group (advantages divided by the group's reward standard deviation) | none (Dr. GRPO)")
@@ -337,8 +337,8 @@ std::optional<Settings> parse(int argc, char** argv) {
     throw apps::UsageError("--scale-rewards: '" + s.loss.scale_rewards + "' is not group or none");
   s.loss.num_iterations = apps::in_range<std::int64_t>(vm, "num-iterations", 1, 1 << 20);
   s.loss.epsilon_low = apps::in_range<double>(vm, "epsilon", 0, 0.999999);
-  s.loss.epsilon_high =
-      vm["epsilon-high"].defaulted() ? -1 : apps::in_range<double>(vm, "epsilon-high", 1e-12, 1e6);
+  s.loss.epsilon_high = apps::in_range<double>(vm, "epsilon-high", 0, 1e6);
+  if (s.loss.epsilon_high == 0) s.loss.epsilon_high = -1;  // (--epsilon's value)
   s.loss.delta = apps::in_range<double>(vm, "delta", 0, 1e6);
   s.loss.importance_sampling_level = vm["importance-sampling-level"].as<std::string>();
   s.loss.budget_bytes = apps::budget_bytes(vm["budget-mib"].as<double>(), s.device);
@@ -1038,6 +1038,8 @@ int run(const Settings& s, const std::string& invocation) {
                  "%s: warning: --resume-inexact: %s; the run continues the same optimisation, "
                  "its numbers differing from an uninterrupted run's by rounding\n",
                  kProg, inexact.c_str());
+  if (const std::string w = trainer->warning(); !w.empty())
+    std::fprintf(stderr, "%s: warning: %s\n", kProg, w.c_str());
   std::fprintf(stderr, "%s: %s\n", kProg, policy->summary().c_str());
   std::fprintf(
       stderr,

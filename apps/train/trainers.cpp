@@ -375,10 +375,41 @@ class GrpoTrainer final : public Trainer {
     examples_ = data::parse_sft_jsonl(data.text, data.file);
     // A prompt keeps its last --max-prompt-length bytes and, under --max-length, room for one
     // completion token (data::encode's rule).
-    std::int64_t keep = data.encode.max_prompt_length;
-    if (max_length_ > 0) keep = keep > 0 ? std::min(keep, max_length_ - 1) : max_length_ - 1;
-    for (const data::SftExample& e : examples_)
-      prompts_.push_back(apps::prompt_ids(tok_, e.prompt, keep));
+    std::size_t keep = std::string::npos;
+    if (data.encode.max_prompt_length > 0)
+      keep = static_cast<std::size_t>(data.encode.max_prompt_length);
+    if (max_length_ > 0) keep = std::min(keep, static_cast<std::size_t>(max_length_ - 1));
+    std::size_t unmatchable = 0, worst = 0;
+    for (std::size_t i = 0; i < examples_.size(); ++i) {
+      const data::SftExample& e = examples_[i];
+      CHUNKLOSS_CHECK(!e.prompt.empty(), data.file, ":", e.line,
+                      ": grpo samples completions of a prompt, and this line has none ({\"text\"} "
+                      "lines and empty prompts are for SFT)");
+      std::string_view p = e.prompt;
+      if (p.size() > keep) p.remove_prefix(p.size() - keep);
+      prompts_.push_back(apps::prompt_ids(tok_, p));
+      // (the answer's bytes and its EOS must fit in the new tokens for a reward of 1)
+      if (static_cast<std::int64_t>(e.completion.size()) + 1 > new_tokens(i)) {
+        if (unmatchable++ == 0 || e.completion.size() > examples_[worst].completion.size())
+          worst = i;
+      }
+    }
+    CHUNKLOSS_CHECK(
+        unmatchable<examples_.size(), data.file, ": no example's answer fits in the ",
+                    "new tokens (its bytes and EOS; line ", examples_[worst].line, " needs ",
+                    examples_[worst].completion.size() + 1, ", --max-completion-length ",
+                    loss.max_completion_length, max_length_> 0
+            ? " under --max-length " + std::to_string(max_length_)
+            : "",
+        "), so every reward would be 0");
+    if (unmatchable > 0)
+      warning_ = std::to_string(unmatchable) + " of " + std::to_string(examples_.size()) +
+                 " answers in " + data.file +
+                 " need more new tokens than --max-completion-length (and --max-length) leave "
+                 "(their bytes and EOS; line " +
+                 std::to_string(examples_[worst].line) + " needs " +
+                 std::to_string(examples_[worst].completion.size() + 1) +
+                 "), so they can never score";
     CrossEntropyOptions ref;
     ref.reduction = Reduction::kNone;
     ref.skip_ignored_rows = true;
@@ -398,6 +429,7 @@ class GrpoTrainer final : public Trainer {
   std::pair<const char*, const char*> accuracy_metric() const override {
     return {"reward", "reward"};
   }
+  std::string warning() const override { return warning_; }
 
   MicroStats step(model::LlamaModel& model, std::span<const std::size_t> examples,
                   double /*weight: 1, as step_weight gives*/) override {
@@ -407,7 +439,7 @@ class GrpoTrainer final : public Trainer {
     const std::size_t micro = micro_++;
     if (iteration == 0) {
       if (micro == 0) cache_.clear();
-      cache_.push_back(sample(model, examples));
+      cache_.push_back(sample(model, examples, micro));
     }
     CHUNKLOSS_CHECK(
         micro < cache_.size() && cache_[micro].examples.size() == examples.size() &&
@@ -425,7 +457,7 @@ class GrpoTrainer final : public Trainer {
     to.skip_ignored_rows = true;
     to.memory_budget_bytes = settings_.budget_bytes;
 
-    const TensorView hidden = model.forward(ro.batch.tokens_view());
+    const TensorView hidden = tempered(model.forward(ro.batch.tokens_view()));
     const TensorView d_hidden = dh_.view(hidden);
     dev_.begin();
     TokenInputs in;
@@ -454,6 +486,12 @@ class GrpoTrainer final : public Trainer {
     TokenResult r =
         loss.forward_backward(dev_.context(), in, g, dev_.workspace(loss.workspace_bytes(in, g)));
     dev_.end();
+    // (d logits/T / d hidden = W / T: the loss's dH is for the tempered hidden states)
+    if (settings_.temperature != 1.0) {
+      float* dh = d_hidden.data_as<float>();
+      for (std::int64_t i = 0; i < d_hidden.numel(); ++i)
+        dh[i] /= static_cast<float>(settings_.temperature);
+    }
     if (runs_backward()) model.backward(d_hidden);
     // The sampling policy's log-probs for the later iterations (NaN at ignored rows).
     if (iteration == 0 && settings_.num_iterations > 1) ro.old_logps = std::move(r.logps);
@@ -476,8 +514,20 @@ class GrpoTrainer final : public Trainer {
     std::vector<std::pair<std::string, double>> metrics;  // the rollouts' (the whole batch's)
   };
 
-  // Samples the completions of this rank's part of `examples`, rewards them and lays them out.
-  Rollouts sample(model::LlamaModel& model, std::span<const std::size_t> examples) {
+  // The final hidden states divided by the temperature (a copy; the model's own unless the
+  // temperature is 1), so that the lm_head gives logits / T, the distribution sampled from.
+  TensorView tempered(const TensorView& hidden) {
+    if (settings_.temperature == 1.0) return hidden;
+    const float* h = hidden.data_as<float>();
+    tempered_.assign(h, h + hidden.numel());
+    for (float& x : tempered_) x /= static_cast<float>(settings_.temperature);
+    return TensorView::of(tempered_.data(), {hidden.size(0), hidden.size(1)});
+  }
+
+  // Samples the completions of this rank's part of micro-batch `micro` (`examples`), rewards
+  // them and lays them out.
+  Rollouts sample(model::LlamaModel& model, std::span<const std::size_t> examples,
+                  std::size_t micro) {
     const std::span<const std::size_t> mine = own(examples);
     const auto first = static_cast<std::size_t>(mine.data() - examples.data());
     const auto group = static_cast<std::size_t>(settings_.num_generations);
@@ -493,10 +543,11 @@ class GrpoTrainer final : public Trainer {
       g.temperature = settings_.temperature;
       g.eos_id = tok_.eos_id();
       for (std::size_t k = 0; k < group; ++k) {
-        g.seed = data::BatchSampler::epoch_seed(
-            data::BatchSampler::epoch_seed(
-                data::BatchSampler::epoch_seed(seed_, static_cast<std::uint64_t>(step_)), e),
-            k);
+        std::uint64_t seed = seed_;
+        for (const std::uint64_t x : {static_cast<std::uint64_t>(step_), std::uint64_t{micro},
+                                      std::uint64_t{e}, std::uint64_t{k}})
+          seed = data::BatchSampler::epoch_seed(seed, x);
+        g.seed = seed;
         const model::GenerateResult out = model::generate(model, prompts_[e], g);
         rewards.push_back(apps::exact_match(tok_, out, examples_[e].completion) ? 1.0 : 0.0);
         rollouts.push_back(rollout(prompts_[e], out));
@@ -570,11 +621,11 @@ class GrpoTrainer final : public Trainer {
     return q;
   }
 
-  // The reference's log-prob of each row's target (NaN at ignored rows): minus the per-row
-  // cross-entropy.
+  // The reference's log-prob of each row's target at the temperature (NaN at ignored rows):
+  // minus the per-row cross-entropy.
   std::vector<double> token_logps(model::LlamaModel& m, const data::Batch& batch,
                                   const VocabShard& sh) {
-    const TensorView hidden = m.forward(batch.tokens_view());
+    const TensorView hidden = tempered(m.forward(batch.tokens_view()));
     row_loss_.assign(batch.targets.size(), 0.0f);
     dev_.begin();
     CrossEntropyInputs in;
@@ -606,6 +657,8 @@ class GrpoTrainer final : public Trainer {
   std::vector<Rollouts> cache_;                     // the current step's micro-batches' rollouts
   LinearCrossEntropy ref_ce_;
   std::vector<float> row_loss_;
+  std::vector<float> tempered_;  // hidden states / temperature
+  std::string warning_;          // answers that can never score
   HiddenGrad dh_;
   CpuContext host_;  // the metric sums' collective (host memory)
 };

@@ -82,6 +82,8 @@ class Trainer {
   virtual double step_weight(std::span<const std::size_t> /*examples*/) const { return 1.0; }
   /// The longest sequence step() can give the model (KTO: its mismatched pairs too).
   virtual apps::Longest longest() const = 0;
+  /// A warning about the data to print once before training ("" when none).
+  virtual std::string warning() const { return {}; }
   /// The metric shown as the progress line's accuracy, and its short label.
   virtual std::pair<const char*, const char*> accuracy_metric() const = 0;
   /// Makes this trainer one rank of a data group: every rank's step() gets the whole
@@ -153,11 +155,13 @@ std::unique_ptr<Trainer> make_pair_trainer(const DataSettings& data, const LossS
 std::unique_ptr<Trainer> make_kto_trainer(const DataSettings& data, const LossSettings& loss,
                                           LossDevice& device, model::LlamaModel reference);
 
-/// Online GRPO on {"prompt", "completion"} lines (the SFT format): for each prompt of a
-/// micro-batch, loss.num_generations completions sampled from the policy (seeded by `seed`, the
-/// step and the example, so a resumed or split run draws the same ones), each rewarded 1 when it
-/// is the line's completion exactly (as chunkloss-eval's exact match), else 0; advantages
-/// normalised within each prompt's group; the loss GrpoObjective on TokenLoss. Each batch of
+/// Online GRPO on {"prompt", "completion"} lines (the SFT format, with a prompt): for each prompt
+/// of a micro-batch, loss.num_generations completions sampled from the policy at
+/// loss.temperature (seeded by `seed`, the step, the micro-batch and the example, so a resumed
+/// or split run draws the same ones), each rewarded 1 when it is the line's completion exactly
+/// (as chunkloss-eval's exact match), else 0; advantages normalised within each prompt's group;
+/// the loss GrpoObjective on TokenLoss, its log-probs (the reference's too) those of the logits
+/// divided by the temperature, as sampled. Each batch of
 /// rollouts serves loss.num_iterations optimizer steps (the main loop gives their steps the same
 /// micro-batches): the first on-policy (ratio 1), the others with the sampling policy's
 /// log-probs, from the first step's call, as the old ones. With loss.beta > 0 the k3 KL to the

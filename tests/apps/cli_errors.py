@@ -713,6 +713,24 @@ def loss_options_case(train, work):
                    "2", "--epsilon", "0.1", "--epsilon-high", "0.28", "--delta", "2",
                    "--importance-sampling-level", "sequence"]):
         run(t + extra)
+    # GRPO's data: a line without a prompt, and lengths that leave no answer room to be right,
+    # are refused before any work; lengths that leave some answers none are warned of once.
+    text = os.path.join(work, "text.jsonl")
+    with open(text, "w") as f:
+        f.write(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
+        f.write(json.dumps({"text": "2+2=4"}) + "\n")
+    g = t + ["--loss", "grpo", "--num-generations", "2"]
+    one_line(g + ["--train-file", text], 1, "text.jsonl:2", "has none", alone=True)
+    one_line(g + ["--max-length", "1"], 1, "no example's answer fits", "--max-length 1",
+             alone=True)
+    one_line(g + ["--max-completion-length", "1"], 1, "no example's answer fits",
+             "--max-completion-length 1", alone=True)
+    p = run(g + ["--max-completion-length", "2"])
+    warn = [line for line in p.stderr.splitlines() if ": warning: " in line]
+    if len(warn) != 1 or "can never score" not in warn[0] or "needs 4" not in warn[0]:
+        fail("grpo --max-completion-length 2: expected one warning naming the answers that need "
+             "more, got:\n" + p.stderr)
+    run(g + ["--epsilon-high", "0"])  # (0: --epsilon's value, as --help says)
     # The z-loss is reported, and is part of the loss (the same run without it has a lower loss).
     losses = []
     for z in ("0", "0.5"):

@@ -429,20 +429,24 @@ def eval_orderings_case(train, evaluate, work, sft):
           (r["logps/accuracy"], r["logps/avg_accuracy"], len(rows)))
 
 
-def eval_overflow_case(evaluate, work, sft):
-    """A model whose held-out loss is finite but above about 709.78 (its lm_head scaled up) is
-    evaluated with its perplexity left out, not failed: exp(loss) overflows a double."""
-    big = os.path.join(work, "sft-scaled")
-    shutil.rmtree(big, ignore_errors=True)
-    shutil.copytree(sft, big)
-    path = os.path.join(big, "model.safetensors")
-    with open(path, "r+b") as f:
+def scaled_head_copy(src, dst, factor):
+    """A copy of checkpoint `src` in `dst` with its lm_head multiplied by `factor`."""
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "model.safetensors"), "r+b") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         begin, end = json.loads(f.read(n))["lm_head.weight"]["data_offsets"]
         f.seek(8 + n + begin)
         values = struct.unpack("<%df" % ((end - begin) // 4), f.read(end - begin))
         f.seek(8 + n + begin)
-        f.write(struct.pack("<%df" % len(values), *[v * 1e4 for v in values]))
+        f.write(struct.pack("<%df" % len(values), *[v * factor for v in values]))
+
+
+def eval_overflow_case(evaluate, work, sft):
+    """A model whose held-out loss is finite but above about 709.78 (its lm_head scaled up) is
+    evaluated with its perplexity left out, not failed: exp(loss) overflows a double."""
+    big = os.path.join(work, "sft-scaled")
+    scaled_head_copy(sft, big, 1e4)
     out = os.path.join(work, "eval-scaled.json")
     p = run([evaluate, "--model", sft, "--model", big, "--limit", "8", "--json", out])
     with open(out) as f:
@@ -459,9 +463,12 @@ def grpo_case(train, evaluate, work):
     """Online GRPO from an SFT model of the bundled config that gets most of its sampled answers
     right: the reward of the sampled completions goes up; the grpo type's loss is 0 at every step
     (on-policy the ratio is 1, and each group's advantages sum to 0, so its mean of completion
-    means is 0: a wrong weight or advantage makes it not); 6 steps straight and 3 + resume + 3
+    means is 0: weights other than each completion's equal share make it not); 6 steps straight
+    and 3 + resume + 3
     give the same bits (the sampling is seeded by the step); --beta's KL to the --init model is 0
-    until the first update moves the policy, then positive; --num-iterations."""
+    until the first update moves the policy, then positive; --num-iterations; GSPO against the
+    token level; --temperature. (The zero loss tests the weights; the reward going up tests the
+    advantages' sign.)"""
     conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "apps", "configs",
                         "sft.ini")
     sft = os.path.join(work, "grpo-sft")
@@ -529,21 +536,74 @@ def grpo_case(train, evaluate, work):
         fail("grpo --num-iterations 3 --epsilon 0.02: the later steps clip nothing: %s" % clipped)
     print("grpo --num-iterations 3: resume bitwise; clipped at the later steps %s" %
           ", ".join("%.3f" % c for c in clipped))
-    # GSPO (--importance-sampling-level sequence) with GSPO's tight clip range: the later steps
-    # clip whole completions, the first stays on-policy.
-    m = os.path.join(work, "gspo.jsonl")
-    if os.path.exists(m):
-        os.remove(m)
-    run([train, "--init", sft, "--loss", "grpo", "--steps", "6", "--warmup-steps", "0",
-         "--batch-size", "8", "--lr", "1e-3", "--num-iterations", "3", "--epsilon", "3e-3",
-         "--epsilon-high", "4e-3", "--importance-sampling-level", "sequence", "--metrics", m])
-    r = records(m)
+    # GSPO (--importance-sampling-level sequence) with GSPO's tight clip range: the first step of
+    # a batch is on-policy, the same as at the token level (so is the update); the later ones
+    # clip, and their ratios, the completions' own, give another loss than the tokens' do.
+    levels = {}
+    for level in ("sequence", "token"):
+        m = os.path.join(work, "gspo-%s.jsonl" % level)
+        if os.path.exists(m):
+            os.remove(m)
+        run([train, "--init", sft, "--loss", "grpo", "--steps", "6", "--warmup-steps", "0",
+             "--batch-size", "8", "--lr", "1e-3", "--num-iterations", "3", "--epsilon", "3e-3",
+             "--epsilon-high", "4e-3", "--importance-sampling-level", level, "--metrics", m])
+        levels[level] = records(m)
+    r = levels["sequence"]
     for x in r:
         first_step = (x["step"] - 1) % 3 == 0
         if first_step != (abs(x["loss"]) < 1e-9 and x["clip_ratio/region_mean"] == 0):
             fail("gspo: on-policy at a batch's first step only, clipped after it: %s" % x)
-    print("gspo: clipped at the later steps %s" % ", ".join(
-        "%.3f" % x["clip_ratio/region_mean"] for x in r if (x["step"] - 1) % 3 != 0))
+    if r[0] != levels["token"][0]:
+        fail("gspo: the on-policy first step differs from the token level's: %s, %s" %
+             (r[0], levels["token"][0]))
+    if close(r[1]["loss"], levels["token"][1]["loss"], 1e-3):
+        fail("gspo: step 2's loss is the token level's (%.6g): the sequence ratio is not used" %
+             r[1]["loss"])
+    print("gspo: clipped at the later steps %s; step 2's loss %.4g (token level %.4g)" % (
+        ", ".join("%.3f" % x["clip_ratio/region_mean"] for x in r if (x["step"] - 1) % 3 != 0),
+        r[1]["loss"], levels["token"][1]["loss"]))
+    # --temperature: the model with its lm_head times T, at temperature T, has the logits / T of
+    # the model at 1. So its first step draws the same completions (rewards, lengths, loss), its
+    # loss sees the same log-probs, and the gradient below the lm_head is the same, while the
+    # lm_head's is 1 / T of it (dW = G^T hidden / T). Over T = 1, 2, 4 the squared gradient norms
+    # B + D, B + D / 4, B + D / 16 then differ in the ratio 4 (log-probs at temperature 1 or an
+    # unscaled dH give another).
+    firsts = []
+    for t in (1, 2, 4):
+        init = sft
+        if t > 1:
+            init = os.path.join(work, "grpo-sft-head%d" % t)
+            scaled_head_copy(sft, init, float(t))
+        m = os.path.join(work, "grpo-t%d.jsonl" % t)
+        if os.path.exists(m):
+            os.remove(m)
+        run([train, "--init", init, "--loss", "grpo", "--steps", "1", "--batch-size", "8",
+             "--temperature", str(t), "--grpo-loss-type", "bnpo", "--metrics", m])
+        firsts.append(records(m)[0])
+    for k in ("reward", "reward_std", "completions/mean_length", "loss"):
+        for x in firsts[1:]:
+            if not close(firsts[0][k], x[k], 1e-6) and firsts[0][k] != x[k]:
+                fail("grpo: the lm_head times T at temperature T gave %s %s, at 1 %s" %
+                     (k, x[k], firsts[0][k]))
+    sq = [x["grad_norm"] ** 2 for x in firsts]
+    ratio = (sq[0] - sq[1]) / (sq[1] - sq[2])
+    if not abs(ratio - 4) < 1e-4:
+        fail("grpo --temperature: the gradient norms %s are not B + D / T^2 (ratio %.9g, not 4)" %
+             ([x["grad_norm"] for x in firsts], ratio))
+    # At 0.7 the KL to the --init model is 0 while the policy is that model (the warmup's first
+    # step is at lr 0): the reference's log-probs take the temperature as the policy's do.
+    m = os.path.join(work, "grpo-t07.jsonl")
+    if os.path.exists(m):
+        os.remove(m)
+    run([train, "--init", sft, "--loss", "grpo", "--steps", "3", "--warmup-steps", "2",
+         "--batch-size", "8", "--temperature", "0.7", "--beta", "0.04", "--metrics", m])
+    kl = [x["kl"] for x in records(m)]
+    if kl[0] != 0 or kl[1] != 0 or not kl[2] > 0:
+        fail("grpo --temperature 0.7 --beta: the KL must be 0 at the reference, then "
+             "positive: %s" % kl)
+    print("grpo --temperature: T = 1, 2, 4 with the lm_head times T draw the same rollouts "
+          "(reward %.3f), gradient-norm ratio %.9f; KL at 0.7 %s" %
+          (firsts[0]["reward"], ratio, ", ".join("%.3g" % k for k in kl)))
 
 
 def grad_accum_case(train, work, sft):

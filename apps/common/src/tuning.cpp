@@ -23,10 +23,7 @@ void check_checkpoint_dir(std::string_view option, const std::string& path) {
     throw UsageError("--" + std::string(option) + ": " + path + " is not a directory");
 }
 
-std::vector<std::int32_t> prompt_ids(const data::ByteTokenizer& tok, std::string_view prompt,
-                                     std::int64_t max_prompt_length) {
-  if (max_prompt_length > 0 && prompt.size() > static_cast<std::size_t>(max_prompt_length))
-    prompt.remove_prefix(prompt.size() - static_cast<std::size_t>(max_prompt_length));
+std::vector<std::int32_t> prompt_ids(const data::ByteTokenizer& tok, std::string_view prompt) {
   std::vector<std::int32_t> ids = {tok.bos_id()};
   for (const std::int32_t id : tok.encode(prompt)) ids.push_back(id);
   return ids;

@@ -10,8 +10,9 @@
 // with r' = min(r, delta) when delta is set (else r), k3_t = exp(ref - logp) - (ref - logp) - 1,
 // and w_t the row's weight (1 without GrpoRows::weights). Token level: r = exp(logp - old_logp).
 // Sequence level (GSPO): r = s_i exp(logp - stop_gradient(logp)), with s_i = exp(mean over the
-// completion i's tokens of (logp - old_logp)), TRL's "sequence_token" form; its value is s_i, and
-// its gradient is that of GSPO's (TRL's "sequence") wherever w_t is constant within each
+// completion i's tokens of (logp - old_logp)), TRL's "sequence_token" form; its value is s_i (up to
+// the rounding between the call and the forward that gave GrpoRows::current_logps), and its
+// gradient is that of GSPO's (TRL's "sequence") wherever w_t is constant within each
 // completion, as grpo_normalization's weights are. The batch loss is the TokenLoss's mean or
 // sum of loss_t; grpo_normalization gives the weights and the reduction of TRL's loss types.
 #pragma once

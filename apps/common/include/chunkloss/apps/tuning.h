@@ -63,10 +63,8 @@ void check_fits(const Longest& longest, const std::string& file, const model::Ll
 CrossEntropyResult batch_cross_entropy(LossDevice& device, model::LlamaModel& model,
                                        const data::Batch& batch, std::size_t budget_bytes);
 
-/// A prompt as generation takes it: BOS, then its bytes (with max_prompt_length > 0, its last
-/// max_prompt_length bytes, as data::encode truncates it).
-std::vector<std::int32_t> prompt_ids(const data::ByteTokenizer& tok, std::string_view prompt,
-                                     std::int64_t max_prompt_length = 0);
+/// A prompt as generation takes it: BOS, then its bytes.
+std::vector<std::int32_t> prompt_ids(const data::ByteTokenizer& tok, std::string_view prompt);
 
 /// Whether a generation is exactly `completion`: it stopped at EOS, and its ids are bytes that
 /// spell it (an id that is no byte, such as BOS or an id above the tokenizer's, is a miss).
