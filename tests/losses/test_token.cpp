@@ -91,11 +91,16 @@ void check_run(const CeData& d, const TokenLoss& loss, const GradRequest& g, con
     check_close("grad_bias", run.grads.bias(), ref.grad_bias, grad_tol.grad);
 }
 
+// The float64 oracle's log-probs of the problem's rows (NaN at ignored rows), from which the
+// objectives below place their old and reference log-probs.
+reference::TokenOracle oracle_logps(const CeData& d) {
+  return reference::token_loss(d.problem({}), -100, Reduction::kMean, reference::NllObjective());
+}
+
 // A clipped-ratio objective whose old log-probs sit 0 or +-0.5 from the oracle's, so that about
 // a third of the rows clip on each side, none near a clipping boundary.
 std::shared_ptr<const TokenObjective> clipped_ratio(const CeData& d) {
-  const reference::TokenOracle base =
-      reference::token_loss(d.problem({}), -100, Reduction::kMean, reference::NllObjective());
+  const reference::TokenOracle base = oracle_logps(d);
   const std::vector<float> a = normal_floats(base.logps.size(), 1.0f, d.spec.seed + 7);
   std::vector<double> adv(a.begin(), a.end()), old;
   for (std::size_t i = 0; i < base.logps.size(); ++i) {
@@ -110,8 +115,7 @@ std::shared_ptr<const TokenObjective> clipped_ratio(const CeData& d) {
 // two-sided cap, the k3 KL to reference log-probs up to 0.3 away, and the grpo loss type's
 // weights over completions of 5 rows.
 std::shared_ptr<const TokenObjective> grpo(const CeData& d) {
-  const reference::TokenOracle base =
-      reference::token_loss(d.problem({}), -100, Reduction::kMean, reference::NllObjective());
+  const reference::TokenOracle base = oracle_logps(d);
   const std::size_t n = base.logps.size();
   const std::vector<float> a = normal_floats(n, 1.0f, d.spec.seed + 7);
   const std::vector<float> r = normal_floats(n, 0.3f, d.spec.seed + 8);
@@ -135,8 +139,7 @@ std::shared_ptr<const TokenObjective> grpo(const CeData& d) {
 // the completions' ratios s_i spread on both sides of the clip range), the current log-probs
 // the float64 oracle's, DAPO's clip-higher, the cap, the KL and the grpo type's weights.
 std::shared_ptr<const TokenObjective> grpo_sequence(const CeData& d) {
-  const reference::TokenOracle base =
-      reference::token_loss(d.problem({}), -100, Reduction::kMean, reference::NllObjective());
+  const reference::TokenOracle base = oracle_logps(d);
   const std::size_t n = base.logps.size();
   const std::vector<float> a = normal_floats(n, 1.0f, d.spec.seed + 9);
   const std::vector<float> r = normal_floats(n, 0.3f, d.spec.seed + 10);
