@@ -58,6 +58,11 @@ suites() {
     --loss dpo --init "$init" --steps 2 --warmup-steps 0 --batch-size 4 --save /tmp/chunkloss-memcheck
   check memcheck_train_dp "${san[@]}" --tool memcheck "$train" --device cuda --data-parallel 2 \
     --loss dpo --init "$init" --steps 2 --warmup-steps 0 --batch-size 4 --save /tmp/chunkloss-memcheck-dp
+  # GRPO's steps: the reference's per-token log-probs (cross-entropy, reduction none), the token
+  # loss, and at the sequence level the forward for the current log-probs.
+  check memcheck_train_grpo "${san[@]}" --tool memcheck "$train" --device cuda --loss grpo \
+    --init "$init" --steps 2 --warmup-steps 0 --batch-size 2 --num-generations 2 --beta 0.04 \
+    --num-iterations 2 --importance-sampling-level sequence --save /tmp/chunkloss-memcheck-grpo
   check memcheck_measured "${san[@]}" --tool memcheck "$ce" -tc='gpu: measured*'
   check memcheck_refused "${san[@]}" --tool memcheck "$ce" -tc='gpu: a call with bad values*'
   check memcheck_ce "${san[@]}" --tool memcheck "$ce" \
