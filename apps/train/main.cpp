@@ -71,6 +71,7 @@ const std::vector<std::pair<std::string, std::vector<std::string>>> kLossOptions
     {"max-completion-length", {"grpo"}},
     {"grpo-loss-type", {"grpo"}},
     {"scale-rewards", {"grpo"}},
+    {"mask-truncated-completions", {"grpo"}},
     {"num-iterations", {"grpo"}},
     {"epsilon", {"grpo"}},
     {"epsilon-high", {"grpo"}},
@@ -181,7 +182,8 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("temperature", po::value<double>()->default_value(1.0), "grpo: sampling temperature (> 0); the loss's log-probs (and the reference's) are those of the logits divided by it, as TRL's")
     ("max-completion-length", po::value<std::int64_t>()->default_value(16), "grpo: new tokens a completion may have, EOS included (>= 1)")
     ("grpo-loss-type", po::value<std::string>()->default_value("grpo"), "grpo: grpo (each completion's token mean, then the mean), bnpo (the token mean), dr_grpo (the token sum over completions x --max-completion-length)")
-    ("scale-rewards", po::value<std::string>()->default_value("group"), "grpo: group (advantages divided by the group's reward standard deviation) | none (Dr. GRPO)")
+    ("scale-rewards", po::value<std::string>()->default_value("group"), "grpo: group (advantages divided by the group's reward standard deviation) | batch (by the micro-batch's, over --data-parallel ranks too) | none (Dr. GRPO)")
+    ("mask-truncated-completions", po::value<std::string>()->default_value("0"), "grpo: leave the completions cut at --max-completion-length (no EOS) out of the loss; their rewards still count in the advantages")
     ("num-iterations", po::value<std::int64_t>()->default_value(1), "grpo: optimizer steps on each batch of rollouts (TRL's num_iterations; the steps of one batch take the same micro-batches, and --save-every must be a multiple)")
     ("epsilon", po::value<double>()->default_value(0.2), "grpo: ratios below 1 - epsilon are clipped (acts from the second of --num-iterations on)")
     ("epsilon-high", po::value<double>()->default_value(0, "0 = --epsilon"), "grpo: ratios above 1 + epsilon-high are clipped (DAPO: 0.28)")
@@ -333,8 +335,12 @@ std::optional<Settings> parse(int argc, char** argv) {
       apps::in_range<std::int64_t>(vm, "max-completion-length", 1, 1 << 20);
   s.loss.grpo_loss_type = vm["grpo-loss-type"].as<std::string>();
   s.loss.scale_rewards = vm["scale-rewards"].as<std::string>();
-  if (s.loss.scale_rewards != "group" && s.loss.scale_rewards != "none")
-    throw apps::UsageError("--scale-rewards: '" + s.loss.scale_rewards + "' is not group or none");
+  if (s.loss.scale_rewards != "group" && s.loss.scale_rewards != "batch" &&
+      s.loss.scale_rewards != "none")
+    throw apps::UsageError("--scale-rewards: '" + s.loss.scale_rewards +
+                           "' is not group, batch or none");
+  s.loss.mask_truncated_completions = apps::parse_bool(
+      "mask-truncated-completions", vm["mask-truncated-completions"].as<std::string>());
   s.loss.num_iterations = apps::in_range<std::int64_t>(vm, "num-iterations", 1, 1 << 20);
   s.loss.epsilon_low = apps::in_range<double>(vm, "epsilon", 0, 0.999999);
   s.loss.epsilon_high = apps::in_range<double>(vm, "epsilon-high", 0, 1e6);
@@ -529,6 +535,7 @@ std::map<std::string, std::string> run_options(const Settings& s, const std::str
         {"max_completion_length", integer(l.max_completion_length)},
         {"grpo_loss_type", l.grpo_loss_type},
         {"scale_rewards", l.scale_rewards},
+        {"mask_truncated_completions", l.mask_truncated_completions ? "true" : "false"},
         {"num_iterations", integer(l.num_iterations)},
         {"epsilon", num(l.epsilon_low)},
         {"epsilon_high", num(l.epsilon_high < 0 ? l.epsilon_low : l.epsilon_high)},

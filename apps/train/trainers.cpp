@@ -535,7 +535,7 @@ class GrpoTrainer final : public Trainer {
     // rewards, the groups' standard deviations, the groups of equal rewards, the completions'
     // lengths (EOS included) and those cut at the length bound.
     std::vector<data::Sequence> rollouts;
-    std::vector<double> rewards, advantages;
+    std::vector<double> rewards, means, sds;  // (means and deviations: per completion)
     std::array<double, 5> sums{};
     for (const std::size_t e : mine) {
       model::GenerateOptions g;
@@ -551,6 +551,11 @@ class GrpoTrainer final : public Trainer {
         const model::GenerateResult out = model::generate(model, prompts_[e], g);
         rewards.push_back(apps::exact_match(tok_, out, examples_[e].completion) ? 1.0 : 0.0);
         rollouts.push_back(rollout(prompts_[e], out));
+        // (TRL's mask_truncated_completions: a completion cut at the length bound keeps its
+        // reward in the advantages but leaves the loss)
+        if (settings_.mask_truncated_completions && !out.stopped_at_eos)
+          std::fill(rollouts.back().targets.begin(), rollouts.back().targets.end(),
+                    data::EncodeOptions{}.ignore_index);
         sums[3] += static_cast<double>(out.tokens.size() + (out.stopped_at_eos ? 1 : 0));
         sums[4] += out.stopped_at_eos ? 0 : 1;
       }
@@ -559,13 +564,28 @@ class GrpoTrainer final : public Trainer {
       double var = 0;
       for (const double x : r) var += (x - mean) * (x - mean);
       const double sd = std::sqrt(var / static_cast<double>(group - 1));  // (unbiased, as TRL)
-      for (const double x : r)
-        advantages.push_back(settings_.scale_rewards == "group" ? (x - mean) / (sd + 1e-4)
-                                                                : x - mean);
+      means.insert(means.end(), group, mean);
+      sds.insert(sds.end(), group, sd);
       sums[0] += mean * static_cast<double>(group);
       sums[1] += sd;
       sums[2] += sd == 0 ? 1 : 0;
     }
+    const auto completions = static_cast<double>(examples.size() * group),
+               groups = static_cast<double>(examples.size());
+    std::optional<double> batch_sd;
+    if (settings_.scale_rewards == "batch") {
+      // One deviation for the micro-batch's rewards (the data group's), unbiased, as TRL's.
+      std::array<double, 2> moments{};  // (sum, sum of squares)
+      for (const double x : rewards) moments[0] += x, moments[1] += x * x;
+      if (data_group_) data_group_->all_reduce_sum(host_, moments.data(), 2);
+      const double var = (moments[1] - moments[0] * moments[0] / completions) / (completions - 1);
+      batch_sd = std::sqrt(std::max(var, 0.0));
+      sds.assign(sds.size(), *batch_sd);
+    }
+    std::vector<double> advantages(rewards.size());
+    for (std::size_t i = 0; i < rewards.size(); ++i)
+      advantages[i] = settings_.scale_rewards == "none" ? rewards[i] - means[i]
+                                                        : (rewards[i] - means[i]) / (sds[i] + 1e-4);
     std::vector<std::size_t> all(rollouts.size());
     std::iota(all.begin(), all.end(), std::size_t{0});
     Rollouts ro;
@@ -589,8 +609,10 @@ class GrpoTrainer final : public Trainer {
 
     if (data_group_)
       data_group_->all_reduce_sum(host_, sums.data(), static_cast<std::int64_t>(sums.size()));
-    const auto completions = static_cast<double>(examples.size() * group),
-               groups = static_cast<double>(examples.size());
+    if (batch_sd) {  // (TRL's metrics report the deviation the advantages were scaled by)
+      sums[1] = *batch_sd * groups;
+      sums[2] = *batch_sd == 0 ? groups : 0;
+    }
     ro.metrics = {{"reward", sums[0] / completions},
                   {"reward_std", sums[1] / groups},
                   {"frac_reward_zero_std", sums[2] / groups},

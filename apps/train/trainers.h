@@ -44,12 +44,16 @@ struct LossSettings {
   double desirable_weight = 1, undesirable_weight = 1;  ///< KTO
   /// GRPO: completions sampled per prompt (>= 2), their sampling temperature (> 0) and length
   /// bound (new tokens, EOS included), TRL's loss type, and how advantages are scaled: "group"
-  /// (by the group's reward standard deviation) or "none" (Dr. GRPO).
+  /// (by the group's reward standard deviation), "batch" (by the micro-batch's) or "none" (Dr.
+  /// GRPO).
   std::int64_t num_generations = 8;
   double temperature = 1.0;
   std::int64_t max_completion_length = 16;
   std::string grpo_loss_type = "grpo";
   std::string scale_rewards = "group";
+  /// GRPO: completions cut at the length bound (no EOS) leave the loss, their rewards still in
+  /// their groups' advantages (TRL's mask_truncated_completions, DAPO's overlong filtering).
+  bool mask_truncated_completions = false;
   /// GRPO: optimizer steps on each batch of rollouts (TRL's num_iterations, >= 1), and from the
   /// second on, the clip range of the importance ratio and its cap (GrpoOptions; epsilon_high
   /// < 0: epsilon_low's value; delta 0: no cap).

@@ -690,7 +690,9 @@ def loss_options_case(train, work):
             (["--loss", "grpo", "--max-completion-length", "0"], ("--max-completion-length",)),
             (["--loss", "grpo", "--grpo-loss-type", "dapo"],
              ("--loss grpo options", "dapo", "dr_grpo")),
-            (["--loss", "grpo", "--scale-rewards", "batch"], ("--scale-rewards", "batch")),
+            (["--loss", "grpo", "--scale-rewards", "global"], ("--scale-rewards", "global")),
+            (["--loss", "grpo", "--mask-truncated-completions", "2"],
+             ("--mask-truncated-completions",)),
             (["--loss", "dpo", "--epsilon", "0.1"], ("--epsilon", "--loss dpo")),
             (["--loss", "grpo", "--importance-sampling-level", "seq"],
              ("--loss grpo options", "importance_sampling_level 'seq'")),
@@ -709,9 +711,10 @@ def loss_options_case(train, work):
                   ["--loss", "dpo", "--dpo-loss-type", "discopop", "--discopop-tau", "0.1"],
                   ["--loss", "simpo", "--gamma", "1", "--label-smoothing", "0.5"],
                   ["--loss", "grpo", "--num-generations", "2", "--max-completion-length", "4",
-                   "--grpo-loss-type", "bnpo", "--scale-rewards", "none", "--num-iterations",
+                   "--grpo-loss-type", "bnpo", "--num-iterations",
                    "2", "--epsilon", "0.1", "--epsilon-high", "0.28", "--delta", "2",
-                   "--importance-sampling-level", "sequence"]):
+                   "--importance-sampling-level", "sequence", "--scale-rewards", "batch",
+                   "--mask-truncated-completions", "1"]):
         run(t + extra)
     # GRPO's data: a line without a prompt, and lengths that leave no answer room to be right,
     # are refused before any work; lengths that leave some answers none are warned of once.

@@ -22,6 +22,7 @@ run, and DPO over 2 ranks and a 2 x 2 grid on the GPU too; exits with 77, skippe
 is no CUDA backend or device).
 """
 import json
+import math
 import os
 import shutil
 import struct
@@ -590,6 +591,36 @@ def grpo_case(train, evaluate, work):
     if not abs(ratio - 4) < 1e-4:
         fail("grpo --temperature: the gradient norms %s are not B + D / T^2 (ratio %.9g, not 4)" %
              ([x["grad_norm"] for x in firsts], ratio))
+    # --scale-rewards batch: one deviation for the micro-batch's 64 rewards, of 0 or 1, so the
+    # reported one is sqrt(n r (1 - r) / (n - 1)) at mean reward r, and the zero-deviation
+    # fraction 0 or 1. --mask-truncated-completions: the same rollouts (rewards, lengths) and
+    # another bnpo loss where some completions were cut (their tokens leave the token mean).
+    m = os.path.join(work, "grpo-batch.jsonl")
+    if os.path.exists(m):
+        os.remove(m)
+    run([train, "--init", sft, "--loss", "grpo", "--steps", "3", "--batch-size", "8",
+         "--scale-rewards", "batch", "--metrics", m])
+    for x in records(m):
+        n, mean = 64, x["reward"]
+        want = math.sqrt(n * mean * (1 - mean) / (n - 1))
+        if abs(x["reward_std"] - want) > 1e-12 or x["frac_reward_zero_std"] != (want == 0):
+            fail("grpo --scale-rewards batch: reward %s gives deviation %s, got %s" %
+                 (mean, want, x))
+    cut = []
+    for mask in ("0", "1"):
+        m = os.path.join(work, "grpo-mask%s.jsonl" % mask)
+        if os.path.exists(m):
+            os.remove(m)
+        run([train, "--init", sft, "--loss", "grpo", "--steps", "1", "--batch-size", "8",
+             "--max-completion-length", "3", "--grpo-loss-type", "bnpo",
+             "--mask-truncated-completions", mask, "--metrics", m])
+        cut.append(records(m)[0])
+    same = all(cut[0][k] == cut[1][k] for k in ("reward", "completions/mean_length",
+                                                 "completions/clipped_ratio", "tokens"))
+    if not (same and cut[0]["completions/clipped_ratio"] > 0 and
+            not close(cut[0]["loss"], cut[1]["loss"], 1e-6)):
+        fail("grpo --mask-truncated-completions: expected the same rollouts, some cut, and "
+             "another loss: %s, %s" % (cut[0], cut[1]))
     # At 0.7 the KL to the --init model is 0 while the policy is that model (the warmup's first
     # step is at lr 0): the reference's log-probs take the temperature as the policy's do.
     m = os.path.join(work, "grpo-t07.jsonl")
@@ -649,7 +680,8 @@ def data_parallel_case(train, work, sft):
     by 1.6e-4 at step 5; with --adam-eps 1e-4, by 8e-7 at most.)"""
     for loss, init in (("ce", []), ("dpo", ["--init", sft]), ("kto", ["--init", sft]),
                        ("grpo", ["--init", sft, "--beta", "0.04", "--adam-eps", "1e-4",
-                                 "--num-iterations", "2", "--epsilon", "0.05"])):
+                                 "--num-iterations", "2", "--epsilon", "0.05",
+                                 "--scale-rewards", "batch"])):
         paths = []
         for k in ("1", "3"):
             m = os.path.join(work, "dp-%s-%s.jsonl" % (loss, k))
@@ -698,7 +730,8 @@ def vocab_parallel_case(train, work, sft):
             ("grpo", ["--init", sft, "--beta", "0.04", "--grpo-loss-type", "bnpo",
                       "--adam-eps", "1e-4"], ("2", "2")),
             ("grpo", ["--init", sft, "--importance-sampling-level", "sequence",
-                      "--num-iterations", "2", "--epsilon", "0.01", "--adam-eps", "1e-4"],
+                      "--num-iterations", "2", "--epsilon", "0.01", "--scale-rewards", "none",
+                      "--adam-eps", "1e-4"],
              ("2", "2")))
     for i, (loss, extra, (vocab, data)) in enumerate(runs):
         paths = []
