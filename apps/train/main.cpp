@@ -182,7 +182,7 @@ std::optional<Settings> parse(int argc, char** argv) {
     ("temperature", po::value<double>()->default_value(1.0), "grpo: sampling temperature (> 0); the loss's log-probs (and the reference's) are those of the logits divided by it, as TRL's")
     ("max-completion-length", po::value<std::int64_t>()->default_value(16), "grpo: new tokens a completion may have, EOS included (>= 1)")
     ("grpo-loss-type", po::value<std::string>()->default_value("grpo"), "grpo: grpo (each completion's token mean, then the mean), bnpo (the token mean), dr_grpo (the token sum over completions x --max-completion-length)")
-    ("scale-rewards", po::value<std::string>()->default_value("group"), "grpo: group (advantages divided by the group's reward standard deviation) | batch (by the micro-batch's, over --data-parallel ranks too) | none (Dr. GRPO)")
+    ("scale-rewards", po::value<std::string>()->default_value("group"), "grpo: group (advantages divided by the group's reward standard deviation) | batch (by the micro-batch's, over --data-parallel ranks too; TRL's is over the step's micro-batches, the same with --grad-accum 1) | none (Dr. GRPO)")
     ("mask-truncated-completions", po::value<std::string>()->default_value("0"), "grpo: leave the completions cut at --max-completion-length (no EOS) out of the loss; their rewards still count in the advantages")
     ("num-iterations", po::value<std::int64_t>()->default_value(1), "grpo: optimizer steps on each batch of rollouts (TRL's num_iterations; the steps of one batch take the same micro-batches, and --save-every must be a multiple)")
     ("epsilon", po::value<double>()->default_value(0.2), "grpo: ratios below 1 - epsilon are clipped (acts from the second of --num-iterations on)")
@@ -552,23 +552,25 @@ std::map<std::string, std::string> run_options(const Settings& s, const std::str
 // step the run cannot continue from. A value the save lacks (other than those every build
 // records) was not recorded by the build that saved it: those below were implied (builds before
 // skip_ignored_rows computed every row, before grad_accum_weights weighed micro-batches equally,
-// and before z_loss and discopop_tau had options used their defaults), the rest cannot be
-// compared. Builds before 2026-12-05 saved the default budget as 0: it
-// is the saved device's default. With --resume-inexact the options that change only the
-// rounding (the same optimisation on another machine) may differ: returns those changes, "" if
-// none.
+// before z_loss and discopop_tau had options used their defaults, and GRPO before its
+// mask_truncated_completions option trained on every completion), the rest cannot be compared.
+// Builds before 2026-12-05 saved the default budget as 0: it is the saved device's default. With
+// --resume-inexact the options that change only the rounding (the same optimisation on another
+// machine) may differ: returns those changes, "" if none.
 std::string check_resume(const Settings& s, const std::string& dir, const model::TrainerState& st,
                          const std::map<std::string, std::string>& now,
                          std::int64_t optimizer_step) {
   static const std::set<std::string> kRoundingOnly = {"threads", "device", "gemm_selection",
                                                       "budget_bytes", "vocab_parallel"};
-  static const std::map<std::string, std::string> kImplied = {{"device", "cpu"},
-                                                              {"data_parallel", "1"},
-                                                              {"vocab_parallel", "1"},
-                                                              {"skip_ignored_rows", "false"},
-                                                              {"grad_accum_weights", "equal"},
-                                                              {"z_loss", "0"},
-                                                              {"discopop_tau", "0.05"}};
+  static const std::map<std::string, std::string> kImplied = {
+      {"device", "cpu"},
+      {"data_parallel", "1"},
+      {"vocab_parallel", "1"},
+      {"skip_ignored_rows", "false"},
+      {"grad_accum_weights", "equal"},
+      {"z_loss", "0"},
+      {"discopop_tau", "0.05"},
+      {"mask_truncated_completions", "false"}};
   const auto saved_value = [&](const std::string& key) -> std::optional<std::string> {
     if (const auto it = st.strings.find(key); it != st.strings.end()) return it->second;
     if (const auto it = kImplied.find(key); it != kImplied.end()) return it->second;

@@ -574,7 +574,9 @@ class GrpoTrainer final : public Trainer {
                groups = static_cast<double>(examples.size());
     std::optional<double> batch_sd;
     if (settings_.scale_rewards == "batch") {
-      // One deviation for the micro-batch's rewards (the data group's), unbiased, as TRL's.
+      // One deviation for the micro-batch's rewards (the data group's), unbiased. (TRL takes it
+      // over the step's generation batch, all of its micro-batches: the same with --grad-accum
+      // 1; here a step's micro-batches are sampled one at a time.)
       std::array<double, 2> moments{};  // (sum, sum of squares)
       for (const double x : rewards) moments[0] += x, moments[1] += x * x;
       if (data_group_) data_group_->all_reduce_sum(host_, moments.data(), 2);

@@ -564,11 +564,12 @@ def grpo_case(train, evaluate, work):
         ", ".join("%.3f" % x["clip_ratio/region_mean"] for x in r if (x["step"] - 1) % 3 != 0),
         r[1]["loss"], levels["token"][1]["loss"]))
     # --temperature: the model with its lm_head times T, at temperature T, has the logits / T of
-    # the model at 1. So its first step draws the same completions (rewards, lengths, loss), its
-    # loss sees the same log-probs, and the gradient below the lm_head is the same, while the
-    # lm_head's is 1 / T of it (dW = G^T hidden / T). Over T = 1, 2, 4 the squared gradient norms
-    # B + D, B + D / 4, B + D / 16 then differ in the ratio 4 (log-probs at temperature 1 or an
-    # unscaled dH give another).
+    # the model at 1. So its first step draws the same completions (rewards, lengths; the loss,
+    # on-policy, follows from them), its loss sees the same log-probs, and the gradient below the
+    # lm_head is the same, while the lm_head's is 1 / T of it (dW = G^T hidden / T). Over T = 1,
+    # 2, 4 the squared gradient norms B + D, B + D / 4, B + D / 16 then differ in the ratio 4:
+    # this is the check of the tempered log-probs (untempered ones, or an unscaled dH, give
+    # another ratio).
     firsts = []
     for t in (1, 2, 4):
         init = sft
@@ -593,34 +594,49 @@ def grpo_case(train, evaluate, work):
              ([x["grad_norm"] for x in firsts], ratio))
     # --scale-rewards batch: one deviation for the micro-batch's 64 rewards, of 0 or 1, so the
     # reported one is sqrt(n r (1 - r) / (n - 1)) at mean reward r, and the zero-deviation
-    # fraction 0 or 1. --mask-truncated-completions: the same rollouts (rewards, lengths) and
-    # another bnpo loss where some completions were cut (their tokens leave the token mean).
-    m = os.path.join(work, "grpo-batch.jsonl")
-    if os.path.exists(m):
-        os.remove(m)
-    run([train, "--init", sft, "--loss", "grpo", "--steps", "3", "--batch-size", "8",
-         "--scale-rewards", "batch", "--metrics", m])
-    for x in records(m):
-        n, mean = 64, x["reward"]
-        want = math.sqrt(n * mean * (1 - mean) / (n - 1))
-        if abs(x["reward_std"] - want) > 1e-12 or x["frac_reward_zero_std"] != (want == 0):
-            fail("grpo --scale-rewards batch: reward %s gives deviation %s, got %s" %
-                 (mean, want, x))
+    # fraction 0 or 1; the advantages are divided by it, so the on-policy bnpo loss (minus the
+    # token mean of the advantages) times (deviation + 1e-4) is the unscaled (none) run's.
+    first = {}
+    for scale in ("batch", "none"):
+        m = os.path.join(work, "grpo-scale-%s.jsonl" % scale)
+        if os.path.exists(m):
+            os.remove(m)
+        run([train, "--init", sft, "--loss", "grpo", "--steps", "3", "--batch-size", "8",
+             "--scale-rewards", scale, "--grpo-loss-type", "bnpo", "--metrics", m])
+        first[scale] = records(m)[0]
+        if scale == "none":
+            continue
+        for x in records(m):
+            n, mean = 64, x["reward"]
+            want = math.sqrt(n * mean * (1 - mean) / (n - 1))
+            if abs(x["reward_std"] - want) > 1e-12 or x["frac_reward_zero_std"] != (want == 0):
+                fail("grpo --scale-rewards batch: reward %s gives deviation %s, got %s" %
+                     (mean, want, x))
+    b, u = first["batch"], first["none"]
+    if not (abs(u["loss"]) > 1e-3 and
+            close(b["loss"] * (b["reward_std"] + 1e-4), u["loss"], 1e-9)):
+        fail("grpo --scale-rewards batch: step 1's loss %s times (deviation %s + 1e-4) is not "
+             "the unscaled run's %s" % (b["loss"], b["reward_std"], u["loss"]))
+    # --mask-truncated-completions (at temperature 1.5 and 4 new tokens some completions are cut,
+    # in groups with right answers): the same rollouts; without the mask the grpo type's loss
+    # is 0, with it minus the mean over completions of the others' advantages. A cut completion
+    # never scores, so its advantage is <= 0 and the rest sum to >= 0: the loss is negative
+    # (were the cut ones dropped from the advantages too, it would be 0).
     cut = []
     for mask in ("0", "1"):
         m = os.path.join(work, "grpo-mask%s.jsonl" % mask)
         if os.path.exists(m):
             os.remove(m)
         run([train, "--init", sft, "--loss", "grpo", "--steps", "1", "--batch-size", "8",
-             "--max-completion-length", "3", "--grpo-loss-type", "bnpo",
+             "--max-completion-length", "4", "--temperature", "1.5",
              "--mask-truncated-completions", mask, "--metrics", m])
         cut.append(records(m)[0])
     same = all(cut[0][k] == cut[1][k] for k in ("reward", "completions/mean_length",
                                                  "completions/clipped_ratio", "tokens"))
-    if not (same and cut[0]["completions/clipped_ratio"] > 0 and
-            not close(cut[0]["loss"], cut[1]["loss"], 1e-6)):
-        fail("grpo --mask-truncated-completions: expected the same rollouts, some cut, and "
-             "another loss: %s, %s" % (cut[0], cut[1]))
+    if not (same and cut[0]["completions/clipped_ratio"] > 0 and abs(cut[0]["loss"]) < 1e-9 and
+            cut[1]["loss"] < -1e-3):
+        fail("grpo --mask-truncated-completions: expected the same rollouts, some cut, loss 0 "
+             "without the mask and negative with it: %s, %s" % (cut[0], cut[1]))
     # At 0.7 the KL to the --init model is 0 while the policy is that model (the warmup's first
     # step is at lr 0): the reference's log-probs take the temperature as the policy's do.
     m = os.path.join(work, "grpo-t07.jsonl")
