@@ -507,6 +507,19 @@ def grpo_case(train, evaluate, work):
     for name in ("model.safetensors", "optimizer.safetensors"):
         if tensors(os.path.join(a, name)) != tensors(os.path.join(b, name)):
             fail("grpo: 6 steps straight and 3 + resume + 3 differ in " + name)
+    # A save without mask_truncated_completions (a build before the option) trained on every
+    # completion: resuming it with the mask is refused, naming the option.
+    old = os.path.join(work, "grpo-old-save")
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.copytree(os.path.join(a, "checkpoint-3"), old)
+    with open(os.path.join(old, "trainer_state.json")) as f:
+        st = json.load(f)
+    del st["strings"]["mask_truncated_completions"]
+    with open(os.path.join(old, "trainer_state.json"), "w") as f:
+        json.dump(st, f)
+    p = run([train, "--resume", old, "--mask-truncated-completions", "1"] + common, expect=1)
+    if "mask_truncated_completions" not in p.stderr:
+        fail("grpo: a resume with the mask from a save without it must be refused:\n" + p.stderr)
     kl = [x["kl"] for x in records(os.path.join(a, "metrics.jsonl"))]
     # (step 1's update is at lr 0, warming up: steps 1 and 2 see the reference itself)
     if kl[0] != 0 or kl[1] != 0 or not all(k > 0 for k in kl[2:]):
