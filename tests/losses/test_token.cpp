@@ -554,6 +554,50 @@ MakeObjective clipped_rows(const CeData& d) {
   };
 }
 
+// GRPO over rows [r0, r0 + rows) of per-row data made for all rows (the grpo type's weights, old
+// log-probs 0.25 apart between completions and 0.1 within, the KL), at `level`. Completions have
+// up to 5 rows and end at every row offset of the split test's splits, so that a completion's
+// rows stay on one rank (GSPO's ratio is the mean over them).
+MakeObjective grpo_rows(const CeData& d, ImportanceSamplingLevel level) {
+  struct Rows {
+    std::vector<double> adv, old, ref, weights, current;
+    std::vector<std::int64_t> completion;
+  };
+  const auto all = std::make_shared<Rows>();
+  const reference::TokenOracle base = oracle_logps(d);
+  const std::size_t n = base.logps.size();
+  const std::vector<float> a = normal_floats(n, 1.0f, d.spec.seed + 11);
+  const std::vector<float> r = normal_floats(n, 0.3f, d.spec.seed + 12);
+  for (std::size_t i = 0; i < n; ++i) {
+    std::size_t start = 0, segment = 0;  // (the split test's offsets)
+    for (const std::size_t cut : {20, 61, 97})
+      if (i >= cut) start = cut, ++segment;
+    const std::size_t first = start + (i - start) / 5 * 5;  // the completion's first row
+    const auto c = static_cast<std::int64_t>(segment * 1000 + first);
+    const bool valid = !std::isnan(base.logps[i]);
+    const double logp = valid ? base.logps[i] : 0.0;
+    all->completion.push_back(valid ? c : -1);
+    all->adv.push_back(a[first]);
+    all->old.push_back(logp + 0.25 * static_cast<double>(c % 3 - 1) + (i % 2 ? 0.1 : -0.1));
+    all->ref.push_back(logp + r[i]);
+    all->current.push_back(base.logps[i]);
+  }
+  all->weights = grpo_normalization(GrpoLossType::kGrpo, all->completion).weights;
+  GrpoOptions o;
+  o.epsilon_high = 0.28;
+  o.delta = 1.5;
+  o.beta = 0.04;
+  o.importance_sampling_level = level;
+  return [all, o](std::int64_t r0, std::int64_t rows) -> std::shared_ptr<const TokenObjective> {
+    const auto slice = [&](const auto& v) {
+      return std::span(v).subspan(static_cast<std::size_t>(r0), static_cast<std::size_t>(rows));
+    };
+    return std::make_shared<GrpoObjective>(
+        o, GrpoRows{slice(all->adv), slice(all->old), slice(all->ref), slice(all->weights),
+                    slice(all->completion), slice(all->current)});
+  };
+}
+
 // The ranks' results against the call on all rows and columns: every rank's loss, accuracy,
 // valid rows and metric; each vocabulary part's dH and logps over its row parts (the ranks of a
 // vocabulary group bitwise equal); dW and db over the vocabulary parts, summed over the row
@@ -627,7 +671,9 @@ TEST_CASE("token objectives, split over ranks: data, vocabulary and a grid match
     const MakeObjective focal = [](std::int64_t, std::int64_t) {
       return std::make_shared<reference::FocalObjective>(2.0);
     };
-    for (const MakeObjective& make : {focal, clipped_rows(d)}) {
+    for (const MakeObjective& make :
+         {focal, clipped_rows(d), grpo_rows(d, ImportanceSamplingLevel::kToken),
+          grpo_rows(d, ImportanceSamplingLevel::kSequence)}) {
       for (bool reduce : {false, true}) {
         for (const TokenSplit& s : splits) {
           const std::shared_ptr<const TokenObjective> whole = make(0, d.spec.n);
