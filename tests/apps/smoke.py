@@ -460,6 +460,15 @@ def eval_overflow_case(evaluate, work, sft):
         fail("the table must show '-' for the overflowed perplexity:\n" + p.stdout)
 
 
+def metrics_of(train, work, name, args):
+    """The metrics records of `train` run with `args`, written afresh to WORK/NAME.jsonl."""
+    m = os.path.join(work, name + ".jsonl")
+    if os.path.exists(m):
+        os.remove(m)
+    run([train] + args + ["--metrics", m])
+    return records(m)
+
+
 def grpo_case(train, evaluate, work):
     """Online GRPO from an SFT model of the bundled config that gets most of its sampled answers
     right: the reward of the sampled completions goes up; the grpo type's loss is 0 at every step
@@ -555,13 +564,11 @@ def grpo_case(train, evaluate, work):
     # clip, and their ratios, the completions' own, give another loss than the tokens' do.
     levels = {}
     for level in ("sequence", "token"):
-        m = os.path.join(work, "gspo-%s.jsonl" % level)
-        if os.path.exists(m):
-            os.remove(m)
-        run([train, "--init", sft, "--loss", "grpo", "--steps", "6", "--warmup-steps", "0",
+        levels[level] = metrics_of(
+            train, work, "gspo-" + level,
+            ["--init", sft, "--loss", "grpo", "--steps", "6", "--warmup-steps", "0",
              "--batch-size", "8", "--lr", "1e-3", "--num-iterations", "3", "--epsilon", "3e-3",
-             "--epsilon-high", "4e-3", "--importance-sampling-level", level, "--metrics", m])
-        levels[level] = records(m)
+             "--epsilon-high", "4e-3", "--importance-sampling-level", level])
     r = levels["sequence"]
     for x in r:
         first_step = (x["step"] - 1) % 3 == 0
@@ -589,12 +596,10 @@ def grpo_case(train, evaluate, work):
         if t > 1:
             init = os.path.join(work, "grpo-sft-head%d" % t)
             scaled_head_copy(sft, init, float(t))
-        m = os.path.join(work, "grpo-t%d.jsonl" % t)
-        if os.path.exists(m):
-            os.remove(m)
-        run([train, "--init", init, "--loss", "grpo", "--steps", "1", "--batch-size", "8",
-             "--temperature", str(t), "--grpo-loss-type", "bnpo", "--metrics", m])
-        firsts.append(records(m)[0])
+        firsts.append(metrics_of(train, work, "grpo-t%d" % t,
+                                 ["--init", init, "--loss", "grpo", "--steps", "1",
+                                  "--batch-size", "8", "--temperature", str(t),
+                                  "--grpo-loss-type", "bnpo"])[0])
     for k in ("reward", "reward_std", "completions/mean_length", "loss"):
         for x in firsts[1:]:
             if not close(firsts[0][k], x[k], 1e-6) and firsts[0][k] != x[k]:
@@ -611,15 +616,13 @@ def grpo_case(train, evaluate, work):
     # token mean of the advantages) times (deviation + 1e-4) is the unscaled (none) run's.
     first = {}
     for scale in ("batch", "none"):
-        m = os.path.join(work, "grpo-scale-%s.jsonl" % scale)
-        if os.path.exists(m):
-            os.remove(m)
-        run([train, "--init", sft, "--loss", "grpo", "--steps", "3", "--batch-size", "8",
-             "--scale-rewards", scale, "--grpo-loss-type", "bnpo", "--metrics", m])
-        first[scale] = records(m)[0]
+        r = metrics_of(train, work, "grpo-scale-" + scale,
+                       ["--init", sft, "--loss", "grpo", "--steps", "3", "--batch-size", "8",
+                        "--scale-rewards", scale, "--grpo-loss-type", "bnpo"])
+        first[scale] = r[0]
         if scale == "none":
             continue
-        for x in records(m):
+        for x in r:
             n, mean = 64, x["reward"]
             want = math.sqrt(n * mean * (1 - mean) / (n - 1))
             if abs(x["reward_std"] - want) > 1e-12 or x["frac_reward_zero_std"] != (want == 0):
@@ -637,13 +640,10 @@ def grpo_case(train, evaluate, work):
     # (were the cut ones dropped from the advantages too, it would be 0).
     cut = []
     for mask in ("0", "1"):
-        m = os.path.join(work, "grpo-mask%s.jsonl" % mask)
-        if os.path.exists(m):
-            os.remove(m)
-        run([train, "--init", sft, "--loss", "grpo", "--steps", "1", "--batch-size", "8",
-             "--max-completion-length", "4", "--temperature", "1.5",
-             "--mask-truncated-completions", mask, "--metrics", m])
-        cut.append(records(m)[0])
+        cut.append(metrics_of(train, work, "grpo-mask" + mask,
+                              ["--init", sft, "--loss", "grpo", "--steps", "1", "--batch-size",
+                               "8", "--max-completion-length", "4", "--temperature", "1.5",
+                               "--mask-truncated-completions", mask])[0])
     same = all(cut[0][k] == cut[1][k] for k in ("reward", "completions/mean_length",
                                                  "completions/clipped_ratio", "tokens"))
     if not (same and cut[0]["completions/clipped_ratio"] > 0 and abs(cut[0]["loss"]) < 1e-9 and
@@ -652,12 +652,10 @@ def grpo_case(train, evaluate, work):
              "without the mask and negative with it: %s, %s" % (cut[0], cut[1]))
     # At 0.7 the KL to the --init model is 0 while the policy is that model (the warmup's first
     # step is at lr 0): the reference's log-probs take the temperature as the policy's do.
-    m = os.path.join(work, "grpo-t07.jsonl")
-    if os.path.exists(m):
-        os.remove(m)
-    run([train, "--init", sft, "--loss", "grpo", "--steps", "3", "--warmup-steps", "2",
-         "--batch-size", "8", "--temperature", "0.7", "--beta", "0.04", "--metrics", m])
-    kl = [x["kl"] for x in records(m)]
+    kl = [x["kl"] for x in metrics_of(train, work, "grpo-t07",
+                                      ["--init", sft, "--loss", "grpo", "--steps", "3",
+                                       "--warmup-steps", "2", "--batch-size", "8",
+                                       "--temperature", "0.7", "--beta", "0.04"])]
     if kl[0] != 0 or kl[1] != 0 or not kl[2] > 0:
         fail("grpo --temperature 0.7 --beta: the KL must be 0 at the reference, then "
              "positive: %s" % kl)
