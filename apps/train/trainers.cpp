@@ -366,6 +366,7 @@ class GrpoTrainer final : public Trainer {
         seed_(seed),
         max_length_(data.encode.max_length),
         type_(parse_grpo_loss(loss.grpo_loss_type)),
+        options_(grpo_options(loss)),
         reference_(std::move(reference)) {
     CHUNKLOSS_CHECK(reference_.has_value() == (loss.beta > 0), "--loss grpo ",
                     reference_ ? "takes no reference model without --beta"
@@ -394,14 +395,14 @@ class GrpoTrainer final : public Trainer {
           worst = i;
       }
     }
-    CHUNKLOSS_CHECK(
-        unmatchable<examples_.size(), data.file, ": no example's answer fits in the ",
-                    "new tokens (its bytes and EOS; line ", examples_[worst].line, " needs ",
-                    examples_[worst].completion.size() + 1, ", --max-completion-length ",
-                    loss.max_completion_length, max_length_> 0
-            ? " under --max-length " + std::to_string(max_length_)
-            : "",
-        "), so every reward would be 0");
+    const bool any_fits = unmatchable < examples_.size();
+    const std::string bound =
+        "--max-completion-length " + std::to_string(loss.max_completion_length) +
+        (max_length_ > 0 ? " under --max-length " + std::to_string(max_length_) : std::string());
+    CHUNKLOSS_CHECK(any_fits, data.file,
+                    ": no example's answer fits in the new tokens (its bytes and EOS; line ",
+                    examples_[worst].line, " needs ", examples_[worst].completion.size() + 1, ", ",
+                    bound, "), so every reward would be 0");
     if (unmatchable > 0)
       warning_ = std::to_string(unmatchable) + " of " + std::to_string(examples_.size()) +
                  " answers in " + data.file +
@@ -468,7 +469,7 @@ class GrpoTrainer final : public Trainer {
     in.vocab_shard = sh;
     GrpoRows rows{ro.advantages, ro.old_logps, ro.ref_logps, ro.norm.weights};
     std::vector<double> current;
-    if (grpo_options(settings_).importance_sampling_level == ImportanceSamplingLevel::kSequence &&
+    if (options_.importance_sampling_level == ImportanceSamplingLevel::kSequence &&
         !ro.old_logps.empty()) {
       // The completions' sequence ratios need the current policy's log-probs of every row: one
       // forward of the token-level loss (its values unused) before the step's call.
@@ -478,7 +479,7 @@ class GrpoTrainer final : public Trainer {
       rows.completion = ro.completion;
       rows.current_logps = current;
     }
-    const TokenLoss loss(std::make_shared<GrpoObjective>(grpo_options(settings_), rows), to);
+    const TokenLoss loss(std::make_shared<GrpoObjective>(options_, rows), to);
     CrossEntropyGrads g;
     g.hidden = dev_.inout(d_hidden);
     g.weight = dev_.inout(apps::lm_head_rows(model.lm_head_weight_grad(), sh));
@@ -674,6 +675,7 @@ class GrpoTrainer final : public Trainer {
   std::uint64_t seed_;
   std::int64_t max_length_;
   GrpoLossType type_;
+  GrpoOptions options_;
   std::optional<model::LlamaModel> reference_;
   data::ByteTokenizer tok_;
   std::vector<data::SftExample> examples_;
