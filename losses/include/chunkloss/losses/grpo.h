@@ -73,6 +73,8 @@ struct GrpoRows {
 /// The GRPO policy loss per token. Extra metrics, means over the valid rows (TRL's names):
 /// clip_ratio/low_mean (r < 1 - epsilon_low with A < 0), clip_ratio/high_mean (r > 1 +
 /// epsilon_high with A > 0), clip_ratio/region_mean (either), and with beta > 0, kl (mean k3).
+/// At the sequence level each token carries its completion's clip flags, so these are means
+/// over tokens, where TRL's sequence-level clip ratios are means over completions.
 /// Throws chunkloss::Error for options or rows out of their ranges (named, with the sizes).
 class GrpoObjective final : public TokenObjective {
  public:
